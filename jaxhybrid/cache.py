@@ -1,0 +1,88 @@
+"""Per-layer cache pytrees and their byte counts.
+
+A KDA layer keeps a fixed-size state (conv inputs + fp32 recurrent state); an MLA layer keeps the
+compressed latent (`c` and the shared rope key) of every token. The model's cached forward takes
+and returns a tuple with one entry per layer; nothing is stored inside the modules.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhybrid.config import ModelConfig
+
+
+class KDACache(NamedTuple):
+    """conv: [B, 3*H*d, K-1] last K-1 inputs of the q/k/v convs (oldest first); state: [B, H, d, d] fp32."""
+
+    conv: jax.Array
+    state: jax.Array
+
+
+class MLACache(NamedTuple):
+    """kv: [B, S, kv_lora_rank + rope] latent per position; length: [B] int32 tokens written so far."""
+
+    kv: jax.Array
+    length: jax.Array
+
+
+LayerCache = KDACache | MLACache
+
+
+def init_cache(
+    cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32
+) -> tuple[LayerCache, ...]:
+    """Zero caches for `batch` sequences of up to `max_len` tokens (MLA latent in `dtype`)."""
+    out: list[LayerCache] = []
+    conv_channels = 3 * cfg.kda_proj_dim
+    for kind in cfg.layer_types:
+        if kind == "kda":
+            out.append(
+                KDACache(
+                    conv=jnp.zeros((batch, conv_channels, cfg.short_conv_kernel_size - 1), dtype),
+                    state=jnp.zeros(
+                        (batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32
+                    ),
+                )
+            )
+        else:
+            out.append(
+                MLACache(
+                    kv=jnp.zeros((batch, max_len, cfg.latent_dim), dtype),
+                    length=jnp.zeros((batch,), jnp.int32),
+                )
+            )
+    return tuple(out)
+
+
+def kda_state_bytes(cfg: ModelConfig, dtype: jnp.dtype = jnp.bfloat16) -> dict[str, int]:
+    """Bytes of one sequence's live KDA state over all KDA layers (recurrent fp32 + conv in `dtype`)."""
+    itemsize = np.dtype(dtype).itemsize
+    recurrent = cfg.num_kda_layers * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
+    conv = cfg.num_kda_layers * 3 * cfg.kda_proj_dim * (cfg.short_conv_kernel_size - 1) * itemsize
+    return {"recurrent": recurrent, "conv": conv, "total": recurrent + conv}
+
+
+def mla_kv_bytes(cfg: ModelConfig, tokens: int, dtype: jnp.dtype = jnp.bfloat16) -> int:
+    """Bytes of the latent KV of `tokens` positions over all MLA layers."""
+    return cfg.num_mla_layers * tokens * cfg.latent_dim * np.dtype(dtype).itemsize
+
+
+def cache_bytes_per_sequence(
+    cfg: ModelConfig, context: int, dtype: jnp.dtype = jnp.bfloat16
+) -> dict[str, int]:
+    """The per-sequence cache of a model at `context` tokens: MLA KV + KDA state."""
+    state = kda_state_bytes(cfg, dtype)
+    kv = mla_kv_bytes(cfg, context, dtype)
+    return {
+        "context": context,
+        "kv_bytes": kv,
+        "state_bytes": state["total"],
+        "recurrent_state_bytes": state["recurrent"],
+        "conv_state_bytes": state["conv"],
+        "total_bytes": kv + state["total"],
+    }

@@ -1,0 +1,78 @@
+"""Thin NNX building blocks whose parameter names match the Hugging Face checkpoint tensors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxhybrid.ops.norms import gated_rms_norm, rms_norm
+
+# Linear weights are stored [out, in] as in the checkpoint; fan-in is the last axis.
+linear_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-1, out_axis=-2)
+
+
+class Buffer(nnx.Variable):
+    """A non-trainable tensor that is part of the checkpoint (e.g. the router's score correction bias)."""
+
+
+class Linear(nnx.Module):
+    """`y = x @ weight.T` with weight [out, in], no bias."""
+
+    def __init__(
+        self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32
+    ):
+        self.weight = nnx.Param(linear_init(rngs.params(), (out_features, in_features), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
+
+
+class Embedding(nnx.Module):
+    """Token embedding table [vocab, hidden]."""
+
+    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+        self.weight = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (vocab, dim), dtype))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], tokens, axis=0)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype = jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.weight[...].astype(x.dtype), self.eps)
+
+
+class GatedRMSNorm(nnx.Module):
+    """Per-head RMSNorm multiplied by sigmoid(gate) (KDA `o_norm`)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype = jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        return gated_rms_norm(x, gate, self.weight[...].astype(x.dtype), self.eps)
+
+
+class DepthwiseConv(nnx.Module):
+    """Holds a depthwise causal conv weight [channels, 1, kernel] (applied by `ops.conv`)."""
+
+    def __init__(self, channels: int, kernel: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+        init = nnx.initializers.variance_scaling(1.0, "fan_in", "uniform", in_axis=-1, out_axis=0)
+        self.weight = nnx.Param(init(rngs.params(), (channels, 1, kernel), dtype))
+
+
+class SwiGLU(nnx.Module):
+    """Dense gated MLP `down(silu(gate(x)) * up(x))` (checkpoint `mlp.{gate,up,down}_proj`)."""
+
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+        self.gate_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype)
+        self.up_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype)
+        self.down_proj = Linear(hidden, dim, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,81 @@
+"""Kimi Delta Attention layer (checkpoint names `self_attn.*` of KDA layers)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxhybrid.cache import KDACache
+from jaxhybrid.config import ModelConfig
+from jaxhybrid.layers.basic import DepthwiseConv, GatedRMSNorm, Linear
+from jaxhybrid.ops.conv import causal_conv1d
+from jaxhybrid.ops.kda import kda_chunked, kda_recurrent
+from jaxhybrid.ops.norms import l2_normalize
+
+
+def valid_mask(batch: int, num_tokens: int, lengths: jax.Array | None) -> jax.Array | None:
+    """[B, T] bool: which of the new tokens are real (None when all are)."""
+    if lengths is None:
+        return None
+    return jnp.arange(num_tokens)[None, :] < lengths[:, None]
+
+
+class KimiDeltaAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+        D, H, d, K = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
+        self.num_heads, self.head_dim = H, d
+        self.gate_lower_bound = cfg.gate_lower_bound
+        self.q_proj = Linear(D, H * d, rngs=rngs, dtype=dtype)
+        self.k_proj = Linear(D, H * d, rngs=rngs, dtype=dtype)
+        self.v_proj = Linear(D, H * d, rngs=rngs, dtype=dtype)
+        self.q_conv1d = DepthwiseConv(H * d, K, rngs=rngs, dtype=dtype)
+        self.k_conv1d = DepthwiseConv(H * d, K, rngs=rngs, dtype=dtype)
+        self.v_conv1d = DepthwiseConv(H * d, K, rngs=rngs, dtype=dtype)
+        self.f_a_proj = Linear(D, d, rngs=rngs, dtype=dtype)
+        self.f_b_proj = Linear(d, H * d, rngs=rngs, dtype=dtype)
+        self.dt_bias = nnx.Param(jnp.ones((H * d,), jnp.float32))
+        a_init = jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1.0, 16.0))
+        self.A_log = nnx.Param(a_init.reshape(1, 1, H, 1))
+        self.b_proj = Linear(D, H, rngs=rngs, dtype=dtype)
+        self.g_a_proj = Linear(D, d, rngs=rngs, dtype=dtype)
+        self.g_b_proj = Linear(d, H * d, rngs=rngs, dtype=dtype)
+        self.o_norm = GatedRMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.o_proj = Linear(H * d, D, rngs=rngs, dtype=dtype)
+
+    def forget_gate(self, x: jax.Array) -> jax.Array:
+        """Per-channel log-decay g [B, T, H, d] (<= 0), in fp32."""
+        B, T, _ = x.shape
+        raw = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32).reshape(B, T, self.num_heads, self.head_dim)
+        raw = raw + self.dt_bias[...].astype(jnp.float32).reshape(self.num_heads, self.head_dim)
+        a = jnp.exp(self.A_log[...].astype(jnp.float32).reshape(self.num_heads, 1))
+        if self.gate_lower_bound is None:
+            return -a * jax.nn.softplus(raw)
+        return self.gate_lower_bound * jax.nn.sigmoid(a * raw)
+
+    def __call__(
+        self, x: jax.Array, cache: KDACache | None = None, lengths: jax.Array | None = None
+    ) -> tuple[jax.Array, KDACache]:
+        """x [B, T, D] -> (y [B, T, D], cache after the valid tokens). T == 1 uses the recurrent form."""
+        B, T, _ = x.shape
+        H, d = self.num_heads, self.head_dim
+        qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        conv_w = jnp.concatenate(
+            [c.weight[...][:, 0, :] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], axis=0
+        ).astype(x.dtype)
+        qkv, conv_state = causal_conv1d(qkv, conv_w, None if cache is None else cache.conv, lengths)
+        qkv = jax.nn.silu(qkv)
+        q, k, v = (t.reshape(B, T, H, d) for t in jnp.split(qkv, 3, axis=-1))
+        q = l2_normalize(q.astype(jnp.float32)) * (d**-0.5)
+        k = l2_normalize(k.astype(jnp.float32))
+        g = self.forget_gate(x)
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        mask = valid_mask(B, T, lengths)
+        if mask is not None:  # padded tokens must leave the state untouched: no decay, no write
+            g = g * mask[:, :, None, None]
+            beta = beta * mask[:, :, None]
+        kda = kda_recurrent if T == 1 else kda_chunked
+        o, state = kda(q, k, v.astype(jnp.float32), g, beta, None if cache is None else cache.state)
+        gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, d)
+        o = self.o_norm(o.astype(x.dtype), gate).reshape(B, T, H * d)
+        return self.o_proj(o), KDACache(conv=conv_state, state=state)

@@ -1,0 +1,85 @@
+"""Multi-head latent attention, Kimi Linear flavour (no rotary embedding; checkpoint names `self_attn.*`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxhybrid.cache import MLACache
+from jaxhybrid.config import ModelConfig
+from jaxhybrid.layers.basic import Linear, RMSNorm
+from jaxhybrid.ops.mla import causal_mask, mla_attention_absorbed, mla_attention_expanded
+
+LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use 1e-6, not rms_norm_eps
+
+
+def write_latent(kv: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Write new [B, T, L] into kv [B, S, L] at row-wise offsets start [B] (caller keeps start+T <= S)."""
+    return jax.vmap(lambda buf, upd, s: jax.lax.dynamic_update_slice(buf, upd, (s, 0)))(kv, new, start)
+
+
+class MultiHeadLatentAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = H
+        self.nope, self.rope, self.v_dim, self.rank = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            cfg.kv_lora_rank,
+        )
+        self.scale = cfg.qk_head_dim**-0.5
+        self.q_lora = cfg.q_lora_rank is not None
+        if self.q_lora:
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, rngs=rngs, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS, dtype=dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, rngs=rngs, dtype=dtype)
+        else:
+            self.q_proj = Linear(D, H * cfg.qk_head_dim, rngs=rngs, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, rngs=rngs, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_NORM_EPS, dtype=dtype)
+        self.kv_b_proj = Linear(
+            cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), rngs=rngs, dtype=dtype
+        )
+        self.o_proj = Linear(H * cfg.v_head_dim, D, rngs=rngs, dtype=dtype)
+
+    def query(self, x: jax.Array) -> jax.Array:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        return q.reshape(*x.shape[:-1], self.num_heads, self.nope + self.rope)
+
+    def latent(self, x: jax.Array) -> jax.Array:
+        """Per-token cache entry [.., kv_lora_rank + rope]: normalised c and the shared unrotated k_r."""
+        ckr = self.kv_a_proj_with_mqa(x)
+        c, k_r = ckr[..., : self.rank], ckr[..., self.rank :]
+        return jnp.concatenate([self.kv_a_layernorm(c), k_r], axis=-1)
+
+    def attend(self, q: jax.Array, kv: jax.Array, mask: jax.Array, absorbed: bool) -> jax.Array:
+        fn = mla_attention_absorbed if absorbed else mla_attention_expanded
+        o = fn(
+            q,
+            kv,
+            self.kv_b_proj.weight[...].astype(q.dtype),
+            mask,
+            nope_dim=self.nope,
+            v_dim=self.v_dim,
+            scale=self.scale,
+        )
+        return self.o_proj(o.reshape(*q.shape[:2], self.num_heads * self.v_dim))
+
+    def __call__(
+        self, x: jax.Array, cache: MLACache | None = None, lengths: jax.Array | None = None
+    ) -> tuple[jax.Array, MLACache]:
+        """x [B, T, D] -> (y, cache). No cache: causal attention within x. T == 1 uses the absorbed form."""
+        B, T, _ = x.shape
+        q, new = self.query(x), self.latent(x)
+        if cache is None:
+            start = jnp.zeros((B,), jnp.int32)
+            kv = new
+        else:
+            start = cache.length
+            kv = write_latent(cache.kv, new.astype(cache.kv.dtype), start)
+        mask = causal_mask(start, T, kv.shape[1], lengths)
+        y = self.attend(q, kv.astype(x.dtype), mask, absorbed=(T == 1 and cache is not None))
+        added = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+        return y, MLACache(kv=kv, length=start + added)

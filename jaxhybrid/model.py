@@ -1,0 +1,104 @@
+"""HybridLM: the Kimi Linear family language model (checkpoint names `model.*` and `lm_head`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxhybrid.cache import LayerCache, init_cache
+from jaxhybrid.config import ModelConfig
+from jaxhybrid.layers.basic import Embedding, Linear, RMSNorm
+from jaxhybrid.layers.decoder import DecoderLayer
+
+
+class NotImplementedConfigError(NotImplementedError):
+    """The config sets a feature (a Kimi K3 addition) that this codebase does not implement yet."""
+
+
+class Backbone(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+
+class HybridLM(nnx.Module):
+    """Decoder-only LM. `__call__` is the full causal pass; `forward_cached` carries the per-layer caches."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype: jnp.dtype = jnp.float32,
+        allow_unimplemented: bool = False,
+    ):
+        """`allow_unimplemented` builds the Kimi Linear approximation of a config with unsupported fields
+        (for shape/byte accounting only)."""
+        if cfg.unimplemented and not allow_unimplemented:
+            fields = ", ".join(f"{k}={v!r}" for k, v in cfg.unimplemented)
+            raise NotImplementedConfigError(
+                f"config '{cfg.name}' sets fields this codebase does not implement yet: {fields}"
+            )
+        self.config = cfg
+        self.model = Backbone(cfg, rngs=rngs, dtype=dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
+        )
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        h = self.model.norm(h)
+        if self.lm_head is None:
+            return jnp.einsum("...d,vd->...v", h, self.model.embed_tokens.weight[...].astype(h.dtype))
+        return self.lm_head(h)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] -> logits [B, T, vocab] for a full causal pass from an empty cache."""
+        h = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            h, _ = layer(h)
+        return self.logits(h)
+
+    def forward_cached(
+        self, tokens: jax.Array, cache: tuple[LayerCache, ...], lengths: jax.Array | None = None
+    ) -> tuple[jax.Array, tuple[LayerCache, ...]]:
+        """Run tokens [B, T] after what `cache` holds; returns (logits [B, T, vocab], new cache).
+
+        `lengths` [B] (optional) = number of real tokens per row; the rest of each row is right padding that
+        does not change any cache. MLA caches need room for T more positions after their current length.
+        """
+        h = self.model.embed_tokens(tokens)
+        new_cache = []
+        for layer, layer_cache in zip(self.model.layers, cache, strict=True):
+            h, c = layer(h, layer_cache, lengths)
+            new_cache.append(c)
+        return self.logits(h), tuple(new_cache)
+
+    def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> tuple[LayerCache, ...]:
+        return init_cache(self.config, batch, max_len, dtype or self.model.embed_tokens.weight[...].dtype)
+
+
+def set_moe_impl(model: HybridLM, impl: str) -> None:
+    """Switch every MoE layer between "dropless" (ragged_dot) and "dense" (the reference)."""
+    for layer in model.model.layers:
+        if layer.is_moe:
+            layer.block_sparse_moe.impl = impl
+
+
+def pure_fn(model: HybridLM, method: str = "__call__") -> tuple[Callable[..., Any], Any]:
+    """(jitted f(state, *args), state) for a model method: the functional form the engine compiles once."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def f(state: Any, *args: Any) -> Any:
+        return getattr(nnx.merge(graphdef, state), method)(*args)
+
+    return f, state

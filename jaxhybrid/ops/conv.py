@@ -1,0 +1,86 @@
+"""Causal depthwise 1-D convolution with a carried input state (the KDA short convolution).
+
+``y[b, t, c] = sum_j weight[c, j] * xp[b, t + j, c]`` with ``xp = concat(state^T, x)`` along time,
+so ``weight[:, K-1]`` multiplies the current token (PyTorch depthwise ``Conv1d`` with padding K-1,
+truncated to the first T outputs). No activation is applied here. The carried state is the last
+K-1 inputs, oldest first, ending at each row's last valid token, so prefill with right padding
+and token-by-token decode continue from the same place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _prepare(x: jax.Array, weight: jax.Array, state: jax.Array | None) -> tuple[jax.Array, int]:
+    """Validate shapes and return the state as [B, C, K-1] in x.dtype (zeros when absent)."""
+    b, _, c = x.shape
+    if weight.ndim != 2 or weight.shape[0] != c:
+        raise ValueError(f"weight must be [C={c}, K]; got {weight.shape}")
+    km1 = weight.shape[1] - 1
+    if state is None:
+        return jnp.zeros((b, c, km1), x.dtype), km1
+    if state.shape != (b, c, km1):
+        raise ValueError(f"state must be {(b, c, km1)}; got {state.shape}")
+    return state.astype(x.dtype), km1
+
+
+def causal_conv1d(
+    x: jax.Array,
+    weight: jax.Array,
+    state: jax.Array | None = None,
+    lengths: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Causal depthwise conv as a sum of K shifted slices; returns (y, new_state).
+
+    x: [B, T, C]; weight: [C, K]; state: [B, C, K-1] previous inputs, oldest first (None =
+    zeros); lengths: [B] valid tokens per row (None = all T). y is computed in float32 and
+    returned in x.dtype (positions past a row's length are computed but meaningless).
+    new_state: [B, C, K-1] in x.dtype, the K-1 inputs ending at each row's last valid token
+    (``xp[b, n : n + K - 1]``); lengths[b] = 0 returns that row's state unchanged.
+    """
+    state, km1 = _prepare(x, weight, state)
+    t = x.shape[1]
+    xp = jnp.concatenate([jnp.swapaxes(state, 1, 2), x], axis=1)  # [B, K-1+T, C]
+    xp32 = xp.astype(jnp.float32)
+    w32 = weight.astype(jnp.float32)
+    y = sum(w32[:, j] * xp32[:, j : j + t, :] for j in range(km1 + 1))
+    if lengths is None:
+        tail = xp[:, t:, :]
+    else:
+        n = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, t)
+        idx = n[:, None] + jnp.arange(km1)[None, :]  # [B, K-1], always within [0, T+K-2]
+        tail = jnp.take_along_axis(xp, idx[:, :, None], axis=1)
+    return y.astype(x.dtype), jnp.swapaxes(tail, 1, 2)
+
+
+def causal_conv1d_reference(
+    x: jax.Array,
+    weight: jax.Array,
+    state: jax.Array | None = None,
+    lengths: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Same contract as :func:`causal_conv1d`, written as a per-token loop (``lax.scan``).
+
+    Keeps a rolling window of the last K-1 inputs, emits one output per token, and snapshots the
+    window after each row's last valid token. Slow; used to check the fast form.
+    """
+    state, km1 = _prepare(x, weight, state)
+    b, t, _ = x.shape
+    n = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    w32 = weight.astype(jnp.float32)
+
+    def step(
+        carry: tuple[jax.Array, jax.Array], inp: tuple[jax.Array, jax.Array]
+    ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+        window, saved = carry  # both [B, C, K-1]
+        x_t, pos = inp  # [B, C], scalar
+        full = jnp.concatenate([window, x_t[:, :, None]], axis=2)  # [B, C, K]
+        y_t = jnp.sum(full.astype(jnp.float32) * w32[None], axis=2)
+        window = full[:, :, 1:]
+        saved = jnp.where((pos < n)[:, None, None], window, saved)
+        return (window, saved), y_t
+
+    (_, saved), y = jax.lax.scan(step, (state, state), (jnp.swapaxes(x, 0, 1), jnp.arange(t)))
+    return jnp.swapaxes(y, 0, 1).astype(x.dtype), saved

@@ -1,0 +1,154 @@
+"""Multi-head latent attention (MLA) over a compressed KV cache, Kimi Linear flavour (no rotary).
+
+The cache stores one vector per token, ``latent = [c (R dims), k_r (rope dims)]``, where ``c`` is the
+already-normalised low-rank KV latent and ``k_r`` is a key part shared by all heads. ``kv_b_proj``
+(checkpoint layout ``[H * (nope + v), R]``, rows grouped per head: ``nope`` key rows then ``v`` value
+rows) expands ``c`` into per-head keys ``k_h = [W_uk_h c, k_r]`` and values ``v_h = W_uv_h c``.
+Kimi Linear applies no rotary embedding: the "rope" dims are used as-is.
+
+Two mathematically equal forms share one signature:
+
+* :func:`mla_attention_expanded` materialises per-head K and V (cheap when ``T ~ S``, i.e. prefill).
+* :func:`mla_attention_absorbed` folds ``W_uk`` into the query and ``W_uv`` into the output so the
+  attention runs directly against the ``R``-dim latent (cheap for decode: the cache is never expanded).
+
+Rows whose mask is entirely False return zeros (never NaN).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["causal_mask", "mla_attention_expanded", "mla_attention_absorbed"]
+
+
+def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``einsum`` accumulating (and returning) float32, whatever the operand dtypes.
+
+    XLA:CPU's DotThunk rejects some BF16 x BF16 -> F32 dots ("Unsupported element type"), so on the
+    CPU backend sub-32-bit float operands are upcast first. That is exact (a bf16 product fits in
+    f32), so results match what accelerators compute natively from the low-precision operands.
+    """
+    if jax.default_backend() == "cpu":
+        a, b = (x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x for x in (a, b))
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def causal_mask(start: jax.Array, num_new: int, kv_len: int, valid: jax.Array | None = None) -> jax.Array:
+    """Boolean ``[B, num_new, kv_len]`` visibility mask for ``num_new`` queries appended to a cache.
+
+    Query ``t`` of row ``b`` sits at absolute position ``start[b] + t`` and may see key ``j`` iff
+    ``j <= start[b] + t``. With ``valid`` (``[B]``, real new tokens per row; the rest is padding) keys
+    at or beyond ``start[b] + valid[b]`` are hidden too, so padded slots are never attended to.
+    """
+    start = jnp.asarray(start, jnp.int32)
+    q_pos = start[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]  # [B, T]
+    k_pos = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    mask = k_pos <= q_pos[:, :, None]
+    if valid is not None:
+        end = start + jnp.asarray(valid, jnp.int32)
+        mask = mask & (k_pos < end[:, None, None])
+    return mask
+
+
+def _split_kv_b(
+    q: jax.Array, latent: jax.Array, kv_b_weight: jax.Array, nope_dim: int, v_dim: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Check shapes and split into ``(q_nope, q_rope, c, k_r, W_uk [H, nope, R], W_uv [H, v, R])``."""
+    num_heads = q.shape[2]
+    rank = kv_b_weight.shape[1]
+    rope_dim = q.shape[-1] - nope_dim
+    if rope_dim < 0 or latent.shape[-1] != rank + rope_dim:
+        raise ValueError(
+            f"latent last dim {latent.shape[-1]} != kv_lora_rank {rank} + rope dim {rope_dim} "
+            f"(q last dim {q.shape[-1]} - nope_dim {nope_dim})"
+        )
+    if kv_b_weight.shape[0] != num_heads * (nope_dim + v_dim):
+        raise ValueError(
+            f"kv_b_weight has {kv_b_weight.shape[0]} rows, expected H*(nope+v) = "
+            f"{num_heads}*({nope_dim}+{v_dim})"
+        )
+    w = kv_b_weight.reshape(num_heads, nope_dim + v_dim, rank)
+    return (
+        q[..., :nope_dim],
+        q[..., nope_dim:],
+        latent[..., :rank],
+        latent[..., rank:],
+        w[:, :nope_dim, :],
+        w[:, nope_dim:, :],
+    )
+
+
+def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """Float32 softmax over the last axis of ``[B, H, T, S]`` scores with a ``[B, T, S]`` mask.
+
+    Masked entries get probability exactly 0; a row with no visible key gets all zeros (the max is
+    taken over visible entries only and the denominator is guarded), so it can never become NaN.
+    """
+    mask = mask[:, None, :, :]
+    scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    exp = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
+    denom = jnp.sum(exp, axis=-1, keepdims=True)
+    return exp / jnp.where(denom > 0, denom, 1.0)
+
+
+def mla_attention_expanded(
+    q: jax.Array,
+    latent: jax.Array,
+    kv_b_weight: jax.Array,
+    mask: jax.Array,
+    *,
+    nope_dim: int,
+    v_dim: int,
+    scale: float,
+) -> jax.Array:
+    """MLA by materialising per-head keys and values from the latent cache.
+
+    Args:
+      q: ``[B, T, H, nope + rope]`` queries.
+      latent: ``[B, S, R + rope]`` cache entries ``[c, k_r]``.
+      kv_b_weight: ``[H * (nope + v), R]`` kv_b_proj weight (checkpoint layout).
+      mask: ``[B, T, S]`` bool, True where the query may attend to the key.
+      scale: softmax scale, normally ``(nope + rope) ** -0.5``.
+
+    Returns:
+      ``[B, T, H, v]`` in ``q.dtype``; fully masked rows are zeros.
+    """
+    q_nope, q_rope, c, k_r, w_uk, w_uv = _split_kv_b(q, latent, kv_b_weight, nope_dim, v_dim)
+    k_nope = _einsum_f32("bsr,hnr->bshn", c, w_uk).astype(q.dtype)
+    values = _einsum_f32("bsr,hvr->bshv", c, w_uv).astype(q.dtype)
+    k_rope = jnp.broadcast_to(k_r[:, :, None, :], (*k_nope.shape[:3], k_r.shape[-1])).astype(q.dtype)
+    keys = jnp.concatenate([k_nope, k_rope], axis=-1)  # [B, S, H, nope + rope]
+    scores = _einsum_f32("bthd,bshd->bhts", q, keys) * scale
+    probs = _masked_softmax(scores, mask).astype(q.dtype)
+    out = _einsum_f32("bhts,bshv->bthv", probs, values)
+    return out.astype(q.dtype)
+
+
+def mla_attention_absorbed(
+    q: jax.Array,
+    latent: jax.Array,
+    kv_b_weight: jax.Array,
+    mask: jax.Array,
+    *,
+    nope_dim: int,
+    v_dim: int,
+    scale: float,
+) -> jax.Array:
+    """MLA with ``W_uk`` / ``W_uv`` absorbed, attending directly over the ``R``-dim latent (decode path).
+
+    ``q_nope_h . (W_uk_h c) = (W_uk_h^T q_nope_h) . c``, so the query is projected into latent space
+    once per step instead of expanding every cached token; likewise ``sum_s p_s W_uv_h c_s =
+    W_uv_h (sum_s p_s c_s)``. Same arguments and result as :func:`mla_attention_expanded`.
+    """
+    q_nope, q_rope, c, k_r, w_uk, w_uv = _split_kv_b(q, latent, kv_b_weight, nope_dim, v_dim)
+    q_lat = _einsum_f32("bthn,hnr->bthr", q_nope, w_uk).astype(q.dtype)
+    scores = _einsum_f32("bthr,bsr->bhts", q_lat, c.astype(q.dtype))
+    scores = scores + _einsum_f32("bthe,bse->bhts", q_rope, k_r.astype(q.dtype))
+    probs = _masked_softmax(scores * scale, mask).astype(q.dtype)
+    out_lat = _einsum_f32("bhts,bsr->bthr", probs, c.astype(q.dtype))
+    out = _einsum_f32("bthr,hvr->bthv", out_lat.astype(q.dtype), w_uv)
+    return out.astype(q.dtype)

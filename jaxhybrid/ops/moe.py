@@ -1,0 +1,188 @@
+"""Mixture-of-experts array functions: sigmoid router with group-limited top-k, and SwiGLU experts.
+
+Everything here is a pure function of arrays. Weights stay in checkpoint layout ``[out, in]``
+(router ``[E, D]``; experts ``w1/w3: [E, F, D]``, ``w2: [E, D, F]``) so loading needs no transposes.
+
+Two expert implementations share one signature:
+
+* :func:`moe_experts_dropless` - sort the ``N * k`` (token, expert) pairs by expert and run grouped
+  matmuls with :func:`jax.lax.ragged_dot_general`. Static shapes, no capacity factor, nothing dropped.
+* :func:`moe_experts_dense` - the reference: every expert on every token, combined with a ``[N, E]``
+  weight matrix. ``E`` times the FLOPs; use it for tests only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["route", "moe_experts_dropless", "moe_experts_dense"]
+
+# Checkpoint-layout expert weights are [E, out, in]; tokens are [M, in]. Contract lhs dim 1 with rhs
+# dim 2, the ragged lhs dim 0 selects the rhs group dim 0 -> [M, out].
+_RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+
+
+def _f32_operands(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Operands for a float32-accumulating dot, upcast from bf16/f16 on the CPU backend only.
+
+    XLA:CPU's DotThunk rejects some BF16 x BF16 -> F32 dots ("Unsupported element type"). The upcast
+    is exact (a bf16 product fits in f32), so CPU results match what accelerators compute natively.
+    """
+    if jax.default_backend() != "cpu":
+        return arrays
+    return tuple(a.astype(jnp.float32) if a.dtype in (jnp.bfloat16, jnp.float16) else a for a in arrays)
+
+
+def route(
+    x: jax.Array,
+    gate_weight: jax.Array,
+    bias: jax.Array | None,
+    *,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    scaling: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """Pick ``top_k`` experts per token with a sigmoid router (DeepSeek-V3 / Kimi style).
+
+    The router runs in float32 because near-tied scores decide discrete choices. The correction
+    ``bias`` only steers *which* experts are chosen (load balancing); the returned weights are the
+    un-biased sigmoid scores of the chosen experts, optionally renormalised to sum to one, then
+    multiplied by ``scaling``. With ``n_group > 1`` the experts are split into ``n_group`` contiguous
+    groups, each group is scored by the sum of its two best biased scores, and only the
+    ``topk_group`` best groups may contribute experts.
+
+    Args:
+      x: ``[N, D]`` token activations.
+      gate_weight: ``[E, D]`` router weight (checkpoint layout ``[out, in]``).
+      bias: ``[E]`` ``e_score_correction_bias``, or ``None`` for zeros.
+
+    Returns:
+      ``(weights [N, top_k] float32, expert_ids [N, top_k] int32)``, experts in descending order of
+      biased score.
+    """
+    num_experts = gate_weight.shape[0]
+    if num_experts % n_group:
+        raise ValueError(f"num_experts={num_experts} is not divisible by n_group={n_group}")
+    group_size = num_experts // n_group
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group} must lie in [1, n_group={n_group}]")
+    if not 1 <= top_k <= topk_group * group_size:
+        raise ValueError(f"top_k={top_k} exceeds the {topk_group * group_size} experts in kept groups")
+
+    logits = jnp.dot(
+        x.astype(jnp.float32),
+        gate_weight.astype(jnp.float32).T,
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    scores = jax.nn.sigmoid(logits)  # [N, E]
+    biased = scores if bias is None else scores + bias.astype(jnp.float32)
+
+    if n_group > 1:
+        grouped = biased.reshape(biased.shape[0], n_group, group_size)
+        group_scores = jax.lax.top_k(grouped, min(2, group_size))[0].sum(axis=-1)  # [N, G]
+        _, kept = jax.lax.top_k(group_scores, topk_group)  # [N, topk_group]
+        keep = (
+            jnp.zeros(group_scores.shape, dtype=bool).at[jnp.arange(kept.shape[0])[:, None], kept].set(True)
+        )
+        biased = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(biased.shape)
+
+    _, expert_ids = jax.lax.top_k(biased, top_k)
+    weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    if renormalize:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    weights = weights * jnp.float32(scaling)
+    return weights, expert_ids.astype(jnp.int32)
+
+
+def _check_expert_shapes(x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array) -> None:
+    """Fail early with a readable message instead of an opaque dot-general shape error."""
+    num_experts, ffn, dim = w1.shape
+    if x.shape[-1] != dim or w3.shape != w1.shape or w2.shape != (num_experts, dim, ffn):
+        raise ValueError(
+            f"expected x [N, D], w1/w3 [E, F, D], w2 [E, D, F]; got x {x.shape}, w1 {w1.shape}, "
+            f"w3 {w3.shape}, w2 {w2.shape}"
+        )
+
+
+def moe_experts_dropless(
+    x: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    w3: jax.Array,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+) -> jax.Array:
+    """Weighted sum of the chosen SwiGLU experts, computed only for routed (token, expert) pairs.
+
+    The ``N * k`` pairs are stably sorted by expert id so each expert's rows are contiguous; the
+    per-expert row counts (a length-``E`` bincount) drive three grouped matmuls. Results are scaled
+    by the routing weights and scatter-added back to their tokens. Shapes are static (always
+    ``N * k`` rows), so the function jits once per ``(N, k)``.
+
+    Args:
+      x: ``[N, D]`` tokens.
+      w1, w3: ``[E, F, D]`` gate and up projections; w2: ``[E, D, F]`` down projection.
+      weights: ``[N, k]`` routing weights; expert_ids: ``[N, k]`` ids, each in ``[0, E)``.
+
+    Returns:
+      ``[N, D]`` in ``x.dtype``; matmuls accumulate in float32.
+    """
+    _check_expert_shapes(x, w1, w2, w3)
+    num_tokens, k = expert_ids.shape
+    num_experts = w1.shape[0]
+
+    flat_ids = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)  # pair index, grouped by expert
+    token_of_row = order // k
+    rows = jnp.take(x, token_of_row, axis=0)  # [N*k, D]
+    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+
+    def grouped_matmul(lhs: jax.Array, w: jax.Array) -> jax.Array:
+        return jax.lax.ragged_dot_general(lhs, w, group_sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
+
+    gate = grouped_matmul(rows, w1)
+    up = grouped_matmul(rows, w3)
+    hidden = (jax.nn.silu(gate) * up).astype(x.dtype)
+    out_rows = grouped_matmul(hidden, w2)  # [N*k, D] float32
+    out_rows = out_rows * weights.reshape(-1)[order].astype(jnp.float32)[:, None]
+    out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of_row].add(out_rows)
+    return out.astype(x.dtype)
+
+
+def moe_experts_dense(
+    x: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    w3: jax.Array,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+) -> jax.Array:
+    """Reference for :func:`moe_experts_dropless`: run every expert on every token, then combine.
+
+    Builds a ``[N, E]`` combine matrix holding each token's routing weight for each expert (zero if
+    not chosen; repeated ids add up, as in the dropless path) and contracts it with all expert
+    outputs. Costs ``E / k`` times the useful FLOPs and ``N * E * F`` memory; for tests.
+    """
+    _check_expert_shapes(x, w1, w2, w3)
+    num_tokens = x.shape[0]
+    num_experts = w1.shape[0]
+    combine = (
+        jnp.zeros((num_tokens, num_experts), jnp.float32)
+        .at[jnp.arange(num_tokens)[:, None], expert_ids]
+        .add(weights.astype(jnp.float32))
+    )
+    xs, w1, w3 = _f32_operands(x, w1, w3)
+    gate = jnp.einsum("nd,efd->nef", xs, w1, preferred_element_type=jnp.float32)
+    up = jnp.einsum("nd,efd->nef", xs, w3, preferred_element_type=jnp.float32)
+    hidden, w2 = _f32_operands((jax.nn.silu(gate) * up).astype(x.dtype), w2)
+    out_all = jnp.einsum("nef,edf->ned", hidden, w2, preferred_element_type=jnp.float32)
+    out = jnp.einsum("ne,ned->nd", combine, out_all)
+    return out.astype(x.dtype)

@@ -1,0 +1,267 @@
+"""Tests for the KDA ops (recurrent and chunked forms) and the causal depthwise conv.
+
+The oracles are NumPy float64 per-token loops written straight from the defining formulas, so they
+share no code with the JAX implementations.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_reference
+from jaxhybrid.ops.kda import kda_chunked, kda_recurrent
+
+B, H = 2, 2
+TOL = 1e-5  # relative error bound for fp32 forward results
+GRAD_TOL = 1e-4
+
+recurrent_jit = jax.jit(kda_recurrent)
+chunked_jit = jax.jit(kda_chunked, static_argnames="chunk_size")
+
+
+def rel_err(a: np.ndarray | jax.Array, b: np.ndarray | jax.Array) -> float:
+    """max|a - b| / max|b| in float64."""
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a64 - b64)) / max(np.max(np.abs(b64)), 1e-30))
+
+
+# ----------------------------------------------------------------------------- KDA
+
+
+def kda_oracle(q, k, v, g, beta, s0=None):
+    """Float64 per-token loop over the three KDA formula lines (independent of the JAX code)."""
+    q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    o = np.zeros((b, t, h, dv))
+    s_out = np.zeros((b, h, dk, dv))
+    for bi in range(b):
+        for hi in range(h):
+            s = np.zeros((dk, dv)) if s0 is None else np.asarray(s0[bi, hi], np.float64).copy()
+            for ti in range(t):
+                s = np.exp(g[bi, ti, hi])[:, None] * s
+                kt = k[bi, ti, hi]
+                s = s + beta[bi, ti, hi] * np.outer(kt, v[bi, ti, hi] - kt @ s)
+                o[bi, ti, hi] = s.T @ q[bi, ti, hi]
+            s_out[bi, hi] = s
+    return o, s_out
+
+
+def make_inputs(seed: int, t: int, dk: int = 16, dv: int = 16, strong: bool = False, state: bool = False):
+    """Realistic float32 inputs: unit-norm q (scaled by dk**-0.5) and k, g < 0, beta in (0, 1).
+
+    Without ``state`` the initial state is an explicit zero array (same jit trace as a real state,
+    which keeps compile time down); the ``None`` path is checked in its own test.
+    """
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(B, t, H, dk))
+    k = rng.normal(size=(B, t, H, dk))
+    q = q / np.linalg.norm(q, axis=-1, keepdims=True) * dk**-0.5
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.normal(size=(B, t, H, dv))
+    a = rng.uniform(-1.0, 1.0, size=(H, dk))  # per-channel decay scale, like A_log
+    g = -np.exp(a) * np.logaddexp(0.0, rng.normal(size=(B, t, H, dk)))  # -exp(a) * softplus(x)
+    g = np.maximum(g, -5.0)
+    if strong:
+        hit = rng.uniform(size=g.shape) < 0.15
+        g = np.where(hit, -20.0 + rng.uniform(-1.0, 1.0, size=g.shape), g)
+    beta = 1.0 / (1.0 + np.exp(-rng.normal(size=(B, t, H))))
+    s0 = rng.normal(size=(B, H, dk, dv)) if state else np.zeros((B, H, dk, dv))
+    cast = lambda x: jnp.asarray(x, jnp.float32)
+    return tuple(cast(x) for x in (q, k, v, g, beta)), cast(s0)
+
+
+@pytest.mark.parametrize("strong", [False, True], ids=["g_mild", "g_strong"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "init_state"])
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
+def test_kda_forms_match_oracle(t: int, with_state: bool, strong: bool) -> None:
+    (q, k, v, g, beta), s0 = make_inputs(t + 7 * with_state + 3 * strong, t, strong=strong, state=with_state)
+    o_ref, s_ref = kda_oracle(q, k, v, g, beta, s0)
+    o_rec, s_rec = recurrent_jit(q, k, v, g, beta, s0)
+    o_chk, s_chk = chunked_jit(q, k, v, g, beta, s0)
+    assert o_rec.shape == o_chk.shape == (B, t, H, 16) and o_chk.dtype == jnp.float32
+    assert s_rec.shape == s_chk.shape == (B, H, 16, 16) and s_chk.dtype == jnp.float32
+    errs = {
+        "rec/oracle o": rel_err(o_rec, o_ref),
+        "rec/oracle S": rel_err(s_rec, s_ref),
+        "chk/oracle o": rel_err(o_chk, o_ref),
+        "chk/oracle S": rel_err(s_chk, s_ref),
+        "chk/rec o": rel_err(o_chk, o_rec),
+        "chk/rec S": rel_err(s_chk, s_rec),
+    }
+    print(f"T={t} state={with_state} strong={strong}: " + ", ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    assert max(errs.values()) < TOL, errs
+
+
+def test_kda_rectangular_head_dims() -> None:
+    """dk != dv and a chunk length that does not divide T."""
+    (q, k, v, g, beta), s0 = make_inputs(11, 45, dk=32, dv=16, state=True)
+    o_ref, s_ref = kda_oracle(q, k, v, g, beta, s0)
+    o_chk, s_chk = chunked_jit(q, k, v, g, beta, s0, chunk_size=16)
+    o_rec, s_rec = recurrent_jit(q, k, v, g, beta, s0)
+    for a, ref in ((o_chk, o_ref), (s_chk, s_ref), (o_rec, o_ref), (s_rec, s_ref)):
+        assert rel_err(a, ref) < TOL
+
+
+@pytest.mark.parametrize("t1,t2", [(37, 63), (64, 66)])
+def test_kda_chunked_two_part_prefill(t1: int, t2: int) -> None:
+    (q, k, v, g, beta), s0 = make_inputs(5, t1 + t2, state=True)
+    o_full, s_full = chunked_jit(q, k, v, g, beta, s0)
+    part = lambda x, lo, hi: x[:, lo:hi]
+    o1, s1 = chunked_jit(*(part(x, 0, t1) for x in (q, k, v, g, beta)), s0)
+    o2, s2 = chunked_jit(*(part(x, t1, t1 + t2) for x in (q, k, v, g, beta)), s1)
+    e_o = rel_err(jnp.concatenate([o1, o2], axis=1), o_full)
+    e_s = rel_err(s2, s_full)
+    print(f"two-part {t1}+{t2}: o={e_o:.2e} S={e_s:.2e}")
+    assert e_o < TOL and e_s < TOL
+
+
+@pytest.mark.parametrize("chunk_size", [1, 16, 50])
+def test_kda_chunk_size_invariance(chunk_size: int) -> None:
+    (q, k, v, g, beta), s0 = make_inputs(9, 100, strong=True, state=True)
+    o64, s64 = chunked_jit(q, k, v, g, beta, s0)
+    o_c, s_c = chunked_jit(q, k, v, g, beta, s0, chunk_size=chunk_size)
+    o_ref, s_ref = kda_oracle(q, k, v, g, beta, s0)
+    errs = [rel_err(o_c, o64), rel_err(s_c, s64), rel_err(o_c, o_ref), rel_err(s_c, s_ref)]
+    print(f"chunk_size={chunk_size}: " + ", ".join(f"{e:.2e}" for e in errs))
+    assert max(errs) < TOL
+
+
+def test_kda_padding_leaves_state_unchanged() -> None:
+    """g = 0 and beta = 0 on trailing positions (q, k, v left as garbage) must not move the state."""
+    t, valid = 90, 53
+    (q, k, v, g, beta), s0 = make_inputs(13, t, state=True)
+    pad = jnp.arange(t)[None, :, None] >= valid
+    g_p = jnp.where(pad[..., None], 0.0, g)
+    beta_p = jnp.where(pad, 0.0, beta)
+    o_ref, s_ref = kda_oracle(q[:, :valid], k[:, :valid], v[:, :valid], g[:, :valid], beta[:, :valid], s0)
+    for fn in (recurrent_jit, chunked_jit):
+        o_pad, s_pad = fn(q, k, v, g_p, beta_p, s0)
+        assert rel_err(s_pad, s_ref) < TOL
+        assert rel_err(o_pad[:, :valid], o_ref) < TOL
+        assert bool(jnp.all(jnp.isfinite(o_pad)))
+
+
+@pytest.mark.parametrize("fn", [kda_recurrent, kda_chunked])
+def test_kda_none_initial_state_is_zeros(fn) -> None:
+    (q, k, v, g, beta), s0 = make_inputs(19, 40)
+    o_none, s_none = fn(q, k, v, g, beta)
+    o_zero, s_zero = fn(q, k, v, g, beta, s0)
+    np.testing.assert_array_equal(np.asarray(o_none), np.asarray(o_zero))
+    np.testing.assert_array_equal(np.asarray(s_none), np.asarray(s_zero))
+
+
+def test_kda_low_precision_io_dtype() -> None:
+    """bf16 inputs: outputs come back in v.dtype, the state stays float32."""
+    (q, k, v, g, beta), s0 = make_inputs(17, 20, state=True)
+    args = [x.astype(jnp.bfloat16) for x in (q, k, v, g, beta)]
+    o_rec, s_rec = recurrent_jit(*args, s0)
+    o_chk, s_chk = chunked_jit(*args, s0, chunk_size=8)
+    assert o_rec.dtype == o_chk.dtype == jnp.bfloat16
+    assert s_rec.dtype == s_chk.dtype == jnp.float32
+    assert rel_err(s_chk, s_rec) < TOL
+
+
+def test_kda_gradients_chunked_match_recurrent() -> None:
+    t = 70
+    (q, k, v, g, beta), s0 = make_inputs(21, t, state=True)
+    rng = np.random.default_rng(0)
+    w_o = jnp.asarray(rng.normal(size=(B, t, H, 16)), jnp.float32)
+    w_s = jnp.asarray(rng.normal(size=(B, H, 16, 16)), jnp.float32)
+
+    def loss(fn, *args):
+        o, s = fn(*args)
+        return jnp.sum(o * w_o) + jnp.sum(s * w_s)
+
+    argnums = tuple(range(6))
+    g_rec = jax.jit(jax.grad(functools.partial(loss, kda_recurrent), argnums=argnums))(q, k, v, g, beta, s0)
+    chunked16 = functools.partial(kda_chunked, chunk_size=16)
+    g_chk = jax.jit(jax.grad(functools.partial(loss, chunked16), argnums=argnums))(q, k, v, g, beta, s0)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    errs = {n: rel_err(a, b) for n, a, b in zip(names, g_chk, g_rec, strict=True)}
+    print("grad chunked/recurrent: " + ", ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in g_chk)
+    assert max(errs.values()) < GRAD_TOL, errs
+
+
+# ----------------------------------------------------------------------------- conv
+
+
+def conv_oracle(x, weight, state=None, lengths=None):
+    """Float64 NumPy oracle: explicit padded sequence, K-tap dot per output, tail slice per row."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(weight, np.float64)
+    b, t, c = x.shape
+    kk = w.shape[1]
+    st = np.zeros((b, c, kk - 1)) if state is None else np.asarray(state, np.float64)
+    xp = np.concatenate([st.transpose(0, 2, 1), x], axis=1)
+    y = np.zeros((b, t, c))
+    for ti in range(t):
+        for j in range(kk):
+            y[:, ti, :] += w[:, j] * xp[:, ti + j, :]
+    n = [t] * b if lengths is None else [int(m) for m in lengths]
+    new_state = np.stack([xp[bi, n[bi] : n[bi] + kk - 1].T for bi in range(b)])
+    return y, new_state
+
+
+def conv_inputs(seed: int, b: int, t: int, c: int, kk: int, state: bool):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(b, t, c)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(c, kk)), jnp.float32)
+    s = jnp.asarray(rng.normal(size=(b, c, kk - 1)), jnp.float32) if state else None
+    return x, w, s
+
+
+@pytest.mark.parametrize("kk", [1, 4])
+@pytest.mark.parametrize("t", [2, 11])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_conv_fast_reference_oracle(kk: int, t: int, with_state: bool, padded: bool) -> None:
+    x, w, s = conv_inputs(t + kk, 3, t, 8, kk, with_state)
+    lengths = jnp.asarray([t, t // 2, 0], jnp.int32) if padded else None
+    y_ref, s_ref = conv_oracle(x, w, s, None if lengths is None else np.asarray(lengths))
+    for fn in (causal_conv1d, causal_conv1d_reference):
+        y, s_new = jax.jit(fn)(x, w, s, lengths)
+        assert y.shape == x.shape and y.dtype == x.dtype
+        assert s_new.shape == (3, 8, kk - 1) and s_new.dtype == x.dtype
+        assert rel_err(y, y_ref) < TOL
+        if kk > 1:
+            np.testing.assert_array_equal(np.asarray(s_new), s_ref.astype(np.float32))
+    if padded and kk > 1:
+        # A row with no valid tokens keeps its incoming state exactly.
+        s_in = np.zeros((3, 8, kk - 1), np.float32) if s is None else np.asarray(s)
+        np.testing.assert_array_equal(np.asarray(causal_conv1d(x, w, s, lengths)[1][2]), s_in[2])
+
+
+def test_conv_decode_steps_match_full_sequence() -> None:
+    t, kk = 9, 4
+    x, w, s = conv_inputs(3, 2, t, 6, kk, True)
+    y_full, s_full = causal_conv1d(x, w, s)
+    step = jax.jit(causal_conv1d)
+    state, ys = s, []
+    for ti in range(t):
+        y_t, state = step(x[:, ti : ti + 1], w, state)
+        ys.append(y_t)
+    assert rel_err(jnp.concatenate(ys, axis=1), y_full) < TOL
+    np.testing.assert_array_equal(np.asarray(state), np.asarray(s_full))
+    # The carried state is literally the last K-1 inputs, oldest first.
+    np.testing.assert_array_equal(np.asarray(state), np.asarray(jnp.swapaxes(x[:, -(kk - 1) :], 1, 2)))
+
+
+def test_conv_padded_prefill_then_decode() -> None:
+    """Prefill with right padding, then decode: equals running each row's valid prefix alone."""
+    t, kk = 10, 4
+    x, w, s = conv_inputs(8, 2, t, 5, kk, True)
+    lengths = jnp.asarray([10, 4], jnp.int32)
+    _, state = causal_conv1d(x, w, s, lengths)
+    x_next = conv_inputs(9, 2, 1, 5, kk, False)[0]
+    y_next, _ = causal_conv1d(x_next, w, state)
+    for bi, n in enumerate([10, 4]):
+        seq = jnp.concatenate([x[bi : bi + 1, :n], x_next[bi : bi + 1]], axis=1)
+        y_ref, _ = conv_oracle(seq, w, s[bi : bi + 1])
+        assert rel_err(y_next[bi, 0], y_ref[0, -1]) < TOL

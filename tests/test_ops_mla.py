@@ -1,0 +1,142 @@
+"""Tests for jaxhybrid.ops.mla: expanded vs absorbed attention, a float64 oracle, and causal_mask."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxhybrid.ops.mla import causal_mask, mla_attention_absorbed, mla_attention_expanded
+
+_H, _NOPE, _ROPE, _V, _R = 4, 16, 8, 12, 32
+_SCALE = (_NOPE + _ROPE) ** -0.5
+
+
+def _rel_err(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _oracle(q, latent, kv_b, mask) -> np.ndarray:
+    """Float64 per-(batch, head) attention with explicitly built K and V; empty rows give zeros."""
+    q, latent, kv_b = (np.asarray(a, np.float64) for a in (q, latent, kv_b))
+    mask = np.asarray(mask)
+    batch, steps = q.shape[:2]
+    c, k_r = latent[..., :_R], latent[..., _R:]
+    out = np.zeros((batch, steps, _H, _V))
+    for h in range(_H):
+        rows = kv_b[h * (_NOPE + _V) : (h + 1) * (_NOPE + _V)]
+        w_uk, w_uv = rows[:_NOPE], rows[_NOPE:]
+        for b in range(batch):
+            keys = np.concatenate([c[b] @ w_uk.T, k_r[b]], axis=-1)  # [S, nope + rope]
+            values = c[b] @ w_uv.T  # [S, v]
+            for t in range(steps):
+                visible = mask[b, t]
+                if not visible.any():
+                    continue
+                s = keys[visible] @ q[b, t, h] * _SCALE
+                p = np.exp(s - s.max())
+                out[b, t, h] = (p / p.sum()) @ values[visible]
+    return out
+
+
+def _inputs(rng: np.random.Generator, batch: int, steps: int, kv_len: int):
+    q = rng.standard_normal((batch, steps, _H, _NOPE + _ROPE)).astype(np.float32)
+    latent = rng.standard_normal((batch, kv_len, _R + _ROPE)).astype(np.float32)
+    kv_b = (rng.standard_normal((_H * (_NOPE + _V), _R)) / np.sqrt(_R)).astype(np.float32)
+    return q, latent, kv_b
+
+
+def _run(fn, q, latent, kv_b, mask) -> jax.Array:
+    call = jax.jit(lambda *a: fn(*a, nope_dim=_NOPE, v_dim=_V, scale=_SCALE))
+    return call(jnp.asarray(q), jnp.asarray(latent), jnp.asarray(kv_b), jnp.asarray(mask))
+
+
+@pytest.mark.parametrize(
+    ("steps", "start", "valid"),
+    [
+        (1, [0, 7, 19], None),  # decode, ragged cache lengths
+        (6, [0, 5, 11], None),  # prefill appended to ragged caches
+        (6, [2, 0, 9], [6, 3, 1]),  # padded prefill
+    ],
+    ids=["decode", "prefill", "padded_prefill"],
+)
+def test_expanded_absorbed_oracle_agree(steps: int, start: list[int], valid: list[int] | None) -> None:
+    rng = np.random.default_rng(steps)
+    batch, kv_len = 3, 20
+    q, latent, kv_b = _inputs(rng, batch, steps, kv_len)
+    mask = causal_mask(
+        jnp.asarray(start, jnp.int32), steps, kv_len, None if valid is None else jnp.asarray(valid, jnp.int32)
+    )
+    expanded = _run(mla_attention_expanded, q, latent, kv_b, mask)
+    absorbed = _run(mla_attention_absorbed, q, latent, kv_b, mask)
+    ref = _oracle(q, latent, kv_b, mask)
+    assert expanded.shape == (batch, steps, _H, _V) and expanded.dtype == jnp.float32
+    assert _rel_err(absorbed, expanded) < 1e-5
+    assert _rel_err(expanded, ref) < 1e-5
+    assert _rel_err(absorbed, ref) < 1e-5
+
+
+def test_random_mask_and_fully_masked_rows_are_finite() -> None:
+    rng = np.random.default_rng(7)
+    batch, steps, kv_len = 2, 5, 9
+    q, latent, kv_b = _inputs(rng, batch, steps, kv_len)
+    mask = rng.random((batch, steps, kv_len)) < 0.5
+    mask[0, 2] = False  # one empty query row
+    mask[1] = False  # a whole empty batch row
+    ref = _oracle(q, latent, kv_b, mask)
+    for fn in (mla_attention_expanded, mla_attention_absorbed):
+        out = np.asarray(_run(fn, q, latent, kv_b, mask))
+        assert np.isfinite(out).all()
+        np.testing.assert_array_equal(out[0, 2], 0.0)
+        np.testing.assert_array_equal(out[1], 0.0)
+        assert _rel_err(out, ref) < 1e-5
+
+
+def test_bf16_forms_agree() -> None:
+    rng = np.random.default_rng(8)
+    q, latent, kv_b = _inputs(rng, 2, 4, 12)
+    mask = causal_mask(jnp.asarray([3, 8], jnp.int32), 4, 12)
+    to16 = lambda a: jnp.asarray(a, jnp.bfloat16)
+    expanded = _run(mla_attention_expanded, to16(q), to16(latent), to16(kv_b), mask)
+    absorbed = _run(mla_attention_absorbed, to16(q), to16(latent), to16(kv_b), mask)
+    assert expanded.dtype == absorbed.dtype == jnp.bfloat16
+    ref = _oracle(q, latent, kv_b, mask)
+    assert _rel_err(expanded.astype(jnp.float32), ref) < 3e-2
+    assert _rel_err(absorbed.astype(jnp.float32), ref) < 3e-2
+
+
+def test_shape_errors() -> None:
+    rng = np.random.default_rng(9)
+    q, latent, kv_b = _inputs(rng, 1, 1, 4)
+    mask = jnp.ones((1, 1, 4), bool)
+    with pytest.raises(ValueError):
+        mla_attention_absorbed(q, latent[..., :-1], kv_b, mask, nope_dim=_NOPE, v_dim=_V, scale=_SCALE)
+    with pytest.raises(ValueError):
+        mla_attention_expanded(q, latent, kv_b[:-1], mask, nope_dim=_NOPE, v_dim=_V, scale=_SCALE)
+
+
+def test_causal_mask_hand_written() -> None:
+    start = jnp.asarray([0, 2], jnp.int32)
+    got = np.asarray(causal_mask(start, 3, 6))
+    expected = np.array(
+        [
+            [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]],
+            [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]],
+        ],
+        bool,
+    )
+    assert got.shape == (2, 3, 6) and got.dtype == bool
+    np.testing.assert_array_equal(got, expected)
+
+    # valid = [3, 1]: row 1 has one real new token (position 2), so keys 3.. stay hidden.
+    got_valid = np.asarray(causal_mask(start, 3, 6, jnp.asarray([3, 1], jnp.int32)))
+    expected_valid = expected.copy()
+    expected_valid[1] = np.array([[1, 1, 1, 0, 0, 0]] * 3, bool)
+    np.testing.assert_array_equal(got_valid, expected_valid)
+
+    # Decode step under jit with traced starts.
+    decode = np.asarray(jax.jit(causal_mask, static_argnums=(1, 2))(jnp.asarray([4, 0], jnp.int32), 1, 6))
+    np.testing.assert_array_equal(decode, np.array([[[1, 1, 1, 1, 1, 0]], [[1, 0, 0, 0, 0, 0]]], bool))

@@ -1,0 +1,240 @@
+"""Tests for jaxhybrid.ops.moe: router vs a NumPy oracle, dropless experts vs the dense reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxhybrid.ops.moe import moe_experts_dense, moe_experts_dropless, route
+
+
+def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _route_oracle(
+    x: np.ndarray,
+    w: np.ndarray,
+    bias: np.ndarray | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Token-by-token float64 transcription of the routing rule in DESIGN.md."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w, np.float64)
+    num_experts = w.shape[0]
+    scores = 1.0 / (1.0 + np.exp(-(x @ w.T)))
+    biased = scores + (0.0 if bias is None else np.asarray(bias, np.float64))
+    group_size = num_experts // n_group
+    all_w, all_ids = [], []
+    for n in range(x.shape[0]):
+        group_score = [
+            np.sort(biased[n, g * group_size : (g + 1) * group_size])[-2:].sum() for g in range(n_group)
+        ]
+        kept_groups = np.argsort(-np.asarray(group_score))[:topk_group]
+        candidates = np.full(num_experts, -np.inf)
+        for g in kept_groups:
+            sl = slice(g * group_size, (g + 1) * group_size)
+            candidates[sl] = biased[n, sl]
+        ids = np.argsort(-candidates)[:top_k]
+        wts = scores[n, ids]
+        if renormalize:
+            wts = wts / (wts.sum() + 1e-20)
+        all_w.append(wts * scaling)
+        all_ids.append(ids)
+    return np.stack(all_w), np.stack(all_ids)
+
+
+def _sorted_by_id(weights: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Canonical per-token order so comparisons ignore the order of equally chosen experts."""
+    order = np.argsort(ids, axis=-1)
+    return np.take_along_axis(weights, order, -1), np.take_along_axis(ids, order, -1)
+
+
+@pytest.mark.parametrize(
+    ("n_group", "topk_group", "renormalize", "scaling", "use_bias"),
+    [
+        (1, 1, True, 1.0, False),
+        (1, 1, True, 2.446, True),
+        (4, 2, True, 2.446, True),
+        (4, 2, False, 1.0, True),
+        (8, 3, True, 1.5, True),
+    ],
+)
+def test_route_matches_numpy_oracle(
+    n_group: int, topk_group: int, renormalize: bool, scaling: float, use_bias: bool
+) -> None:
+    rng = np.random.default_rng(0)
+    num_tokens, dim, num_experts, top_k = 48, 24, 32, 6
+    x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
+    w = (rng.standard_normal((num_experts, dim)) / np.sqrt(dim)).astype(np.float32)
+    bias = (0.3 * rng.standard_normal(num_experts)).astype(np.float32) if use_bias else None
+
+    weights, ids = route(
+        jnp.asarray(x),
+        jnp.asarray(w),
+        None if bias is None else jnp.asarray(bias),
+        top_k=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        renormalize=renormalize,
+        scaling=scaling,
+    )
+    assert weights.shape == (num_tokens, top_k) and weights.dtype == jnp.float32
+    assert ids.shape == (num_tokens, top_k) and ids.dtype == jnp.int32
+    ref_w, ref_ids = _route_oracle(x, w, bias, top_k, n_group, topk_group, renormalize, scaling)
+
+    got_w, got_ids = _sorted_by_id(np.asarray(weights), np.asarray(ids))
+    ref_w, ref_ids = _sorted_by_id(ref_w, ref_ids)
+    np.testing.assert_array_equal(got_ids, ref_ids)
+    assert _rel_err(got_w, ref_w) < 1e-5
+    if renormalize:
+        np.testing.assert_allclose(np.asarray(weights).sum(-1), scaling, rtol=1e-5)
+
+    if n_group > 1:
+        # Every chosen expert lies in one of the topk_group best groups.
+        group_size = num_experts // n_group
+        groups_used = np.asarray(ids) // group_size
+        assert max(len(set(row)) for row in groups_used) <= topk_group
+
+
+def test_group_limit_excludes_best_expert_in_losing_group() -> None:
+    """Expert 0 has the single highest score, but its group's top-2 sum loses, so it is not picked."""
+    logits = np.array(
+        [5.0, -5.0, -5.0, -5.0]  # group 0: best expert, weak partner -> top-2 sum ~ 1.00
+        + [1.0, 1.0, -5.0, -5.0]  # group 1: top-2 sum ~ 1.46
+        + [0.8, 0.7, -5.0, -5.0]  # group 2: top-2 sum ~ 1.36
+        + [-5.0, -5.0, -5.0, -5.0],  # group 3
+        np.float32,
+    )
+    num_experts = logits.size
+    x = np.zeros((1, 4), np.float32)
+    x[0, 0] = 1.0
+    w = np.zeros((num_experts, 4), np.float32)
+    w[:, 0] = logits  # x @ w.T == logits
+
+    _, ids_flat = route(jnp.asarray(x), jnp.asarray(w), None, top_k=2)
+    assert 0 in np.asarray(ids_flat)[0]
+
+    weights, ids = route(jnp.asarray(x), jnp.asarray(w), None, top_k=2, n_group=4, topk_group=2)
+    assert sorted(np.asarray(ids)[0].tolist()) == [4, 5]
+    s = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    np.testing.assert_allclose(np.asarray(weights)[0], s[[4, 5]] / s[[4, 5]].sum(), rtol=1e-6)
+
+    # Three groups kept: group 0 survives and expert 0 wins again.
+    _, ids3 = route(jnp.asarray(x), jnp.asarray(w), None, top_k=2, n_group=4, topk_group=3)
+    assert 0 in np.asarray(ids3)[0]
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_bias_changes_choice_not_weights(renormalize: bool) -> None:
+    rng = np.random.default_rng(1)
+    num_tokens, dim, num_experts, top_k, scaling = 16, 8, 8, 2, 2.5
+    x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
+    w = rng.standard_normal((num_experts, dim)).astype(np.float32)
+    s = 1.0 / (1.0 + np.exp(-(x.astype(np.float64) @ w.T.astype(np.float64))))
+    kw = dict(top_k=top_k, renormalize=renormalize, scaling=scaling)
+
+    _, ids_plain = route(jnp.asarray(x), jnp.asarray(w), None, **kw)
+    # A large bias on the expert that is least popular unbiased forces it into every token's top-k.
+    forced = int(np.bincount(np.asarray(ids_plain).ravel(), minlength=num_experts).argmin())
+    bias = np.zeros(num_experts, np.float32)
+    bias[forced] = 10.0
+    weights, ids = route(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), **kw)
+    ids = np.asarray(ids)
+    assert (ids == forced).any(axis=-1).all()
+    assert not (np.asarray(ids_plain) == forced).any(axis=-1).all()
+
+    expected = np.take_along_axis(s, ids, -1)  # un-biased scores of the chosen experts
+    if renormalize:
+        expected = expected / expected.sum(-1, keepdims=True)
+    expected = expected * scaling
+    assert _rel_err(np.asarray(weights), expected) < 1e-5
+
+
+def test_route_rejects_bad_grouping() -> None:
+    x = jnp.zeros((2, 4))
+    w = jnp.zeros((6, 4))
+    with pytest.raises(ValueError):
+        route(x, w, None, top_k=2, n_group=4, topk_group=2)
+    with pytest.raises(ValueError):
+        route(x, w, None, top_k=4, n_group=3, topk_group=1)
+
+
+# ---------------------------------------------------------------------------------------------- experts
+
+_N, _D, _F, _E, _K = 40, 32, 48, 8, 3
+
+
+def _expert_weights(rng: np.random.Generator, dtype: np.dtype = np.float32) -> tuple[jax.Array, ...]:
+    w1 = rng.standard_normal((_E, _F, _D)) / np.sqrt(_D)
+    w3 = rng.standard_normal((_E, _F, _D)) / np.sqrt(_D)
+    w2 = rng.standard_normal((_E, _D, _F)) / np.sqrt(_F)
+    return tuple(jnp.asarray(a.astype(dtype)) for a in (w1, w2, w3))
+
+
+def _numpy_experts(x, w1, w2, w3, weights, ids) -> np.ndarray:
+    """Float64 per-token loop over the chosen experts."""
+    x, w1, w2, w3, weights = (np.asarray(a, np.float64) for a in (x, w1, w2, w3, weights))
+    out = np.zeros_like(x)
+    for n in range(x.shape[0]):
+        for j, e in enumerate(np.asarray(ids)[n]):
+            g = w1[e] @ x[n]
+            h = g / (1.0 + np.exp(-g)) * (w3[e] @ x[n])
+            out[n] += weights[n, j] * (w2[e] @ h)
+    return out
+
+
+def _random_ids(rng: np.random.Generator) -> np.ndarray:
+    return np.stack([rng.permutation(_E)[:_K] for _ in range(_N)]).astype(np.int32)
+
+
+def _skewed_ids(rng: np.random.Generator) -> np.ndarray:
+    """Expert 3 gets every token, experts 5/6 share the rest, all other experts get nothing."""
+    ids = np.empty((_N, _K), np.int32)
+    ids[:, 0] = 5 + rng.integers(0, 2, _N)
+    ids[:, 1] = 3
+    ids[:, 2] = 11 - ids[:, 0]  # the other one of 5 / 6
+    return ids
+
+
+@pytest.mark.parametrize("make_ids", [_random_ids, _skewed_ids], ids=["random", "skewed"])
+def test_dropless_matches_dense(make_ids) -> None:
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((_N, _D)).astype(np.float32))
+    w1, w2, w3 = _expert_weights(rng)
+    ids_np = make_ids(rng)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (_N, _K)).astype(np.float32))
+    ids = jnp.asarray(ids_np)
+
+    dropless = jax.jit(moe_experts_dropless)(x, w1, w2, w3, weights, ids)
+    dense = jax.jit(moe_experts_dense)(x, w1, w2, w3, weights, ids)
+    ref = _numpy_experts(x, w1, w2, w3, weights, ids_np)
+    assert dropless.shape == (_N, _D) and dropless.dtype == jnp.float32
+    assert _rel_err(dropless, dense) < 1e-5
+    assert _rel_err(dense, ref) < 1e-5
+    assert _rel_err(dropless, ref) < 1e-5
+
+
+def test_dropless_with_router_end_to_end_bf16() -> None:
+    """Router output feeds the experts directly; bf16 activations/weights stay close to the reference."""
+    rng = np.random.default_rng(3)
+    x32 = rng.standard_normal((_N, _D)).astype(np.float32)
+    gate = rng.standard_normal((_E, _D)).astype(np.float32)
+    weights, ids = route(jnp.asarray(x32), jnp.asarray(gate), None, top_k=_K, n_group=4, topk_group=2)
+    w1, w2, w3 = _expert_weights(rng, np.float32)
+    x16 = jnp.asarray(x32, jnp.bfloat16)
+    w16 = [a.astype(jnp.bfloat16) for a in (w1, w2, w3)]
+    out = moe_experts_dropless(x16, *w16, weights, ids)
+    assert out.dtype == jnp.bfloat16
+    dense16 = moe_experts_dense(x16, *w16, weights, ids)
+    ref32 = moe_experts_dense(jnp.asarray(x32), w1, w2, w3, weights, ids)
+    assert _rel_err(out.astype(jnp.float32), dense16.astype(jnp.float32)) < 1e-2
+    assert _rel_err(out.astype(jnp.float32), ref32) < 3e-2
