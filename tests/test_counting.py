@@ -3,6 +3,7 @@
 import json
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxhybrid.cache import cache_bytes_per_sequence, init_cache
@@ -81,3 +82,12 @@ def test_info_cli_json(capsys):
     assert 0 < out["active_params"] < out["total_params"]
     assert main(["info", "--config", "no-such-thing"]) == 2
     assert "no config named" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-grouped"])
+def test_per_kind_count_equals_whole_model_count(name):
+    """count_params traces one layer per kind; the whole abstract model must give the same total."""
+    cfg = load_config(name)
+    shapes = named_shapes(cfg)
+    whole = sum(int(np.prod(v.shape)) for k, v in shapes.items() if not k.endswith("e_score_correction_bias"))
+    assert count_params(cfg)["total_params"] == whole

@@ -1,0 +1,167 @@
+"""Per-row token sampling for the serving engine's decode batch.
+
+One jitted `sample` call handles a whole [B, V] batch in which every row carries its own temperature, top-k,
+top-p and PRNG key, so greedy and sampled requests share one compiled program. Keys come from `request_key`
+(seed, step), which makes a request's tokens depend only on its own seed, step and logits, never on which
+other requests happen to share the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Seeds become a uint32 PRNG seed; a wider seed would be silently truncated by jax.random.key without x64.
+SEED_LIMIT = 2**32
+
+
+class SamplingError(ValueError):
+    """Invalid sampling parameters; the message names the offending field."""
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are chosen and when its generation stops.
+
+    temperature 0 means greedy (argmax); top_k 0 and top_p 1 turn those filters off. seed None means the engine
+    assigns one from its own counter, so a run is still reproducible for a given engine and request order.
+    Seeds are limited to [0, 2**32) because that is the width jax.random.key uses without x64.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax token at every step."""
+        return self.temperature == 0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise SamplingError naming the first invalid field; vocab_size enables the vocabulary bound checks."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if vocab_size is not None and self.top_k > vocab_size:
+            raise SamplingError(f"top_k must be <= vocab_size {vocab_size}, got {self.top_k}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            raise SamplingError(f"seed must be None or an int in [0, 2**32), got {self.seed!r}")
+        if not isinstance(self.stop_token_ids, tuple | list):
+            raise SamplingError(f"stop_token_ids must be a tuple of ints, got {self.stop_token_ids!r}")
+        for tok in self.stop_token_ids:
+            if not _is_int(tok) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise SamplingError(f"stop_token_ids entries must be ints in {bound}, got {tok!r}")
+        if not isinstance(self.ignore_eos, bool | np.bool_):
+            raise SamplingError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.logprobs, bool | np.bool_):
+            raise SamplingError(f"logprobs must be a bool, got {self.logprobs!r}")
+
+
+def request_key(seed: int | jax.Array, step: int | jax.Array) -> jax.Array:
+    """The typed PRNG key for a request's `step`-th generated token: fold_in(key(seed), step).
+
+    Works on Python ints and on (traced) uint32 scalars alike, with identical results for seeds in [0, 2**32).
+    """
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
+@jax.jit
+def _batch_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
+    return jax.vmap(request_key)(seeds, steps)
+
+
+def batch_arrays(
+    params: Sequence[SamplingParams | None], seeds: Sequence[int], steps: Sequence[int]
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Per-row (temperature [B] f32, top_k [B] int32, top_p [B] f32, keys [B]) for `sample`.
+
+    None rows are inactive slots and get greedy defaults (their key is still built from seeds/steps, harmlessly).
+    Seeds must already be resolved by the engine (no None) and lie in [0, 2**32).
+    """
+    if not len(params) == len(seeds) == len(steps):
+        raise ValueError(f"params, seeds and steps differ in length: {len(params)}, {len(seeds)}, {len(steps)}")
+    temperature = np.array([0.0 if p is None else p.temperature for p in params], np.float32)
+    top_k = np.array([0 if p is None else p.top_k for p in params], np.int32)
+    top_p = np.array([1.0 if p is None else p.top_p for p in params], np.float32)
+    seeds_np = np.asarray(seeds, np.int64).reshape(-1)
+    steps_np = np.asarray(steps, np.int64).reshape(-1)
+    if np.any((seeds_np < 0) | (seeds_np >= SEED_LIMIT)):
+        raise ValueError("seeds must lie in [0, 2**32)")
+    if np.any((steps_np < 0) | (steps_np >= 2**32)):
+        raise ValueError("steps must lie in [0, 2**32)")
+    keys = _batch_keys(jnp.asarray(seeds_np.astype(np.uint32)), jnp.asarray(steps_np.astype(np.uint32)))
+    return jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), keys
+
+
+def _sample_row(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, key: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One row: greedy or filtered categorical draw, plus the chosen id's unmodified log-probability."""
+    vocab = logits.shape[-1]
+    x = logits.astype(jnp.float32)
+    logp = jax.nn.log_softmax(x)
+    greedy_id = jnp.argmax(x).astype(jnp.int32)  # first maximum -> lowest id on ties
+
+    # Shift before scaling so a tiny temperature cannot overflow to inf (the max becomes 0, others -> -inf).
+    is_greedy = temperature <= 0
+    safe_t = jnp.where(is_greedy, 1.0, temperature)
+    scaled = (x - jnp.max(x)) / safe_t
+
+    # Work in descending order; the stable sort keeps lower ids first among equal logits.
+    order = jnp.argsort(-scaled, stable=True)
+    sorted_logits = scaled[order]
+    rank = jnp.arange(vocab, dtype=jnp.int32)
+
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    sorted_logits = jnp.where(rank < k, sorted_logits, -jnp.inf)
+
+    # Nucleus over the top-k survivors: keep a token while the mass strictly above it is still < top_p.
+    probs = jax.nn.softmax(sorted_logits)
+    mass_before = jnp.cumsum(probs) - probs
+    keep = (mass_before < top_p) | (top_p >= 1.0) | (rank == 0)
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+
+    drawn = order[jax.random.categorical(key, sorted_logits)].astype(jnp.int32)
+    token = jnp.where(is_greedy, greedy_id, drawn)
+    return token, logp[token]
+
+
+def sample(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Sample one token per row of a decode batch.
+
+    logits [B, V] (any float dtype); temperature [B] f32 (0 = greedy); top_k [B] int32 (0 = off); top_p [B] f32;
+    keys [B] typed PRNG keys. Sampled rows scale by 1/temperature in fp32, keep the top_k largest, then the
+    smallest nucleus with cumulative probability >= top_p (at least the top token), and draw with the row's key.
+    Returns (token ids [B] int32, logprob [B] f32 of each token under log_softmax(logits) in fp32, i.e. the
+    model's distribution before temperature and filtering). Jittable; all per-row settings are traced arrays.
+    """
+    temperature = jnp.asarray(temperature, jnp.float32)
+    top_k = jnp.asarray(top_k, jnp.int32)
+    top_p = jnp.asarray(top_p, jnp.float32)
+    return jax.vmap(_sample_row)(logits, temperature, top_k, top_p, keys)
