@@ -30,7 +30,22 @@ class MLACache(NamedTuple):
     length: jax.Array
 
 
-LayerCache = KDACache | MLACache
+class PagedMLACache(NamedTuple):
+    """A paged latent pool shared by many sequences (the serving engine's layout).
+
+    pool: [num_blocks, block_size, latent] for one MLA layer; block_table: [B, max_blocks] int32 block ids
+    of each row's positions in order; length: [B] int32 tokens already written. Block 0 is the scratch
+    block: padded tokens are written there, so it must never hold a sequence's data.
+    """
+
+    pool: jax.Array
+    block_table: jax.Array
+    length: jax.Array
+
+
+SCRATCH_BLOCK = 0
+
+LayerCache = KDACache | MLACache | PagedMLACache
 
 
 def init_cache(

@@ -36,8 +36,9 @@ def _is_real(x: object) -> bool:
 class SamplingParams:
     """How one request's tokens are chosen and when its generation stops.
 
-    temperature 0 means greedy (argmax); top_k 0 and top_p 1 turn those filters off. seed None means the engine
-    assigns one from its own counter, so a run is still reproducible for a given engine and request order.
+    temperature 0 means greedy (argmax); top_k 0 and top_p 1 turn those filters off. seed None means the
+    engine assigns one from its own counter, so a run is still reproducible for a given engine and request
+    order.
     Seeds are limited to [0, 2**32) because that is the width jax.random.key uses without x64.
     """
 
@@ -56,7 +57,7 @@ class SamplingParams:
         return self.temperature == 0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise SamplingError naming the first invalid field; vocab_size enables the vocabulary bound checks."""
+        """Raise SamplingError naming the first invalid field; vocab_size enables the vocabulary bounds."""
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -99,11 +100,13 @@ def batch_arrays(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Per-row (temperature [B] f32, top_k [B] int32, top_p [B] f32, keys [B]) for `sample`.
 
-    None rows are inactive slots and get greedy defaults (their key is still built from seeds/steps, harmlessly).
+    None rows are inactive slots and get greedy defaults (their key is still built from seeds/steps).
     Seeds must already be resolved by the engine (no None) and lie in [0, 2**32).
     """
     if not len(params) == len(seeds) == len(steps):
-        raise ValueError(f"params, seeds and steps differ in length: {len(params)}, {len(seeds)}, {len(steps)}")
+        raise ValueError(
+            f"params, seeds and steps differ in length: {len(params)}, {len(seeds)}, {len(steps)}"
+        )
     temperature = np.array([0.0 if p is None else p.temperature for p in params], np.float32)
     top_k = np.array([0 if p is None else p.top_k for p in params], np.int32)
     top_p = np.array([1.0 if p is None else p.top_p for p in params], np.float32)
@@ -155,9 +158,10 @@ def sample(
 ) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row of a decode batch.
 
-    logits [B, V] (any float dtype); temperature [B] f32 (0 = greedy); top_k [B] int32 (0 = off); top_p [B] f32;
-    keys [B] typed PRNG keys. Sampled rows scale by 1/temperature in fp32, keep the top_k largest, then the
-    smallest nucleus with cumulative probability >= top_p (at least the top token), and draw with the row's key.
+    logits [B, V] (any float dtype); temperature [B] f32 (0 = greedy); top_k [B] int32 (0 = off);
+    top_p [B] f32; keys [B] typed PRNG keys. Sampled rows scale by 1/temperature in fp32, keep the top_k
+    largest, then the smallest nucleus with cumulative probability >= top_p (at least the top token), and draw
+    with the row's key.
     Returns (token ids [B] int32, logprob [B] f32 of each token under log_softmax(logits) in fp32, i.e. the
     model's distribution before temperature and filtering). Jittable; all per-row settings are traced arrays.
     """

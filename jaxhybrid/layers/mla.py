@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxhybrid.cache import MLACache
+from jaxhybrid.cache import SCRATCH_BLOCK, MLACache, PagedMLACache
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import Linear, RMSNorm
 from jaxhybrid.ops.mla import causal_mask, mla_attention_absorbed, mla_attention_expanded
@@ -17,6 +17,24 @@ LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use 1e-6, not rms_norm_ep
 def write_latent(kv: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """Write new [B, T, L] into kv [B, S, L] at row-wise offsets start [B] (caller keeps start+T <= S)."""
     return jax.vmap(lambda buf, upd, s: jax.lax.dynamic_update_slice(buf, upd, (s, 0)))(kv, new, start)
+
+
+def write_paged(cache: PagedMLACache, new: jax.Array, lengths: jax.Array | None) -> jax.Array:
+    """Scatter new [B, T, L] into the pool at each row's next positions; padding goes to the scratch block."""
+    B, T, _ = new.shape
+    block_size, max_blocks = cache.pool.shape[1], cache.block_table.shape[1]
+    pos = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    idx = jnp.minimum(pos // block_size, max_blocks - 1)
+    block = jnp.take_along_axis(cache.block_table, idx, axis=1)
+    if lengths is not None:
+        block = jnp.where(jnp.arange(T)[None, :] < lengths[:, None], block, SCRATCH_BLOCK)
+    return cache.pool.at[block, pos % block_size].set(new.astype(cache.pool.dtype))
+
+
+def read_paged(pool: jax.Array, block_table: jax.Array) -> jax.Array:
+    """Each row's positions as one contiguous [B, max_blocks * block_size, L] view."""
+    B, max_blocks = block_table.shape
+    return pool[block_table].reshape(B, max_blocks * pool.shape[1], pool.shape[2])
 
 
 class MultiHeadLatentAttention(nnx.Module):
@@ -68,11 +86,18 @@ class MultiHeadLatentAttention(nnx.Module):
         return self.o_proj(o.reshape(*q.shape[:2], self.num_heads * self.v_dim))
 
     def __call__(
-        self, x: jax.Array, cache: MLACache | None = None, lengths: jax.Array | None = None
-    ) -> tuple[jax.Array, MLACache]:
+        self, x: jax.Array, cache: MLACache | PagedMLACache | None = None, lengths: jax.Array | None = None
+    ) -> tuple[jax.Array, MLACache | PagedMLACache]:
         """x [B, T, D] -> (y, cache). No cache: causal attention within x. T == 1 uses the absorbed form."""
         B, T, _ = x.shape
         q, new = self.query(x), self.latent(x)
+        added = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+        if isinstance(cache, PagedMLACache):
+            pool = write_paged(cache, new, lengths)
+            kv = read_paged(pool, cache.block_table)
+            mask = causal_mask(cache.length, T, kv.shape[1], lengths)
+            y = self.attend(q, kv.astype(x.dtype), mask, absorbed=(T == 1))
+            return y, PagedMLACache(pool=pool, block_table=cache.block_table, length=cache.length + added)
         if cache is None:
             start = jnp.zeros((B,), jnp.int32)
             kv = new
@@ -81,5 +106,4 @@ class MultiHeadLatentAttention(nnx.Module):
             kv = write_latent(cache.kv, new.astype(cache.kv.dtype), start)
         mask = causal_mask(start, T, kv.shape[1], lengths)
         y = self.attend(q, kv.astype(x.dtype), mask, absorbed=(T == 1 and cache is not None))
-        added = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
         return y, MLACache(kv=kv, length=start + added)

@@ -1,0 +1,517 @@
+"""The serving engine: cache pools, compiled programs, a continuous-batching scheduler, sampling.
+
+The engine owns one state pool per KDA layer (indexed by slot) and one paged latent pool per MLA layer
+(addressed through per-request block tables). It compiles a fixed set of programs once: one decode step
+over all slots, and one prefill program per bucketed chunk length. Between steps, the scheduler admits
+waiting requests into free slots, mixes prefill chunks with the decode batch under a token budget,
+frees slots and blocks of finished requests, and preempts (then later recomputes) the newest request
+when blocks run out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, PagedMLACache, kda_state_bytes
+from jaxhybrid.config import ModelConfig
+from jaxhybrid.model import HybridLM
+from serve.blocks import BlockAllocator
+from serve.sampling import SamplingError, SamplingParams, batch_arrays, sample
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; the message names the problem. Nothing was changed."""
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Engine shape. Either `num_blocks` or `kv_memory_bytes` sizes the KV pool (default: room for every
+    slot at `max_model_len`)."""
+
+    max_slots: int = 4
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_bytes: int | None = None
+    prefill_chunk: int = 128
+    max_model_len: int | None = None
+    max_batched_tokens: int | None = None
+    kv_dtype: str = "float32"
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("max_slots", "block_size", "prefill_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"engine setting '{name}' must be a positive integer, got {value!r}")
+        for name in ("num_blocks", "kv_memory_bytes", "max_model_len", "max_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(
+                    f"engine setting '{name}' must be a positive integer or unset, got {value!r}"
+                )
+        if self.num_blocks is not None and self.kv_memory_bytes is not None:
+            raise ValueError("set either num_blocks or kv_memory_bytes, not both")
+
+
+@dataclasses.dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: float
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    status: str = WAITING
+    slot: int | None = None
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    order: int = -1
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    prefill_tokens: int = 0
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose KV/state is not in the cache yet."""
+        return len(self.prompt) + len(self.generated) - self.num_computed
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": len(self.prompt),
+            "generated_tokens": len(self.generated),
+            "prefill_tokens_computed": self.prefill_tokens,
+            "prefill_time_s": self.prefill_time,
+            "decode_time_s": self.decode_time,
+            "time_to_first_token_s": None
+            if self.first_token_time is None
+            else self.first_token_time - self.arrival,
+            "total_time_s": None if self.finish_time is None else self.finish_time - self.arrival,
+            "preemptions": self.preemptions,
+            "finish_reason": self.finish_reason,
+        }
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one engine step produced for one request (the streaming unit)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+    stats: dict[str, Any]
+
+
+def prefill_buckets(prefill_chunk: int, smallest: int = 16) -> tuple[int, ...]:
+    """Static prefill lengths: powers of two from `smallest` up to, and including, `prefill_chunk`."""
+    sizes = [s for s in (2**i for i in range(4, 31)) if smallest <= s < prefill_chunk]
+    return (*sizes, prefill_chunk)
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(graphdef: Any, layer_types: tuple[str, ...]) -> tuple[Any, Any]:
+    """(run, sample) jitted once per model structure; `run` donates the pools."""
+
+    def run(params, pools, tokens, slot_ids, block_tables, start, num_valid):
+        model = nnx.merge(graphdef, params)
+        cache = tuple(
+            KDACache(conv=pool.conv[slot_ids], state=pool.state[slot_ids])
+            if kind == "kda"
+            else PagedMLACache(pool=pool, block_table=block_tables, length=start)
+            for kind, pool in zip(layer_types, pools, strict=True)
+        )
+        logits, new = model.forward_cached(tokens, cache, num_valid)
+        new_pools = tuple(
+            KDACache(conv=pool.conv.at[slot_ids].set(c.conv), state=pool.state.at[slot_ids].set(c.state))
+            if kind == "kda"
+            else c.pool
+            for kind, pool, c in zip(layer_types, pools, new, strict=True)
+        )
+        last = jnp.maximum(num_valid - 1, 0)[:, None, None]
+        return jnp.take_along_axis(logits, last, axis=1)[:, 0].astype(jnp.float32), new_pools
+
+    return jax.jit(run, donate_argnums=(1,)), jax.jit(sample)
+
+
+class Engine:
+    """Serves many sequences at once on one model. `generate` for batch use; `add_request` / `step` /
+    `abort` for incremental use (the HTTP server)."""
+
+    def __init__(self, model: HybridLM, config: EngineConfig | None = None):
+        self.model_config: ModelConfig = model.config
+        self.config = config = dataclasses.replace(config) if config else EngineConfig()
+        config.validate()
+        cfg = self.model_config
+        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
+        self.kv_dtype = jnp.dtype(config.kv_dtype)
+        self.block_bytes = config.block_size * cfg.latent_dim * self.kv_dtype.itemsize * cfg.num_mla_layers
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / config.block_size)
+        if config.num_blocks is not None:
+            num_blocks = config.num_blocks
+        elif config.kv_memory_bytes is not None:
+            num_blocks = config.kv_memory_bytes // max(self.block_bytes, 1)
+        else:
+            num_blocks = config.max_slots * self.max_blocks_per_seq + 1
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV budget gives {num_blocks} blocks of {self.block_bytes} bytes; need at least 2"
+            )
+        self.allocator = BlockAllocator(num_blocks)
+        self.max_batched_tokens = config.max_batched_tokens or (config.prefill_chunk + config.max_slots)
+        self.buckets = prefill_buckets(config.prefill_chunk)
+        graphdef, self.params = nnx.split(model)
+        self._run, self._sample = _programs(graphdef, cfg.layer_types)
+        self.pools = self._init_pools(num_blocks)
+        self.state_bytes_per_slot = kda_state_bytes(cfg, self.kv_dtype)["total"]
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.free_slots = list(range(config.max_slots))
+        self._ids = itertools.count()
+        self._order = itertools.count()
+        self._seeds = np.random.default_rng(config.seed)
+        self.steps = 0
+
+    # --- pools -----------------------------------------------------------------------------------
+    def _init_pools(self, num_blocks: int) -> tuple[Any, ...]:
+        cfg, slots = self.model_config, self.config.max_slots
+        pools: list[Any] = []
+        for kind in cfg.layer_types:
+            if kind == "kda":
+                pools.append(
+                    KDACache(
+                        conv=jnp.zeros(
+                            (slots, 3 * cfg.kda_proj_dim, cfg.short_conv_kernel_size - 1), self.kv_dtype
+                        ),
+                        state=jnp.zeros(
+                            (slots, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32
+                        ),
+                    )
+                )
+            else:
+                pools.append(jnp.zeros((num_blocks, self.config.block_size, cfg.latent_dim), self.kv_dtype))
+        return tuple(pools)
+
+    def _reset_slot(self, slot: int) -> None:
+        """Zero a slot's KDA state so a newly admitted request starts from the empty state."""
+        self.pools = tuple(
+            KDACache(conv=p.conv.at[slot].set(0), state=p.state.at[slot].set(0))
+            if isinstance(p, KDACache)
+            else p
+            for p in self.pools
+        )
+
+    # --- requests --------------------------------------------------------------------------------
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; raises RequestError (changing nothing) when it cannot be served."""
+        params = params or SamplingParams()
+        prompt = self._validate(prompt_ids, params, request_id)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**31 - 1))
+        req = Request(id=rid, prompt=prompt, params=params, seed=seed, arrival=time.perf_counter())
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def _validate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None
+    ) -> list[int]:
+        vocab = self.model_config.vocab_size
+        if request_id is not None and request_id in self.requests:
+            raise RequestError(f"request id '{request_id}' is already in use")
+        try:
+            prompt = [int(t) for t in prompt_ids]
+        except (TypeError, ValueError) as exc:
+            raise RequestError(f"prompt must be a list of integer token ids: {exc}") from None
+        if any(isinstance(t, bool) or not float(t).is_integer() for t in prompt_ids):
+            raise RequestError("prompt must be a list of integer token ids")
+        if not prompt:
+            raise RequestError("prompt is empty: give at least one token")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        try:
+            params.validate(vocab)
+        except SamplingError as exc:
+            raise RequestError(str(exc)) from None
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"the context of {self.max_model_len} tokens"
+            )
+        need = math.ceil(total / self.config.block_size)
+        if need > self.allocator.usable:
+            raise RequestError(f"the request needs {need} KV blocks but the pool has {self.allocator.usable}")
+        return prompt
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its slot and blocks (e.g. the client went away)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status == FINISHED:
+            return
+        if req.status == WAITING:
+            self.waiting.remove(req)
+        self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- scheduling ------------------------------------------------------------------------------
+    def _release(self, req: Request) -> None:
+        if req.blocks:
+            self.allocator.release(req.blocks)
+            req.blocks = []
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            req.slot = None
+        if req in self.running:
+            self.running.remove(req)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self._release(req)
+        req.status, req.finish_reason, req.finish_time = FINISHED, reason, time.perf_counter()
+
+    def _preempt(self, req: Request) -> None:
+        """Give back the request's slot and blocks; it is recomputed from its tokens when readmitted."""
+        self._release(req)
+        req.status, req.num_computed = WAITING, 0
+        req.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _ensure_blocks(self, req: Request, upto: int) -> bool:
+        """Give `req` blocks for its first `upto` positions, preempting the newest others if needed.
+        False when `req` itself had to be preempted."""
+        need = math.ceil(upto / self.config.block_size) - len(req.blocks)
+        while need > self.allocator.num_free:
+            victim = max(self.running, key=lambda r: r.order)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            req.blocks += self.allocator.allocate(need)
+        return True
+
+    def _admit(self, budget: int) -> list[tuple[Request, int]]:
+        jobs = []
+        while self.waiting and self.free_slots and budget > 0:
+            req = self.waiting[0]
+            n = min(req.pending, self.config.prefill_chunk, budget)
+            if math.ceil(n / self.config.block_size) > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            req.slot = self.free_slots.pop(0)
+            req.status, req.order = RUNNING, next(self._order)
+            self.running.append(req)
+            self._reset_slot(req.slot)
+            self._ensure_blocks(req, n)
+            jobs.append((req, n))
+            budget -= n
+        return jobs
+
+    def _block_table(self, req: Request) -> np.ndarray:
+        row = np.full((self.max_blocks_per_seq,), SCRATCH_BLOCK, np.int32)
+        row[: len(req.blocks)] = req.blocks
+        return row
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling round: a decode step for every request that has a token to extend, plus prefill
+        chunks (continuing ones first, then newly admitted) under the token budget."""
+        self.steps += 1
+        outputs: dict[str, RequestOutput] = {}
+        budget = self.max_batched_tokens
+        for req in sorted(self.running, key=lambda r: r.order):
+            if req.status == RUNNING and req.pending == 1:
+                self._ensure_blocks(req, req.num_computed + 1)
+        decode = [r for r in self.running if r.pending == 1]
+        budget -= len(decode)
+        prefill: list[tuple[Request, int]] = []
+        for req in sorted(self.running, key=lambda r: r.order):
+            if budget <= 0:
+                break
+            if req.status == RUNNING and req.pending > 1:
+                n = min(req.pending, self.config.prefill_chunk, budget)
+                if self._ensure_blocks(req, req.num_computed + n):
+                    prefill.append((req, n))
+                    budget -= n
+        prefill += self._admit(budget)
+        decode = [r for r in decode if r.status == RUNNING]
+        prefill = [(r, n) for r, n in prefill if r.status == RUNNING]
+        if decode:
+            self._decode(decode, outputs)
+        for req, n in prefill:
+            self._prefill(req, n, outputs)
+        return list(outputs.values())
+
+    # --- program calls ---------------------------------------------------------------------------
+    def _decode(self, reqs: list[Request], outputs: dict[str, RequestOutput]) -> None:
+        slots = self.config.max_slots
+        tokens = np.zeros((slots, 1), np.int32)
+        tables = np.full((slots, self.max_blocks_per_seq), SCRATCH_BLOCK, np.int32)
+        start = np.zeros((slots,), np.int32)
+        valid = np.zeros((slots,), np.int32)
+        by_slot: list[Request | None] = [None] * slots
+        for req in reqs:
+            s = req.slot
+            tokens[s, 0] = req.tokens[req.num_computed]
+            tables[s] = self._block_table(req)
+            start[s], valid[s], by_slot[s] = req.num_computed, 1, req
+        t0 = time.perf_counter()
+        logits, self.pools = self._run(
+            self.params,
+            self.pools,
+            jnp.asarray(tokens),
+            jnp.arange(slots, dtype=jnp.int32),
+            jnp.asarray(tables),
+            jnp.asarray(start),
+            jnp.asarray(valid),
+        )
+        ids, logps = self._sample_rows(logits, by_slot)
+        dt = time.perf_counter() - t0
+        for req in reqs:
+            req.num_computed += 1
+            req.decode_time += dt
+            self._append(req, int(ids[req.slot]), float(logps[req.slot]), outputs)
+
+    def _prefill(self, req: Request, n: int, outputs: dict[str, RequestOutput]) -> None:
+        bucket = next(b for b in self.buckets if b >= n)
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :n] = req.tokens[req.num_computed : req.num_computed + n]
+        t0 = time.perf_counter()
+        logits, self.pools = self._run(
+            self.params,
+            self.pools,
+            jnp.asarray(tokens),
+            jnp.asarray([req.slot], jnp.int32),
+            jnp.asarray(self._block_table(req)[None]),
+            jnp.asarray([req.num_computed], jnp.int32),
+            jnp.asarray([n], jnp.int32),
+        )
+        req.num_computed += n
+        req.prefill_tokens += n
+        if req.pending == 0:
+            ids, logps = self._sample_rows(logits, [req])
+            req.prefill_time += time.perf_counter() - t0
+            self._append(req, int(ids[0]), float(logps[0]), outputs)
+        else:
+            jax.block_until_ready(logits)
+            req.prefill_time += time.perf_counter() - t0
+
+    def _sample_rows(self, logits: jax.Array, rows: list[Request | None]) -> tuple[np.ndarray, np.ndarray]:
+        params = [None if r is None else r.params for r in rows]
+        seeds = [0 if r is None else r.seed for r in rows]
+        steps = [0 if r is None else len(r.generated) for r in rows]
+        temperature, top_k, top_p, keys = batch_arrays(params, seeds, steps)
+        ids, logps = self._sample(logits, temperature, top_k, top_p, keys)
+        return np.asarray(ids), np.asarray(logps)
+
+    def _append(self, req: Request, token: int, logprob: float, outputs: dict[str, RequestOutput]) -> None:
+        now = time.perf_counter()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.generated.append(token)
+        req.logprobs.append(logprob)
+        p = req.params
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token == self.model_config.eos_token_id):
+            reason = "stop"
+        elif len(req.generated) >= p.max_tokens or len(req.tokens) >= self.max_model_len:
+            reason = "length"
+        if reason:
+            self._finish(req, reason)
+        out = outputs.setdefault(req.id, RequestOutput(req.id, [], [], False, None))
+        out.new_token_ids.append(token)
+        out.new_logprobs.append(logprob)
+        out.finished, out.finish_reason = req.status == FINISHED, req.finish_reason
+
+    # --- batch API ---------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerateResult]:
+        """Serve every prompt to completion, results in prompt order; invalid requests raise first."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise RequestError(f"{len(sampling)} sampling settings for {len(prompts)} prompts")
+        for prompt, params in zip(prompts, sampling, strict=True):
+            self._validate(prompt, params, None)
+        ids = [self.add_request(p, s) for p, s in zip(prompts, sampling, strict=True)]
+        while any(self.requests[i].status != FINISHED for i in ids):
+            self.step()
+        return [self.result(i) for i in ids]
+
+    def result(self, request_id: str) -> GenerateResult:
+        req = self.requests[request_id]
+        return GenerateResult(
+            request_id,
+            list(req.generated),
+            list(req.logprobs) if req.params.logprobs else None,
+            req.finish_reason or "",
+            req.stats(),
+        )
+
+    # --- memory account ----------------------------------------------------------------------------
+    def memory(self) -> dict[str, Any]:
+        """Bytes held by the engine: KV blocks (used/free), live KDA states, and per running request."""
+        alloc = self.allocator
+        live = len(self.running)
+        return {
+            "block_size": self.config.block_size,
+            "block_bytes": self.block_bytes,
+            "num_blocks": alloc.usable,
+            "used_blocks": alloc.num_used,
+            "free_blocks": alloc.num_free,
+            "kv_bytes_total": alloc.usable * self.block_bytes,
+            "kv_bytes_used": alloc.num_used * self.block_bytes,
+            "kv_bytes_free": alloc.num_free * self.block_bytes,
+            "slots": self.config.max_slots,
+            "state_bytes_per_slot": self.state_bytes_per_slot,
+            "state_pool_bytes": self.config.max_slots * self.state_bytes_per_slot,
+            "live_states": live,
+            "state_bytes_live": live * self.state_bytes_per_slot,
+            "requests": {
+                r.id: {
+                    "blocks": len(r.blocks),
+                    "kv_bytes": len(r.blocks) * self.block_bytes,
+                    "state_bytes": self.state_bytes_per_slot,
+                    "tokens": r.num_computed,
+                }
+                for r in self.running
+            },
+        }
