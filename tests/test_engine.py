@@ -1,0 +1,169 @@
+"""Serving engine: greedy output equals the full causal pass; batching, preemption and bad requests change no token."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM, pure_fn
+from serve.blocks import BlockAllocator, OutOfBlocks
+from serve.engine import Engine, EngineConfig, RequestError
+from serve.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HybridLM(load_config("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def full_pass(model):
+    fn, state = pure_fn(model)
+    return lambda toks: np.asarray(fn(state, jnp.asarray([toks], jnp.int32))[0])
+
+
+def prompts(lengths, seed=0, vocab=512):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def assert_greedy_matches_full_pass(full_pass, prompt, generated):
+    """Every generated token is the argmax of the full causal pass over everything before it."""
+    seq = list(prompt) + list(generated)
+    logits = full_pass(seq[:-1])
+    want = logits[len(prompt) - 1 :].argmax(-1)
+    assert list(want) == list(generated)
+
+
+def test_continuous_batching_changes_no_token(model, full_pass):
+    # 2 slots, 5 requests of different lengths (two longer than the prefill chunk), admitted at different times.
+    eng = Engine(model, EngineConfig(max_slots=2, block_size=8, prefill_chunk=32))
+    ps = prompts([5, 70, 17, 1, 40])
+    ids = [eng.add_request(p, GREEDY) for p in ps[:2]]
+    for _ in range(3):
+        eng.step()
+    ids += [eng.add_request(p, GREEDY) for p in ps[2:]]
+    while eng.has_unfinished():
+        eng.step()
+    for rid, p in zip(ids, ps, strict=True):
+        res = eng.result(rid)
+        assert res.finish_reason == "length" and len(res.token_ids) == GREEDY.max_tokens
+        assert_greedy_matches_full_pass(full_pass, p, res.token_ids)
+    assert eng.allocator.num_used == 0 and sorted(eng.free_slots) == [0, 1]
+
+
+def test_preempted_request_gives_the_same_tokens(model, full_pass):
+    ps = prompts([30, 28, 26], seed=1)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    # 3 slots but only 13 usable blocks of 8: three sequences of ~40 tokens need 15, so someone is preempted.
+    small = Engine(model, EngineConfig(max_slots=3, block_size=8, num_blocks=14, prefill_chunk=32))
+    res = small.generate(ps, params)
+    assert sum(r.stats["preemptions"] for r in res) > 0
+    for p, r in zip(ps, res, strict=True):
+        assert_greedy_matches_full_pass(full_pass, p, r.token_ids)
+    # sampled (seeded) requests too: preemption does not change them
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    big = Engine(model, EngineConfig(max_slots=3, block_size=8, prefill_chunk=32))
+    a = [r.token_ids for r in small.generate(ps, sampled)]
+    b = [r.token_ids for r in big.generate(ps, sampled)]
+    assert a == b
+
+
+def test_seeds_reproduce_and_differ(model):
+    eng = Engine(model, EngineConfig(max_slots=2, block_size=8, prefill_chunk=32))
+    p = prompts([9], seed=2)[0]
+    mk = lambda seed: SamplingParams(max_tokens=10, temperature=1.0, top_p=0.95, seed=seed, ignore_eos=True)
+    a1, a2, b = (r.token_ids for r in eng.generate([p, p, p], [mk(1), mk(1), mk(2)]))
+    assert a1 == a2
+    assert a1 != b
+
+
+def test_logprobs_and_stop_tokens(model, full_pass):
+    eng = Engine(model, EngineConfig(max_slots=2, block_size=8, prefill_chunk=32))
+    p = prompts([12], seed=3)[0]
+    res = eng.generate([p], SamplingParams(max_tokens=5, temperature=0.0, logprobs=True, ignore_eos=True))[0]
+    logits = full_pass(p + res.token_ids[:-1])[len(p) - 1 :]
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    want = logits[np.arange(len(res.token_ids)), res.token_ids] - logz
+    np.testing.assert_allclose(res.logprobs, want, atol=1e-4)
+    # stopping on the third generated token
+    stop = res.token_ids[2]
+    first = res.token_ids.index(stop)
+    res2 = eng.generate([p], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=(stop,), ignore_eos=True))
+    assert res2[0].token_ids == res.token_ids[: first + 1] and res2[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], GREEDY, "empty"),
+        ([5, 512], GREEDY, "outside the vocabulary"),
+        ([5, -1], GREEDY, "outside the vocabulary"),
+        ([5] * 100, SamplingParams(max_tokens=100), "exceeds the context"),
+        ([5], SamplingParams(max_tokens=0), "max_tokens"),
+        ([5], SamplingParams(temperature=-0.5), "temperature"),
+        ([5], SamplingParams(top_p=0.0), "top_p"),
+        ([5], SamplingParams(top_p=1.5), "top_p"),
+    ],
+)
+def test_bad_requests_raise_and_corrupt_nothing(model, full_pass, prompt, params, match):
+    eng = Engine(model, EngineConfig(max_slots=2, block_size=8, prefill_chunk=32, max_model_len=128))
+    good = prompts([20], seed=4)[0]
+    rid = eng.add_request(good, GREEDY)
+    eng.step()
+    before = (eng.allocator.num_free, list(eng.free_slots), len(eng.waiting), len(eng.running))
+    with pytest.raises(RequestError, match=match):
+        eng.add_request(prompt, params)
+    assert (eng.allocator.num_free, list(eng.free_slots), len(eng.waiting), len(eng.running)) == before
+    while eng.has_unfinished():
+        eng.step()
+    assert_greedy_matches_full_pass(full_pass, good, eng.result(rid).token_ids)
+
+
+def test_abort_frees_slot_and_blocks(model):
+    eng = Engine(model, EngineConfig(max_slots=2, block_size=8, prefill_chunk=32))
+    rid = eng.add_request(prompts([30])[0], SamplingParams(max_tokens=50, temperature=0.0))
+    eng.step()
+    assert eng.allocator.num_used > 0
+    eng.abort(rid)
+    assert eng.allocator.num_used == 0 and sorted(eng.free_slots) == [0, 1]
+    assert eng.result(rid).finish_reason == "abort" and not eng.has_unfinished()
+
+
+def test_memory_account_hand_computed(model):
+    cfg = model.config
+    eng = Engine(model, EngineConfig(max_slots=2, block_size=8, num_blocks=41, prefill_chunk=32))
+    # one block: 8 positions x (kv_lora 32 + rope 8) values x 4 bytes (fp32) x 1 MLA layer
+    assert eng.memory()["block_bytes"] == 8 * 40 * 4 * 1
+    assert eng.memory()["kv_bytes_total"] == 40 * 1280
+    rid = eng.add_request(prompts([20])[0], SamplingParams(max_tokens=30, temperature=0.0))
+    eng.step()  # prefill of 20 tokens -> 3 blocks
+    mem = eng.memory()
+    assert mem["used_blocks"] == 3 and mem["kv_bytes_used"] == 3 * 1280
+    assert mem["requests"][rid]["kv_bytes"] == 3 * 1280
+    # KDA state per slot: 3 layers x (2 heads x 16 x 16 fp32 + 3 x 32 channels x 3 taps fp32)
+    assert mem["state_bytes_per_slot"] == 3 * (2 * 16 * 16 * 4 + 3 * 32 * 3 * 4)
+    assert mem["state_bytes_live"] == mem["state_bytes_per_slot"]
+    # a memory budget sizes the pool
+    by_budget = Engine(model, EngineConfig(max_slots=2, block_size=8, kv_memory_bytes=10 * 1280 + 5))
+    assert by_budget.memory()["num_blocks"] == 9  # 10 blocks, one is the scratch block
+    del cfg
+
+
+def test_block_allocator_refcounts():
+    alloc = BlockAllocator(5)
+    a = alloc.allocate(2)
+    assert 0 not in a and alloc.num_free == 2
+    alloc.share(a[:1])
+    alloc.release(a)
+    assert alloc.num_free == 3 and alloc.refcount(a[0]) == 1
+    alloc.release(a[:1])
+    assert alloc.num_free == 4
+    with pytest.raises(OutOfBlocks):
+        alloc.allocate(5)
+    assert alloc.num_free == 4
+    with pytest.raises(ValueError):
+        alloc.release(a[:1])
