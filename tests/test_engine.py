@@ -1,4 +1,4 @@
-"""Serving engine: greedy output equals the full causal pass; batching, preemption and bad requests change no token."""
+"""Serving engine: greedy output equals the full causal pass; batching, preemption, bad requests change nothing."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +39,7 @@ def assert_greedy_matches_full_pass(full_pass, prompt, generated):
 
 
 def test_continuous_batching_changes_no_token(model, full_pass):
-    # 2 slots, 5 requests of different lengths (two longer than the prefill chunk), admitted at different times.
+    # 2 slots, 5 requests of different lengths (two longer than the prefill chunk), admitted at different steps.
     eng = Engine(model, EngineConfig(max_slots=2, block_size=8, prefill_chunk=32))
     ps = prompts([5, 70, 17, 1, 40])
     ids = [eng.add_request(p, GREEDY) for p in ps[:2]]
@@ -92,7 +92,8 @@ def test_logprobs_and_stop_tokens(model, full_pass):
     # stopping on the third generated token
     stop = res.token_ids[2]
     first = res.token_ids.index(stop)
-    res2 = eng.generate([p], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=(stop,), ignore_eos=True))
+    stop_params = SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=(stop,), ignore_eos=True)
+    res2 = eng.generate([p], stop_params)
     assert res2[0].token_ids == res.token_ids[: first + 1] and res2[0].finish_reason == "stop"
 
 

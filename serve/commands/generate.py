@@ -1,0 +1,203 @@
+"""`jaxhybrid generate`: run prompts through the serving engine and print the generated tokens."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from serve.commands.common import DTYPES, add_config_arg
+
+SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+)
+
+
+class UsageError(ValueError):
+    """Bad command-line input; printed as `error: ...` with exit status 2."""
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def load_model(args: argparse.Namespace) -> Any:
+    """The model named by --model / --config (random weights from --seed for a config)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxhybrid.config import load_config
+    from jaxhybrid.model import HybridLM
+
+    if args.model:
+        raise UsageError("--model (loading a checkpoint directory) is not supported yet; use --config NAME")
+    cfg = load_config(args.config or "tiny")
+    return HybridLM(cfg, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype))
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    from serve.engine import EngineConfig
+
+    return EngineConfig(
+        max_slots=args.slots,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_memory_bytes=None if args.kv_memory_mb is None else int(args.kv_memory_mb * 2**20),
+        prefill_chunk=args.prefill_chunk,
+        max_model_len=args.max_model_len,
+        kv_dtype=args.dtype,
+        seed=args.seed,
+    )
+
+
+def sampling_from(args: argparse.Namespace, overrides: dict[str, Any], where: str) -> Any:
+    from serve.sampling import SamplingParams
+
+    unknown = sorted(set(overrides) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise UsageError(
+            f"{where}: unknown field '{unknown[0]}' (allowed: prompt_ids, {', '.join(SAMPLING_FIELDS)})"
+        )
+    fields: dict[str, Any] = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.sampling_seed,
+        "ignore_eos": args.ignore_eos,
+        "logprobs": args.logprobs,
+        "stop_token_ids": tuple(parse_ids(args.stop_ids)) if args.stop_ids else (),
+    }
+    fields.update(overrides)
+    if isinstance(fields["stop_token_ids"], list):
+        fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
+    return SamplingParams(**fields)
+
+
+def collect_requests(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[int], Any]]:
+    given = [x is not None for x in (args.prompt_ids, args.prompt, args.prompts_file)]
+    if sum(given) != 1:
+        raise UsageError("give exactly one of --prompt-ids, --prompt, --prompts-file")
+    if args.prompt_ids is not None:
+        return [(parse_ids(args.prompt_ids), sampling_from(args, {}, "command line"))]
+    if args.prompt is not None:
+        return [(tokenizer.encode(args.prompt), sampling_from(args, {}, "command line"))]
+    path = Path(args.prompts_file)
+    if not path.exists():
+        raise UsageError(f"--prompts-file {path}: no such file")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{where}: not valid JSON: {exc}") from None
+        if not isinstance(obj, dict) or "prompt_ids" not in obj:
+            raise UsageError(f"{where}: expected an object with 'prompt_ids'")
+        ids = obj.pop("prompt_ids")
+        if not isinstance(ids, list):
+            raise UsageError(f"{where}: 'prompt_ids' must be a list of token ids")
+        out.append((ids, sampling_from(args, obj, where)))
+    if not out:
+        raise UsageError(f"{path}: no prompts")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate from token ids, text (byte-level tokenizer for random-weight configs) or a JSON-lines file."""
+    from jaxhybrid.config import ConfigError
+    from jaxhybrid.tokenizer import ByteTokenizer
+    from serve.engine import Engine, RequestError
+    from serve.sampling import SamplingError
+
+    try:
+        model = load_model(args)
+        tokenizer = ByteTokenizer(model.config.vocab_size) if model.config.vocab_size >= 259 else None
+        if args.prompt is not None and tokenizer is None:
+            raise UsageError(
+                "--prompt needs a tokenizer; this config's vocabulary is too small: use --prompt-ids"
+            )
+        requests = collect_requests(args, tokenizer)
+        engine = Engine(model, engine_config(args))
+        results = engine.generate([r[0] for r in requests], [r[1] for r in requests])
+    except (UsageError, ConfigError, RequestError, SamplingError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for res in results:
+        text = tokenizer.decode(res.token_ids) if tokenizer else None
+        if args.json:
+            obj = {
+                "token_ids": res.token_ids,
+                "text": text,
+                "finish_reason": res.finish_reason,
+                "stats": res.stats,
+            }
+            if res.logprobs is not None:
+                obj["logprobs"] = res.logprobs
+            print(json.dumps(obj))
+        else:
+            print(text if text is not None else " ".join(map(str, res.token_ids)))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate tokens for one or more prompts", description=run.__doc__)
+    add_config_arg(p)
+    p.add_argument("--model", help="a checkpoint directory (not supported yet)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and of per-request seeds")
+    p.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="weights and KV-cache dtype (default float32)"
+    )
+    src = p.add_argument_group("prompts (exactly one)")
+    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--prompt", help="text, encoded with the model's tokenizer")
+    src.add_argument(
+        "--prompts-file",
+        help='JSON lines, each {"prompt_ids": [...]} with optional sampling fields '
+        f"({', '.join(SAMPLING_FIELDS)}); served on one engine, results printed in order",
+    )
+    s = p.add_argument_group("sampling (defaults for every prompt)")
+    s.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default 16)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    s.add_argument(
+        "--sampling-seed", type=int, default=None, help="per-request sampling seed (default: from --seed)"
+    )
+    s.add_argument("--stop-ids", help="comma-separated token ids that end a sequence")
+    s.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    s.add_argument("--logprobs", action="store_true", help="report the log-probability of each chosen token")
+    e = p.add_argument_group("engine")
+    e.add_argument("--slots", type=int, default=4, help="sequences decoded at once (default 4)")
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    e.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks in the pool (default: enough for every slot at full context)",
+    )
+    e.add_argument(
+        "--kv-memory-mb", type=float, default=None, help="size the KV pool by a memory budget instead"
+    )
+    e.add_argument("--prefill-chunk", type=int, default=128, help="longest prefill piece (default 128)")
+    e.add_argument(
+        "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt: token_ids, text, stats"
+    )
+    p.set_defaults(func=run)
