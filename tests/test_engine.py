@@ -1,4 +1,4 @@
-"""Serving engine: greedy output equals the full causal pass; batching, preemption, bad requests change nothing."""
+"""Serving engine: greedy output equals the full causal pass under batching, preemption and bad requests."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +39,7 @@ def assert_greedy_matches_full_pass(full_pass, prompt, generated):
 
 
 def test_continuous_batching_changes_no_token(model, full_pass):
-    # 2 slots, 5 requests of different lengths (two longer than the prefill chunk), admitted at different steps.
+    # 2 slots, 5 requests of different lengths (two over the prefill chunk), admitted at different steps.
     eng = Engine(model, EngineConfig(max_slots=2, block_size=8, prefill_chunk=32))
     ps = prompts([5, 70, 17, 1, 40])
     ids = [eng.add_request(p, GREEDY) for p in ps[:2]]
