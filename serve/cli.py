@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from serve.commands import generate, info
+from serve.commands import bench, generate, info
 
-COMMANDS = (info, generate)
+COMMANDS = (info, generate, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

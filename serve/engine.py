@@ -140,6 +140,11 @@ def prefill_buckets(prefill_chunk: int, smallest: int = 16) -> tuple[int, ...]:
     return (*sizes, prefill_chunk)
 
 
+def table_buckets(max_blocks: int) -> tuple[int, ...]:
+    """Static block-table widths: powers of two below `max_blocks`, then `max_blocks` itself."""
+    return (*(w for w in (2**i for i in range(31)) if w < max_blocks), max_blocks)
+
+
 @functools.lru_cache(maxsize=16)
 def _programs(graphdef: Any, layer_types: tuple[str, ...]) -> tuple[Any, Any]:
     """(run, sample) jitted once per model structure; `run` donates the pools."""
@@ -191,6 +196,9 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks)
         self.max_batched_tokens = config.max_batched_tokens or (config.prefill_chunk + config.max_slots)
         self.buckets = prefill_buckets(config.prefill_chunk)
+        # Block-table widths: attention reads only as many blocks as the longest sequence in the call holds,
+        # so a step costs what its context needs, not what max_model_len allows.
+        self.table_buckets = table_buckets(self.max_blocks_per_seq)
         graphdef, self.params = nnx.split(model)
         self._run, self._sample = _programs(graphdef, cfg.layer_types)
         self.pools = self._init_pools(num_blocks)
@@ -343,8 +351,12 @@ class Engine:
             budget -= n
         return jobs
 
-    def _block_table(self, req: Request) -> np.ndarray:
-        row = np.full((self.max_blocks_per_seq,), SCRATCH_BLOCK, np.int32)
+    def _table_width(self, reqs: Sequence[Request]) -> int:
+        need = max(len(r.blocks) for r in reqs)
+        return next(w for w in self.table_buckets if w >= need)
+
+    def _block_table(self, req: Request, width: int) -> np.ndarray:
+        row = np.full((width,), SCRATCH_BLOCK, np.int32)
         row[: len(req.blocks)] = req.blocks
         return row
 
@@ -378,28 +390,42 @@ class Engine:
         return list(outputs.values())
 
     # --- program calls ---------------------------------------------------------------------------
+    def run_program(
+        self,
+        tokens: np.ndarray,
+        slot_ids: np.ndarray,
+        tables: np.ndarray,
+        start: np.ndarray,
+        valid: np.ndarray,
+    ) -> jax.Array:
+        """Run `tokens` [B, T] for slots `slot_ids` (block tables [B, W], positions from `start`, `valid` real
+        tokens per row); updates the pools, returns the logits after each row's last real token."""
+        logits, self.pools = self._run(
+            self.params,
+            self.pools,
+            jnp.asarray(tokens, jnp.int32),
+            jnp.asarray(slot_ids, jnp.int32),
+            jnp.asarray(tables, jnp.int32),
+            jnp.asarray(start, jnp.int32),
+            jnp.asarray(valid, jnp.int32),
+        )
+        return logits
+
     def _decode(self, reqs: list[Request], outputs: dict[str, RequestOutput]) -> None:
         slots = self.config.max_slots
         tokens = np.zeros((slots, 1), np.int32)
-        tables = np.full((slots, self.max_blocks_per_seq), SCRATCH_BLOCK, np.int32)
+        width = self._table_width(reqs)
+        tables = np.full((slots, width), SCRATCH_BLOCK, np.int32)
         start = np.zeros((slots,), np.int32)
         valid = np.zeros((slots,), np.int32)
         by_slot: list[Request | None] = [None] * slots
         for req in reqs:
             s = req.slot
             tokens[s, 0] = req.tokens[req.num_computed]
-            tables[s] = self._block_table(req)
+            tables[s] = self._block_table(req, width)
             start[s], valid[s], by_slot[s] = req.num_computed, 1, req
         t0 = time.perf_counter()
-        logits, self.pools = self._run(
-            self.params,
-            self.pools,
-            jnp.asarray(tokens),
-            jnp.arange(slots, dtype=jnp.int32),
-            jnp.asarray(tables),
-            jnp.asarray(start),
-            jnp.asarray(valid),
-        )
+        logits = self.run_program(tokens, np.arange(slots, dtype=np.int32), tables, start, valid)
         ids, logps = self._sample_rows(logits, by_slot)
         dt = time.perf_counter() - t0
         for req in reqs:
@@ -412,14 +438,9 @@ class Engine:
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, :n] = req.tokens[req.num_computed : req.num_computed + n]
         t0 = time.perf_counter()
-        logits, self.pools = self._run(
-            self.params,
-            self.pools,
-            jnp.asarray(tokens),
-            jnp.asarray([req.slot], jnp.int32),
-            jnp.asarray(self._block_table(req)[None]),
-            jnp.asarray([req.num_computed], jnp.int32),
-            jnp.asarray([n], jnp.int32),
+        table = self._block_table(req, self._table_width([req]))[None]
+        logits = self.run_program(
+            tokens, np.asarray([req.slot]), table, np.asarray([req.num_computed]), np.asarray([n])
         )
         req.num_computed += n
         req.prefill_tokens += n

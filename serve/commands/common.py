@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import TextIO
 
 DTYPES = ("bfloat16", "float32", "float16")
 
@@ -30,10 +31,10 @@ def add_config_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
     )
 
 
-def print_table(rows: list[dict], columns: list[str]) -> None:
-    """A plain aligned text table of `rows` (dicts) over `columns`."""
+def print_table(rows: list[dict], columns: list[str], file: TextIO | None = None) -> None:
+    """A plain aligned text table of `rows` (dicts) over `columns` (to stdout unless `file`)."""
     cells = [[str(r.get(c, "")) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)), file=file)
     for row in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)), file=file)

@@ -1,0 +1,1 @@
+"""`jaxhybrid bench` subcommands: each module has `register(subparsers)`; results are JSON + a table."""

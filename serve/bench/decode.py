@@ -1,0 +1,141 @@
+"""`jaxhybrid bench decode`: per-step decode time against context length, for a config and its KDA-only twin.
+
+The question: a KDA layer's decode cost is constant (fixed-size state), an MLA layer's grows with the
+context it attends over. Each variant runs the engine's own decode program (all slots, paged latent KV)
+with the cache filled to each context length; the ratio t(longest) / t(shortest) shows the growth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import numpy as np
+
+from serve.bench.common import add_out_arg, emit, environment
+from serve.commands.common import print_table
+
+
+def kda_only(cfg):
+    """The same model with every layer KDA (no MLA, so no context-dependent decode work)."""
+    return cfg.replace(
+        name=f"{cfg.name}-kda-only",
+        kda_layers=tuple(range(1, cfg.num_hidden_layers + 1)),
+        full_attn_layers=(),
+    )
+
+
+def measure(cfg, contexts: list[int], batch: int, repeats: int, dtype: str, block_size: int) -> list[dict]:
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxhybrid.model import HybridLM
+    from serve.engine import Engine, EngineConfig
+
+    longest = max(contexts)
+    model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(dtype))
+    blocks_per_seq = math.ceil((longest + 1) / block_size)
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_slots=batch,
+            block_size=block_size,
+            max_model_len=longest + block_size,
+            num_blocks=batch * blocks_per_seq + 1,
+            kv_dtype=dtype,
+        ),
+    )
+    del model
+    tokens = np.ones((batch, 1), np.int32)
+    slots = np.arange(batch, dtype=np.int32)
+    valid = np.ones((batch,), np.int32)
+    inputs = {}
+    for ctx in contexts:
+        nblocks = math.ceil((ctx + 1) / block_size)
+        width = next(w for w in engine.table_buckets if w >= nblocks)
+        tables = np.zeros((batch, width), np.int32)
+        for b in range(batch):  # distinct blocks per row, as a real batch would hold
+            tables[b, :nblocks] = 1 + b * blocks_per_seq + np.arange(nblocks)
+        inputs[ctx] = (tables, np.full((batch,), ctx, np.int32))
+
+    def step(ctx: int) -> float:
+        tables, start = inputs[ctx]
+        t0 = time.perf_counter()
+        engine.run_program(tokens, slots, tables, start, valid).block_until_ready()
+        return time.perf_counter() - t0
+
+    for ctx in contexts:  # compile and warm every shape first
+        for _ in range(3):
+            step(ctx)
+    samples: dict[int, list[float]] = {ctx: [] for ctx in contexts}
+    for _ in range(repeats):  # interleaved, so load drift on a shared machine hits every context alike
+        for ctx in contexts:
+            samples[ctx].append(step(ctx))
+    rows = []
+    for ctx in contexts:
+        med, low = float(np.median(samples[ctx])), min(samples[ctx])
+        rows.append(
+            {
+                "variant": cfg.name,
+                "context": ctx,
+                "batch": batch,
+                "step_ms": 1e3 * med,
+                "step_ms_min": 1e3 * low,
+                "tokens_per_s": batch / med,
+                "mla_layers": cfg.num_mla_layers,
+                "kda_layers": cfg.num_kda_layers,
+            }
+        )
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    """Per-step decode time at each context for the config and for its KDA-only variant."""
+    from jaxhybrid.config import load_config
+
+    cfg = load_config(args.config)
+    contexts = sorted({int(c) for c in args.contexts.split(",")})
+    rows = []
+    for variant in (cfg, kda_only(cfg)):
+        rows += measure(variant, contexts, args.batch, args.repeats, args.dtype, args.block_size)
+    ratios = {}
+    for name in {r["variant"] for r in rows}:
+        mine = [r for r in rows if r["variant"] == name]
+        ratios[name] = mine[-1]["step_ms"] / mine[0]["step_ms"]
+    result = {
+        "bench": "decode",
+        "config": cfg.name,
+        "dtype": args.dtype,
+        "environment": environment(),
+        "rows": rows,
+        f"ratio_{contexts[-1]}_vs_{contexts[0]}": ratios,
+    }
+    print_table(
+        [{**r, "step_ms": f"{r['step_ms']:.2f}", "tokens_per_s": f"{r['tokens_per_s']:.1f}"} for r in rows],
+        ["variant", "context", "batch", "step_ms", "tokens_per_s"],
+        file=sys.stderr,
+    )
+    for name, ratio in ratios.items():
+        print(f"{name}: step time at {contexts[-1]} / at {contexts[0]} = {ratio:.2f}", file=sys.stderr)
+    emit(result, args)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "decode", help="decode step time vs context, config vs its KDA-only variant", description=__doc__
+    )
+    p.add_argument("--config", default="small", help="config name or path (default small)")
+    p.add_argument(
+        "--contexts", default="1024,8192", help="comma-separated context lengths (default 1024,8192)"
+    )
+    p.add_argument("--batch", type=int, default=1, help="sequences per decode step (default 1)")
+    p.add_argument("--repeats", type=int, default=20, help="timed steps per context (median reported)")
+    p.add_argument("--block-size", type=int, default=64, help="KV block size (default 64)")
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and cache dtype"
+    )
+    add_out_arg(p)
+    p.set_defaults(func=run)

@@ -1,0 +1,16 @@
+"""`jaxhybrid bench SUBCOMMAND`: benchmarks that print JSON (and a table on stderr)."""
+
+from __future__ import annotations
+
+import argparse
+
+from serve.bench import decode
+
+BENCHES = (decode,)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks (JSON on stdout, a table on stderr)", description=__doc__)
+    bench_sub = p.add_subparsers(dest="bench", required=True)
+    for module in BENCHES:
+        module.register(bench_sub)

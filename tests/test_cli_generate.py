@@ -1,0 +1,80 @@
+"""`jaxhybrid generate`: JSON output, prompts files in order, and clear errors instead of tracebacks."""
+
+import json
+
+import pytest
+
+from serve.cli import main
+
+ARGS = [
+    "generate",
+    "--config",
+    "tiny",
+    "--max-tokens",
+    "4",
+    "--ignore-eos",
+    "--slots",
+    "2",
+    "--block-size",
+    "8",
+    "--prefill-chunk",
+    "32",
+]
+
+
+def run(capsys, *extra):
+    rc = main([*ARGS, *extra])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_generate_json_and_prompts_file(capsys, tmp_path):
+    rc, out, _ = run(capsys, "--prompt-ids", "5,6,7", "--json")
+    assert rc == 0
+    single = json.loads(out)
+    assert len(single["token_ids"]) == 4 and single["stats"]["prompt_tokens"] == 3
+    assert single["stats"]["prefill_time_s"] > 0 and single["stats"]["decode_time_s"] > 0
+    lines = [
+        {"prompt_ids": [9, 8, 7, 6, 5]},
+        {"prompt_ids": [5, 6, 7]},
+        {"prompt_ids": [1] * 40, "max_tokens": 2},
+    ]
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    rc, out, _ = run(capsys, "--prompts-file", str(f), "--json")
+    assert rc == 0
+    results = [json.loads(line) for line in out.strip().splitlines()]
+    assert [r["stats"]["prompt_tokens"] for r in results] == [5, 3, 40]
+    assert len(results[2]["token_ids"]) == 2
+    assert results[1]["token_ids"] == single["token_ids"]  # same prompt, greedy: same tokens in a batch
+
+
+def test_generate_text_prompt(capsys):
+    rc, out, _ = run(capsys, "--prompt", "héllo", "--json")
+    assert rc == 0 and json.loads(out)["stats"]["prompt_tokens"] == len("héllo".encode())
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--prompt-ids", "1,2,x"], "comma-separated integers"),
+        (["--prompt-ids", "1,99999"], "outside the vocabulary"),
+        (["--prompt-ids", ""], "empty"),
+        (["--prompt-ids", "1", "--temperature", "-1"], "temperature"),
+        (["--prompt-ids", "1", "--top-p", "2"], "top_p"),
+        (["--prompt-ids", "1", "--max-tokens", "0"], "max_tokens"),
+        (["--prompt-ids", "1", "--max-model-len", "3"], "exceeds the context"),
+        ([], "exactly one of"),
+        (["--prompts-file", "/no/such/file"], "no such file"),
+    ],
+)
+def test_generate_errors(capsys, extra, match):
+    rc, _, err = run(capsys, *extra)
+    assert rc == 2 and match in err and "Traceback" not in err
+
+
+def test_prompts_file_errors_name_the_line(capsys, tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1], "temprature": 1}\n')
+    rc, _, err = run(capsys, "--prompts-file", str(f))
+    assert rc == 2 and "bad.jsonl:2" in err and "temprature" in err
