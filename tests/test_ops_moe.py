@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxhybrid.ops.moe import moe_experts_dense, moe_experts_dropless, route
+from jaxhybrid.ops.moe import (
+    moe_experts_blocked,
+    moe_experts_dense,
+    moe_experts_dropless,
+    moe_experts_ragged,
+    route,
+)
 
 
 def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
@@ -205,19 +211,29 @@ def _skewed_ids(rng: np.random.Generator) -> np.ndarray:
     return ids
 
 
-@pytest.mark.parametrize("make_ids", [_random_ids, _skewed_ids], ids=["random", "skewed"])
-def test_dropless_matches_dense(make_ids) -> None:
+@pytest.mark.parametrize(
+    "impl",
+    [moe_experts_ragged, moe_experts_blocked, moe_experts_dropless],
+    ids=["ragged", "blocked", "dispatch"],
+)
+@pytest.mark.parametrize(
+    "make_ids, tokens",
+    [(_random_ids, _N), (_skewed_ids, _N), (_random_ids, 2)],
+    ids=["random", "skewed", "decode-sized"],
+)
+def test_dropless_matches_dense(impl, make_ids, tokens) -> None:
+    """Every dropless form equals the dense reference; 2 tokens x 3 picks < 8 experts: one-row blocks."""
     rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.standard_normal((_N, _D)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((_N, _D)).astype(np.float32))[:tokens]
     w1, w2, w3 = _expert_weights(rng)
-    ids_np = make_ids(rng)
-    weights = jnp.asarray(rng.uniform(0.1, 1.0, (_N, _K)).astype(np.float32))
+    ids_np = make_ids(rng)[:tokens]
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (_N, _K)).astype(np.float32))[:tokens]
     ids = jnp.asarray(ids_np)
 
-    dropless = jax.jit(moe_experts_dropless)(x, w1, w2, w3, weights, ids)
+    dropless = jax.jit(impl)(x, w1, w2, w3, weights, ids)
     dense = jax.jit(moe_experts_dense)(x, w1, w2, w3, weights, ids)
     ref = _numpy_experts(x, w1, w2, w3, weights, ids_np)
-    assert dropless.shape == (_N, _D) and dropless.dtype == jnp.float32
+    assert dropless.shape == (tokens, _D) and dropless.dtype == jnp.float32
     assert _rel_err(dropless, dense) < 1e-5
     assert _rel_err(dense, ref) < 1e-5
     assert _rel_err(dropless, ref) < 1e-5
