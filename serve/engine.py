@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import math
 import time
 from collections import deque
@@ -28,6 +29,7 @@ from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, PagedMLACache, kda_state_by
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import HybridLM
 from serve.blocks import BlockAllocator
+from serve.prefix_store import Checkpoint, Lookup, PrefixStore, PrefixStoreConfig, fingerprint
 from serve.sampling import SamplingError, SamplingParams, batch_arrays, sample
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -51,6 +53,7 @@ class EngineConfig:
     max_batched_tokens: int | None = None
     kv_dtype: str = "float32"
     seed: int = 0
+    prefix: PrefixStoreConfig | None = dataclasses.field(default_factory=PrefixStoreConfig)
 
     def validate(self) -> None:
         for name in ("max_slots", "block_size", "prefill_chunk"):
@@ -88,6 +91,9 @@ class Request:
     decode_time: float = 0.0
     prefill_tokens: int = 0
     preemptions: int = 0
+    cache_salt: str | None = None
+    prefix_hit_tokens: int = 0
+    recomputed_tokens: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -110,6 +116,8 @@ class Request:
             else self.first_token_time - self.arrival,
             "total_time_s": None if self.finish_time is None else self.finish_time - self.arrival,
             "preemptions": self.preemptions,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
             "finish_reason": self.finish_reason,
         }
 
@@ -170,6 +178,31 @@ def _programs(graphdef: Any, layer_types: tuple[str, ...]) -> tuple[Any, Any]:
     return jax.jit(run, donate_argnums=(1,)), jax.jit(sample)
 
 
+@jax.jit
+def _take(
+    pools: tuple[Any, ...], slot: jax.Array, block: jax.Array
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """Copies of one slot's KDA states and one block's latent KV (a checkpoint's content)."""
+    states = tuple((p.conv[slot], p.state[slot]) for p in pools if isinstance(p, KDACache))
+    kv = tuple(p[block] for p in pools if not isinstance(p, KDACache))
+    return states, kv
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _put(
+    pools: tuple[Any, ...], slot: jax.Array, states: tuple[Any, ...], block: jax.Array, kv: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """Restore a checkpoint: its states into `slot`, its partial block's KV into `block`."""
+    states_it, kv_it, out = iter(states), iter(kv), []
+    for p in pools:
+        if isinstance(p, KDACache):
+            conv, state = next(states_it)
+            out.append(KDACache(conv=p.conv.at[slot].set(conv), state=p.state.at[slot].set(state)))
+        else:
+            out.append(p.at[block].set(next(kv_it)))
+    return tuple(out)
+
+
 class Engine:
     """Serves many sequences at once on one model. `generate` for batch use; `add_request` / `step` /
     `abort` for incremental use (the HTTP server)."""
@@ -211,6 +244,12 @@ class Engine:
         self._order = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self.steps = 0
+        self.store: PrefixStore | None = None
+        if config.prefix is not None and config.prefix.enabled:
+            config.prefix.validate(config.block_size)
+            leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(self.params)]
+            fp = fingerprint(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str), leaves)
+            self.store = PrefixStore(config.prefix, config.block_size, fp, self.block_bytes)
 
     # --- pools -----------------------------------------------------------------------------------
     def _init_pools(self, num_blocks: int) -> tuple[Any, ...]:
@@ -243,14 +282,25 @@ class Engine:
 
     # --- requests --------------------------------------------------------------------------------
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request; raises RequestError (changing nothing) when it cannot be served."""
         params = params or SamplingParams()
         prompt = self._validate(prompt_ids, params, request_id)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**31 - 1))
-        req = Request(id=rid, prompt=prompt, params=params, seed=seed, arrival=time.perf_counter())
+        req = Request(
+            id=rid,
+            prompt=prompt,
+            params=params,
+            seed=seed,
+            arrival=time.perf_counter(),
+            cache_salt=cache_salt,
+        )
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
@@ -311,6 +361,8 @@ class Engine:
             self.running.remove(req)
 
     def _finish(self, req: Request, reason: str) -> None:
+        if self.store is not None and reason != "abort" and req.slot is not None:
+            self._checkpoint(req, "sequence_end", save_state=self.store.config.sequence_end_checkpoints)
         self._release(req)
         req.status, req.finish_reason, req.finish_time = FINISHED, reason, time.perf_counter()
 
@@ -326,6 +378,8 @@ class Engine:
         False when `req` itself had to be preempted."""
         need = math.ceil(upto / self.config.block_size) - len(req.blocks)
         while need > self.allocator.num_free:
+            if self._evict_cached_block():
+                continue
             victim = max(self.running, key=lambda r: r.order)
             self._preempt(victim)
             if victim is req:
@@ -334,22 +388,128 @@ class Engine:
             req.blocks += self.allocator.allocate(need)
         return True
 
+    def _evict_cached_block(self) -> bool:
+        """Free the least recently used KV block that only the prefix store holds."""
+        if self.store is None:
+            return False
+        block = self.store.evictable_block(self.allocator.refcount)
+        if block is None:
+            return False
+        self.allocator.release([block])
+        return True
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Next prefill piece: bounded by the chunk and the budget, and ending on a checkpoint position."""
+        n = min(req.pending, self.config.prefill_chunk, budget)
+        if self.store is not None:
+            interval = self.store.config.checkpoint_interval
+            n = min(n, (req.num_computed // interval + 1) * interval - req.num_computed)
+        return n
+
+    def _restore(self, req: Request, found: Lookup) -> bool:
+        """Attach a hit's shared blocks and restore its checkpoint into the request's slot."""
+        t0 = time.perf_counter()
+        self.allocator.share(found.blocks)
+        req.blocks = list(found.blocks)
+        ck = found.checkpoint
+        tail_block = SCRATCH_BLOCK
+        if found.hit % self.config.block_size:
+            # copy-on-write: the partial block is the request's own copy, it will write the rest of it
+            if not self._ensure_blocks(req, found.hit):
+                return False
+            tail_block = req.blocks[-1]
+        ck.holders += 1
+        states = jax.tree_util.tree_map(jnp.asarray, ck.states)
+        kv = (
+            jax.tree_util.tree_map(jnp.asarray, ck.tail_kv)
+            if ck.tail_kv is not None
+            else tuple(
+                jnp.zeros((self.config.block_size, self.model_config.latent_dim), self.kv_dtype)
+                for _ in range(self.model_config.num_mla_layers)
+            )
+        )
+        self.pools = _put(self.pools, jnp.int32(req.slot), states, jnp.int32(tail_block), kv)
+        ck.holders -= 1
+        req.num_computed = found.hit
+        self.store.stats["restores"] += 1
+        self.store.stats["restore_time_s"] += time.perf_counter() - t0
+        return True
+
     def _admit(self, budget: int) -> list[tuple[Request, int]]:
         jobs = []
         while self.waiting and self.free_slots and budget > 0:
             req = self.waiting[0]
-            n = min(req.pending, self.config.prefill_chunk, budget)
-            if math.ceil(n / self.config.block_size) > self.allocator.num_free:
+            found = self.store.lookup(req.tokens, req.cache_salt) if self.store is not None else None
+            hit = found.hit if found is not None else 0
+            n = min(req.pending - hit, self.config.prefill_chunk, budget)
+            new_blocks = math.ceil((hit + n) / self.config.block_size) - len(found.blocks if found else [])
+            evictable = (
+                sum(1 for b in self.store.held_blocks if self.allocator.refcount(b) == 1) if self.store else 0
+            )
+            if new_blocks > self.allocator.num_free + evictable:
                 break
             self.waiting.popleft()
             req.slot = self.free_slots.pop(0)
             req.status, req.order = RUNNING, next(self._order)
             self.running.append(req)
             self._reset_slot(req.slot)
-            self._ensure_blocks(req, n)
+            if found is not None and found.hit > 0:
+                self._restore(req, found)
+            if found is not None:
+                self.store.record_hit(found)
+                req.prefix_hit_tokens += found.hit
+                req.recomputed_tokens += found.recomputed
+            n = self._chunk(req, budget)
+            if req.status != RUNNING or not self._ensure_blocks(req, req.num_computed + n):
+                continue
             jobs.append((req, n))
             budget -= n
         return jobs
+
+    def _checkpoint(self, req: Request, kind: str, save_state: bool = True) -> None:
+        """Index the request's full blocks and (with `save_state`) keep the slot's KDA states at
+        req.num_computed, with a copy of the partial block when that position is not block-aligned."""
+        store, pos = self.store, req.num_computed
+        if pos == 0:
+            return
+        tokens = req.tokens
+        for block in store.register_blocks(tokens, req.blocks, pos, req.cache_salt):
+            self.allocator.share([block])
+        store.record_tail(tokens, pos, req.cache_salt)
+        key = store.key_for(tokens, pos, req.cache_salt)
+        if not save_state:
+            return
+        if key in store.checkpoints:
+            store.checkpoints.move_to_end(key)
+            return
+        t0 = time.perf_counter()
+        partial = pos % self.config.block_size != 0
+        block = req.blocks[pos // self.config.block_size] if partial else SCRATCH_BLOCK
+        states, kv = _take(self.pools, jnp.int32(req.slot), jnp.int32(block))
+        nbytes = self.state_bytes_per_slot + (self.block_bytes if partial else 0)
+        store.add_checkpoint(
+            Checkpoint(
+                key=key,
+                position=pos,
+                states=states,
+                tail_kv=kv if partial else None,
+                nbytes=nbytes,
+                tier="device",
+                kind=kind,
+            )
+        )
+        store.enforce_budgets(lambda tree: jax.tree_util.tree_map(np.asarray, tree))
+        store.stats["save_time_s"] += time.perf_counter() - t0
+
+    def _after_compute(self, req: Request) -> None:
+        """Checkpoints due now that req.num_computed advanced: interval multiples and the prompt end."""
+        if self.store is None or req.status != RUNNING:
+            return
+        cfg = self.store.config
+        if req.num_computed % cfg.checkpoint_interval == 0:
+            self._checkpoint(req, "interval")
+        elif cfg.prompt_end_checkpoints and req.num_computed == len(req.prompt):
+            self._checkpoint(req, "prompt_end")
 
     def _table_width(self, reqs: Sequence[Request]) -> int:
         need = max(len(r.blocks) for r in reqs)
@@ -376,7 +536,7 @@ class Engine:
             if budget <= 0:
                 break
             if req.status == RUNNING and req.pending > 1:
-                n = min(req.pending, self.config.prefill_chunk, budget)
+                n = self._chunk(req, budget)
                 if self._ensure_blocks(req, req.num_computed + n):
                     prefill.append((req, n))
                     budget -= n
@@ -431,6 +591,7 @@ class Engine:
         for req in reqs:
             req.num_computed += 1
             req.decode_time += dt
+            self._after_compute(req)
             self._append(req, int(ids[req.slot]), float(logps[req.slot]), outputs)
 
     def _prefill(self, req: Request, n: int, outputs: dict[str, RequestOutput]) -> None:
@@ -444,6 +605,7 @@ class Engine:
         )
         req.num_computed += n
         req.prefill_tokens += n
+        self._after_compute(req)
         if req.pending == 0:
             ids, logps = self._sample_rows(logits, [req])
             req.prefill_time += time.perf_counter() - t0
@@ -508,6 +670,30 @@ class Engine:
         )
 
     # --- memory account ----------------------------------------------------------------------------
+    def ledger(self) -> dict[str, Any]:
+        """Every byte the engine and its prefix store hold, and what reuse saved or cost."""
+        live_blocks = {b for r in self.running for b in r.blocks}
+        out: dict[str, Any] = {
+            "live_kv_bytes": len(live_blocks) * self.block_bytes,
+            "live_state_bytes": len(self.running) * self.state_bytes_per_slot,
+            "cached_kv_blocks": 0,
+            "cached_kv_bytes": 0,
+            "checkpoint_bytes": {"device": 0, "host": 0, "disk": 0},
+            "checkpoints": {"device": 0, "host": 0, "disk": 0},
+            "prefix_cache": self.store is not None,
+        }
+        if self.store is None:
+            return out
+        cached = [b for b in self.store.held_blocks if b not in live_blocks]
+        out["cached_kv_blocks"] = len(cached)
+        out["cached_kv_bytes"] = len(cached) * self.block_bytes
+        for ck in self.store.checkpoints.values():
+            out["checkpoint_bytes"][ck.tier] += ck.nbytes
+            out["checkpoints"][ck.tier] += 1
+        out["checkpoint_interval"] = self.store.config.checkpoint_interval
+        out.update(self.store.stats)
+        return out
+
     def memory(self) -> dict[str, Any]:
         """Bytes held by the engine: KV blocks (used/free), live KDA states, and per running request."""
         alloc = self.allocator

@@ -52,7 +52,15 @@ def test_continuous_batching_changes_no_token(model, full_pass):
         res = eng.result(rid)
         assert res.finish_reason == "length" and len(res.token_ids) == GREEDY.max_tokens
         assert_greedy_matches_full_pass(full_pass, p, res.token_ids)
-    assert eng.allocator.num_used == 0 and sorted(eng.free_slots) == [0, 1]
+    assert_only_the_store_holds_blocks(eng)
+    assert sorted(eng.free_slots) == [0, 1]
+
+
+def assert_only_the_store_holds_blocks(eng):
+    """After every request ended, the only blocks in use are the prefix store's, each held once."""
+    held = eng.store.held_blocks if eng.store is not None else []
+    assert eng.allocator.num_used == len(held)
+    assert all(eng.allocator.refcount(b) == 1 for b in held)
 
 
 def test_preempted_request_gives_the_same_tokens(model, full_pass):
@@ -130,7 +138,8 @@ def test_abort_frees_slot_and_blocks(model):
     eng.step()
     assert eng.allocator.num_used > 0
     eng.abort(rid)
-    assert eng.allocator.num_used == 0 and sorted(eng.free_slots) == [0, 1]
+    assert_only_the_store_holds_blocks(eng)
+    assert sorted(eng.free_slots) == [0, 1]
     assert eng.result(rid).finish_reason == "abort" and not eng.has_unfinished()
 
 

@@ -1,0 +1,249 @@
+"""Prefix store: reuse a shared prompt prefix without recomputing it.
+
+MLA layers: full KV blocks are indexed by a chained hash of their tokens and shared by reference count.
+KDA layers: a state is valid only at the exact position it was taken, so the store keeps state
+checkpoints at every multiple of `checkpoint_interval` tokens and (switchable) at the end of every
+prompt and every finished sequence. A checkpoint that does not end on a block boundary keeps a copy
+of its partial last block's KV, so short and unaligned prompts hit too. A hit is the longest prefix
+whose KV blocks are present and that ends at a checkpoint.
+
+Tiers: checkpoint states live on the device until the device budget is exceeded, then are demoted to
+host memory (numpy), then dropped (LRU in each tier). Cached KV blocks live in the engine's pool and
+are evicted (LRU, only those no running request holds) when the pool runs out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class PrefixStoreConfig:
+    enabled: bool = True
+    checkpoint_interval: int = 32768
+    prompt_end_checkpoints: bool = True
+    sequence_end_checkpoints: bool = True
+    device_bytes: int = 1 << 30
+    host_bytes: int = 4 << 30
+
+    def validate(self, block_size: int) -> None:
+        if self.checkpoint_interval < 1 or self.checkpoint_interval % block_size:
+            raise ValueError(
+                f"checkpoint_interval ({self.checkpoint_interval}) must be a positive multiple of "
+                f"the block size ({block_size})"
+            )
+        for name in ("device_bytes", "host_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"prefix store setting '{name}' must be >= 0")
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """KDA states after `position` tokens (+ the partial last block's KV when position % block_size)."""
+
+    key: bytes
+    position: int
+    states: Any  # per KDA layer (conv, state): device arrays, or numpy on the host tier
+    tail_kv: Any  # per MLA layer [block_size, latent] (first position % block_size rows valid), or None
+    nbytes: int
+    tier: str  # "device" | "host"
+    kind: str  # "interval" | "prompt_end" | "sequence_end"
+    holders: int = 0  # running requests restoring from it right now (never evicted while > 0)
+
+
+@dataclasses.dataclass
+class Lookup:
+    """A prompt match: reuse `hit` tokens (blocks + checkpoint), recompute the rest of `matched`."""
+
+    hit: int
+    matched: int
+    blocks: list[int]
+    checkpoint: Checkpoint | None
+
+    @property
+    def recomputed(self) -> int:
+        return max(0, self.matched - self.hit)
+
+
+def fingerprint(config_json: str, leaves: list[np.ndarray]) -> bytes:
+    """Model identity: the config and a sample of every weight's bytes (first and last 4 KiB)."""
+    h = hashlib.sha256(config_json.encode())
+    for leaf in leaves:
+        raw = np.ascontiguousarray(leaf).view(np.uint8).reshape(-1)
+        h.update(
+            str(leaf.shape).encode() + str(leaf.dtype).encode() + raw[:4096].tobytes() + raw[-4096:].tobytes()
+        )
+    return h.digest()
+
+
+class PrefixStore:
+    def __init__(
+        self, config: PrefixStoreConfig, block_size: int, model_fingerprint: bytes, block_bytes: int
+    ):
+        self.config = config
+        self.block_size = block_size
+        self.fingerprint = model_fingerprint
+        self.block_bytes = block_bytes
+        self.blocks: OrderedDict[bytes, int] = (
+            OrderedDict()
+        )  # full-block chain hash -> pool block (LRU order)
+        self.block_hash_of: dict[int, bytes] = {}
+        self.checkpoints: OrderedDict[bytes, Checkpoint] = OrderedDict()  # LRU order
+        self.tails: dict[bytes, set[tuple[int, ...]]] = {}  # chain hash -> partial tails seen after it
+        self.stats = {
+            "lookups": 0,
+            "hits": 0,
+            "hit_tokens": 0,
+            "recomputed_tokens": 0,
+            "saves": 0,
+            "save_time_s": 0.0,
+            "restores": 0,
+            "restore_time_s": 0.0,
+            "demotions": 0,
+            "dropped_checkpoints": 0,
+            "evicted_blocks": 0,
+        }
+
+    # --- hashing ---------------------------------------------------------------------------------
+    def root(self, salt: str | None) -> bytes:
+        return hashlib.sha256(self.fingerprint + b"salt:" + (salt or "").encode()).digest()
+
+    def chain(self, tokens: list[int], salt: str | None) -> list[bytes]:
+        """h_0 = root; h_i = sha256(h_{i-1} || fingerprint || salt || tokens of block i), full blocks only."""
+        out = [self.root(salt)]
+        salt_b = (salt or "").encode()
+        for i in range(len(tokens) // self.block_size):
+            block = np.asarray(tokens[i * self.block_size : (i + 1) * self.block_size], np.int64).tobytes()
+            out.append(hashlib.sha256(out[-1] + self.fingerprint + salt_b + block).digest())
+        return out
+
+    @staticmethod
+    def checkpoint_key(chain_hash: bytes, tail: tuple[int, ...]) -> bytes:
+        return hashlib.sha256(chain_hash + b"tail:" + np.asarray(tail, np.int64).tobytes()).digest()
+
+    # --- lookup ----------------------------------------------------------------------------------
+    def lookup(self, tokens: list[int], salt: str | None) -> Lookup:
+        """Longest reusable prefix of `tokens` (at most len - 1, so one token is left to produce logits)."""
+        self.stats["lookups"] += 1
+        limit = len(tokens) - 1
+        chain = self.chain(tokens, salt)
+        nb = 0
+        while nb + 1 < len(chain) and chain[nb + 1] in self.blocks:
+            nb += 1
+        bs = self.block_size
+        # how far the match goes: full blocks, then the longest partial tail seen after them
+        matched = nb * bs
+        for tail in self.tails.get(chain[nb], ()):
+            r = len(tail)
+            if tuple(tokens[nb * bs : nb * bs + r]) == tail:
+                matched = max(matched, nb * bs + r)
+        matched = min(matched, limit)
+        best: tuple[int, Checkpoint] | None = None
+        for i in range(nb, -1, -1):
+            base = i * bs
+            if base > limit:
+                continue
+            for r in range(min(bs - 1, limit - base), -1, -1):
+                ck = self.checkpoints.get(self.checkpoint_key(chain[i], tuple(tokens[base : base + r])))
+                if ck is not None:
+                    best = (base + r, ck)
+                    break
+            if best is not None:
+                break
+        if best is None:
+            return Lookup(0, matched, [], None)
+        pos, ck = best
+        blocks = [self.blocks[chain[j]] for j in range(1, pos // bs + 1)]
+        for j in range(pos // bs, 0, -1):  # deepest first, so LRU eviction trims chains from their ends
+            self.blocks.move_to_end(chain[j])
+        self.checkpoints.move_to_end(ck.key)
+        return Lookup(pos, max(matched, pos), blocks, ck)
+
+    def record_hit(self, found: Lookup) -> None:
+        if found.hit > 0:
+            self.stats["hits"] += 1
+        self.stats["hit_tokens"] += found.hit
+        self.stats["recomputed_tokens"] += found.recomputed
+
+    # --- inserting -------------------------------------------------------------------------------
+    def register_blocks(self, tokens: list[int], blocks: list[int], upto: int, salt: str | None) -> list[int]:
+        """Index the full blocks covering tokens[:upto]; returns the pool blocks the store newly holds."""
+        chain = self.chain(tokens[:upto], salt)
+        newly = []
+        for i in range(len(chain) - 1, 0, -1):  # deepest first: LRU eviction trims chains from their ends
+            h = chain[i]
+            if h in self.blocks:
+                self.blocks.move_to_end(h)
+                continue
+            block = blocks[i - 1]
+            if block in self.block_hash_of:  # already indexed under its own hash
+                continue
+            self.blocks[h] = block
+            self.block_hash_of[block] = h
+            newly.append(block)
+        return newly
+
+    def record_tail(self, tokens: list[int], upto: int, salt: str | None) -> None:
+        """Remember the partial block after the last full block of tokens[:upto] (tokens only)."""
+        nb = upto // self.block_size
+        tail = tuple(tokens[nb * self.block_size : upto])
+        if tail:
+            chain = self.chain(tokens[: nb * self.block_size], salt)
+            self.tails.setdefault(chain[-1], set()).add(tail)
+
+    def key_for(self, tokens: list[int], position: int, salt: str | None) -> bytes:
+        nb = position // self.block_size
+        chain = self.chain(tokens[: nb * self.block_size], salt)
+        return self.checkpoint_key(chain[-1], tuple(tokens[nb * self.block_size : position]))
+
+    def add_checkpoint(self, ck: Checkpoint) -> None:
+        old = self.checkpoints.pop(ck.key, None)
+        if old is not None and old.holders:
+            self.checkpoints[ck.key] = old  # keep the one in use
+            return
+        self.checkpoints[ck.key] = ck
+        self.stats["saves"] += 1
+
+    def tier_bytes(self, tier: str) -> int:
+        return sum(c.nbytes for c in self.checkpoints.values() if c.tier == tier)
+
+    def enforce_budgets(self, to_host: Any) -> None:
+        """Demote LRU device checkpoints to the host while over the device budget, then drop LRU host ones."""
+        for tier, budget in (("device", self.config.device_bytes), ("host", self.config.host_bytes)):
+            used = self.tier_bytes(tier)
+            for ck in list(self.checkpoints.values()):
+                if used <= budget:
+                    break
+                if ck.tier != tier or ck.holders:
+                    continue
+                used -= ck.nbytes
+                if tier == "device" and ck.nbytes <= self.config.host_bytes:
+                    ck.states, ck.tail_kv = to_host(ck.states), to_host(ck.tail_kv)
+                    ck.tier = "host"
+                    self.stats["demotions"] += 1
+                else:
+                    del self.checkpoints[ck.key]
+                    self.stats["dropped_checkpoints"] += 1
+
+    def evictable_block(self, refcount: Any) -> int | None:
+        """The least recently used cached block that only the store holds, removed from the index."""
+        for h, block in self.blocks.items():
+            if refcount(block) == 1:
+                del self.blocks[h]
+                del self.block_hash_of[block]
+                self.stats["evicted_blocks"] += 1
+                return block
+        return None
+
+    @property
+    def held_blocks(self) -> list[int]:
+        return list(self.blocks.values())
+
+    def now(self) -> float:
+        return time.perf_counter()

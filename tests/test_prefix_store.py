@@ -1,0 +1,145 @@
+"""Prefix store: exact reuse, hit arithmetic, salts, ledger bytes, tier budgets, block eviction."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxhybrid.cache import kda_state_bytes
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from serve.engine import Engine, EngineConfig
+from serve.prefix_store import PrefixStoreConfig
+from serve.sampling import SamplingParams
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HybridLM(load_config("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)
+
+
+def engine(model, prefix=None, **kw):
+    args = dict(max_slots=2, block_size=BS, prefill_chunk=32, max_model_len=512)
+    args.update(kw)
+    return Engine(model, EngineConfig(prefix=prefix, **args))
+
+
+def greedy(n=4):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def conversation_workload(seed: int) -> list[list[list[int]]]:
+    """Rounds of prompts: a shared system prompt, chats whose next turn extends the previous turn's
+    prompt, and branches that fork an earlier turn. Each round is served after the previous one."""
+    rng = np.random.default_rng(seed)
+    tok = lambda n: rng.integers(3, 512, n).tolist()
+    system = tok(21)
+    chats = [system + tok(int(rng.integers(3, 15))) for _ in range(3)]
+    rounds = [list(chats)]
+    for _ in range(2):
+        chats = [c + tok(int(rng.integers(2, 12))) for c in chats]
+        rounds.append(list(chats))
+    rounds.append([chats[0][: len(chats[0]) - 5] + tok(7), system + tok(3), system[:10]])  # branches
+    return rounds
+
+
+def serve_rounds(eng, rounds, n=4):
+    out = []
+    for prompts in rounds:
+        out.append([r.token_ids for r in eng.generate(prompts, greedy(n))])
+    return out
+
+
+@pytest.mark.parametrize("interval", [BS, 16, 1024])
+def test_store_on_gives_the_same_tokens_as_store_off(model, interval):
+    rounds = conversation_workload(seed=interval)
+    off = serve_rounds(engine(model, None), rounds)
+    eng = engine(model, PrefixStoreConfig(checkpoint_interval=interval))
+    on = serve_rounds(eng, rounds)
+    assert on == off
+    ledger = eng.ledger()
+    assert ledger["hits"] > 0 and ledger["hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("prompt_end", [False, True])
+def test_hit_arithmetic(model, prompt_end):
+    interval, l0 = 16, 37
+    rng = np.random.default_rng(5)
+    first = rng.integers(3, 512, l0).tolist()
+    extended = first + rng.integers(3, 512, 9).tolist()
+    eng = engine(
+        model,
+        PrefixStoreConfig(
+            checkpoint_interval=interval, prompt_end_checkpoints=prompt_end, sequence_end_checkpoints=False
+        ),
+    )
+    a = eng.generate([first], greedy(1))[0]
+    assert a.stats["prefix_hit_tokens"] == 0
+    b = eng.generate([extended], greedy(1))[0]
+    if prompt_end:
+        assert (b.stats["prefix_hit_tokens"], b.stats["recomputed_tokens"]) == (l0, 0)
+    else:
+        want = interval * (l0 // interval)
+        assert (b.stats["prefix_hit_tokens"], b.stats["recomputed_tokens"]) == (want, l0 - want)
+    assert b.stats["prefill_tokens_computed"] == len(extended) - b.stats["prefix_hit_tokens"]
+
+
+def test_a_different_salt_never_hits(model):
+    p = np.random.default_rng(6).integers(3, 512, 30).tolist()
+    eng = engine(model, PrefixStoreConfig(checkpoint_interval=BS))
+    rid = eng.add_request(p, greedy(2), cache_salt="tenant-a")
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.result(rid).stats["prefix_hit_tokens"] == 0
+    for salt, expect_hit in (("tenant-b", False), (None, False), ("tenant-a", True)):
+        rid = eng.add_request(p + [7, 8, 9], greedy(2), cache_salt=salt)
+        while eng.has_unfinished():
+            eng.step()
+        assert (eng.result(rid).stats["prefix_hit_tokens"] > 0) == expect_hit, salt
+
+
+def test_checkpoint_bytes_hand_count(model):
+    cfg = model.config
+    eng = engine(model, PrefixStoreConfig(checkpoint_interval=16, sequence_end_checkpoints=False))
+    eng.generate([list(range(3, 40))], greedy(1))  # 37 tokens: checkpoints at 16, 32 and the prompt end 37
+    state = 3 * (2 * 16 * 16 * 4 + 3 * 32 * 3 * 4)  # KDA layers x (H x d x d x 4 + conv 3*H*d x (K-1) x 4)
+    assert state == kda_state_bytes(cfg, jnp.float32)["total"]
+    block = BS * cfg.latent_dim * 4 * cfg.num_mla_layers
+    ledger = eng.ledger()
+    assert ledger["checkpoints"]["device"] == 3
+    assert (
+        ledger["checkpoint_bytes"]["device"] == 3 * state + block
+    )  # the prompt-end one keeps its partial block
+    assert ledger["cached_kv_blocks"] == 4  # full blocks of the 37-token prompt
+    assert ledger["live_kv_bytes"] == 0 and ledger["live_state_bytes"] == 0
+
+
+def test_budgets_demote_then_drop_and_stay_exact(model):
+    state = kda_state_bytes(model.config, jnp.float32)["total"]
+    cfg = PrefixStoreConfig(checkpoint_interval=BS, device_bytes=2 * state, host_bytes=12 * state)
+    eng = engine(model, cfg)
+    ref = engine(model, None)
+    rounds = conversation_workload(seed=11)
+    for prompts in rounds:
+        got = [r.token_ids for r in eng.generate(prompts, greedy())]
+        want = [r.token_ids for r in ref.generate(prompts, greedy())]
+        assert got == want
+        ledger = eng.ledger()
+        assert ledger["checkpoint_bytes"]["device"] <= cfg.device_bytes
+        assert ledger["checkpoint_bytes"]["host"] <= cfg.host_bytes
+    ledger = eng.ledger()
+    assert ledger["demotions"] > 0 and ledger["dropped_checkpoints"] > 0 and ledger["hits"] > 0
+
+
+def test_cached_blocks_are_evicted_when_the_pool_runs_out(model):
+    eng = engine(model, PrefixStoreConfig(checkpoint_interval=BS), num_blocks=20)
+    ref = engine(model, None, num_blocks=20)
+    rng = np.random.default_rng(12)
+    for _ in range(4):
+        prompts = [rng.integers(3, 512, 40).tolist() for _ in range(2)]
+        assert [r.token_ids for r in eng.generate(prompts, greedy())] == [
+            r.token_ids for r in ref.generate(prompts, greedy())
+        ]
+    assert eng.ledger()["evicted_blocks"] > 0
