@@ -101,3 +101,46 @@ def cache_bytes_per_sequence(
         "conv_state_bytes": state["conv"],
         "total_bytes": kv + state["total"],
     }
+
+
+def memory_report(
+    cfg: ModelConfig,
+    context: int,
+    interval: int | None,
+    dtype: jnp.dtype = jnp.bfloat16,
+    hbm_bytes: int | None = None,
+) -> dict[str, int | float | None]:
+    """The analytic per-sequence ledger at `context` tokens: MLA KV, KDA live state, state checkpoints every
+    `interval` tokens (floor(context / interval) of them), against an all-MLA model of the same depth."""
+    if context < 1:
+        raise ValueError(f"context must be positive, got {context}")
+    if interval is not None and interval < 1:
+        raise ValueError(f"interval must be positive, got {interval}")
+    per = cache_bytes_per_sequence(cfg, context, dtype)
+    num_checkpoints = context // interval if interval else 0
+    checkpoint_bytes = num_checkpoints * per["state_bytes"]
+    all_mla = cfg.num_hidden_layers * context * cfg.latent_dim * np.dtype(dtype).itemsize
+    total = per["kv_bytes"] + per["state_bytes"] + checkpoint_bytes
+    out: dict[str, int | float | None] = {
+        "config": cfg.name,
+        "context": context,
+        "interval": interval,
+        "dtype": np.dtype(dtype).name,
+        "kv_bytes": per["kv_bytes"],
+        "state_bytes": per["state_bytes"],
+        "recurrent_state_bytes": per["recurrent_state_bytes"],
+        "conv_state_bytes": per["conv_state_bytes"],
+        "num_checkpoints": num_checkpoints,
+        "checkpoint_bytes": checkpoint_bytes,
+        "checkpoint_recurrent_bytes": num_checkpoints * per["recurrent_state_bytes"],
+        "total_bytes": total,
+        "all_mla_kv_bytes": all_mla,
+        "saving_pct": 100.0 * (all_mla - total) / all_mla,
+        "saving_pct_without_checkpoints": 100.0 * (all_mla - total + checkpoint_bytes) / all_mla,
+    }
+    if hbm_bytes is not None:
+        out["hbm_bytes"] = hbm_bytes
+        out["sequences_fit"] = hbm_bytes // total
+        out["sequences_fit_without_checkpoints"] = hbm_bytes // (total - checkpoint_bytes)
+        out["sequences_fit_all_mla"] = hbm_bytes // all_mla
+    return out

@@ -51,7 +51,7 @@ class HybridLM(nnx.Module):
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
+            else Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype, axes=("vocab", "embed"))
         )
 
     def logits(self, h: jax.Array) -> jax.Array:
@@ -91,6 +91,13 @@ def set_moe_impl(model: HybridLM, impl: str) -> None:
     for layer in model.model.layers:
         if layer.is_moe:
             layer.block_sparse_moe.impl = impl
+
+
+def set_experts_fn(model: HybridLM, fn: Callable[..., jax.Array] | None) -> None:
+    """Install `fn` (signature of `ops.moe.moe_experts_dropless`) in every MoE layer; None restores `impl`."""
+    for layer in model.model.layers:
+        if layer.is_moe:
+            layer.block_sparse_moe.experts_fn = fn
 
 
 def pure_fn(model: HybridLM, method: str = "__call__") -> tuple[Callable[..., Any], Any]:

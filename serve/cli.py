@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from serve.commands import bench, generate, info
+from serve.commands import bench, convert, generate, info, memory, serve
 
-COMMANDS = (info, generate, bench)
+COMMANDS = (info, generate, bench, convert, memory, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -188,6 +188,19 @@ def _take(
     return states, kv
 
 
+@jax.jit
+def _gather(pools: tuple[Any, ...], blocks: jax.Array) -> tuple[Any, ...]:
+    """Copies of the latent KV of `blocks` [n], per MLA layer [n, block_size, latent] (a disk entry)."""
+    return tuple(p[blocks] for p in pools if not isinstance(p, KDACache))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _put_blocks(pools: tuple[Any, ...], blocks: jax.Array, kv: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Write per MLA layer [n, block_size, latent] KV into `blocks` [n] (a prefix loaded from disk)."""
+    kv_it = iter(kv)
+    return tuple(p if isinstance(p, KDACache) else p.at[blocks].set(next(kv_it)) for p in pools)
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _put(
     pools: tuple[Any, ...], slot: jax.Array, states: tuple[Any, ...], block: jax.Array, kv: tuple[Any, ...]
@@ -249,7 +262,8 @@ class Engine:
             config.prefix.validate(config.block_size)
             leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(self.params)]
             fp = fingerprint(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str), leaves)
-            self.store = PrefixStore(config.prefix, config.block_size, fp, self.block_bytes)
+            layout = f"bs{config.block_size}-{self.kv_dtype.name}"
+            self.store = PrefixStore(config.prefix, config.block_size, fp, self.block_bytes, layout)
 
     # --- pools -----------------------------------------------------------------------------------
     def _init_pools(self, num_blocks: int) -> tuple[Any, ...]:
@@ -407,33 +421,110 @@ class Engine:
         return n
 
     def _restore(self, req: Request, found: Lookup) -> bool:
-        """Attach a hit's shared blocks and restore its checkpoint into the request's slot."""
+        """Attach a hit's shared blocks and restore its checkpoint into the request's slot. A disk hit first
+        loads its entry and writes the KV of the blocks the pool lacks into fresh blocks. False when `req`
+        was preempted for blocks, or (still running, nothing attached) when the disk entry was unreadable."""
         t0 = time.perf_counter()
+        store, bs = self.store, self.config.block_size
         self.allocator.share(found.blocks)
         req.blocks = list(found.blocks)
         ck = found.checkpoint
+        if found.disk is not None:
+            loaded = self._load_prefix(req, found)
+            if loaded is None:
+                return False
+            states, tail_kv = loaded
+        else:
+            ck.holders += 1
+            states = jax.tree_util.tree_map(jnp.asarray, ck.states)
+            tail_kv = None if ck.tail_kv is None else jax.tree_util.tree_map(jnp.asarray, ck.tail_kv)
         tail_block = SCRATCH_BLOCK
-        if found.hit % self.config.block_size:
+        if found.hit % bs:
             # copy-on-write: the partial block is the request's own copy, it will write the rest of it
             if not self._ensure_blocks(req, found.hit):
+                if ck is not None:
+                    ck.holders -= 1
                 return False
             tail_block = req.blocks[-1]
-        ck.holders += 1
-        states = jax.tree_util.tree_map(jnp.asarray, ck.states)
         kv = (
-            jax.tree_util.tree_map(jnp.asarray, ck.tail_kv)
-            if ck.tail_kv is not None
+            tail_kv
+            if tail_kv is not None
             else tuple(
-                jnp.zeros((self.config.block_size, self.model_config.latent_dim), self.kv_dtype)
+                jnp.zeros((bs, self.model_config.latent_dim), self.kv_dtype)
                 for _ in range(self.model_config.num_mla_layers)
             )
         )
         self.pools = _put(self.pools, jnp.int32(req.slot), states, jnp.int32(tail_block), kv)
-        ck.holders -= 1
         req.num_computed = found.hit
-        self.store.stats["restores"] += 1
-        self.store.stats["restore_time_s"] += time.perf_counter() - t0
+        if ck is not None:
+            ck.holders -= 1
+        else:  # keep the disk hit in memory too: the next hit on it needs no disk read
+            entry = found.disk
+            store.promote(
+                Checkpoint(
+                    key=entry.key,
+                    position=entry.position,
+                    states=states,
+                    tail_kv=tail_kv,
+                    nbytes=self.state_bytes_per_slot + (self.block_bytes if tail_kv is not None else 0),
+                    tier="device",
+                    kind=entry.kind,
+                )
+            )
+            store.enforce_budgets(lambda tree: jax.tree_util.tree_map(np.asarray, tree))
+            store.disk.touch(entry)
+            store.stats["disk_restores"] += 1
+            store.stats["disk_restore_time_s"] += time.perf_counter() - t0
+        store.stats["restores"] += 1
+        store.stats["restore_time_s"] += time.perf_counter() - t0
         return True
+
+    def _load_prefix(self, req: Request, found: Lookup) -> tuple[Any, Any] | None:
+        """Read a disk entry; give `req` the blocks of its prefix: pool blocks indexed under the entry's
+        chain hashes where present, fresh blocks filled from the entry for the others (then indexed).
+        Returns the (states, partial block KV) as device arrays, or None (see `_restore`)."""
+        store, bs = self.store, self.config.block_size
+        entry = found.disk
+        entry.holders += 1
+        try:
+            data = store.disk.load(entry)
+        finally:
+            entry.holders -= 1
+        if data is None:  # dropped from the index; the request computes from scratch
+            self.allocator.release(req.blocks)
+            req.blocks = []
+            return None
+        states, kv_full, tail = data
+        num_full = entry.position // bs
+        layout: list[int | None] = list(req.blocks)
+        fresh = []
+        for j in range(len(layout), num_full):
+            block = store.blocks.get(entry.block_hashes[j])
+            if block is not None and self.allocator.refcount(block) > 0:
+                self.allocator.share([block])
+                layout.append(block)
+            else:
+                layout.append(None)
+                fresh.append(j)
+        req.blocks = [b for b in layout if b is not None]
+        if fresh:
+            if not self._ensure_blocks(req, (len(req.blocks) + len(fresh)) * bs):
+                return None
+            new = req.blocks[len(req.blocks) - len(fresh) :]
+            for j, block in zip(fresh, new, strict=True):
+                layout[j] = block
+            width = next(w for w in self.table_buckets if w >= len(fresh))
+            ids = np.full((width,), SCRATCH_BLOCK, np.int32)
+            ids[: len(fresh)] = new
+            rows = np.zeros((kv_full.shape[0], width, *kv_full.shape[2:]), kv_full.dtype)
+            rows[:, : len(fresh)] = kv_full[:, fresh]
+            self.pools = _put_blocks(self.pools, jnp.asarray(ids), tuple(jnp.asarray(r) for r in rows))
+        req.blocks = layout
+        for block in store.register_blocks(req.tokens, req.blocks, num_full * bs, req.cache_salt):
+            self.allocator.share([block])
+        states = tuple((jnp.asarray(conv), jnp.asarray(state)) for conv, state in states)
+        tail_kv = None if tail is None else tuple(jnp.asarray(t) for t in tail)
+        return states, tail_kv
 
     def _admit(self, budget: int) -> list[tuple[Request, int]]:
         jobs = []
@@ -453,8 +544,10 @@ class Engine:
             req.status, req.order = RUNNING, next(self._order)
             self.running.append(req)
             self._reset_slot(req.slot)
-            if found is not None and found.hit > 0:
-                self._restore(req, found)
+            if found is not None and found.hit > 0 and not self._restore(req, found):
+                if req.status != RUNNING:  # preempted itself for blocks: wait for the next step
+                    break
+                found = Lookup(0, found.matched, [], None)  # unreadable disk entry: compute it all
             if found is not None:
                 self.store.record_hit(found)
                 req.prefix_hit_tokens += found.hit
@@ -499,6 +592,17 @@ class Engine:
             )
         )
         store.enforce_budgets(lambda tree: jax.tree_util.tree_map(np.asarray, tree))
+        num_full = pos // self.config.block_size
+        meta = store.plan_disk_save(tokens, pos, req.cache_salt, kind, nbytes + num_full * self.block_bytes)
+        if meta is not None:  # write-through: the disk entry holds the KV of the whole prefix
+            kv_full, held = None, nbytes  # held: device bytes the queued save keeps alive
+            if num_full:
+                width = next(w for w in self.table_buckets if w >= num_full)
+                ids = np.full((width,), SCRATCH_BLOCK, np.int32)
+                ids[:num_full] = req.blocks[:num_full]
+                kv_full = _gather(self.pools, jnp.asarray(ids))
+                held += width * self.block_bytes
+            store.submit_disk_save(meta, (states, kv_full, num_full, kv if partial else None), held)
         store.stats["save_time_s"] += time.perf_counter() - t0
 
     def _after_compute(self, req: Request) -> None:
@@ -524,6 +628,8 @@ class Engine:
         """One scheduling round: a decode step for every request that has a token to extend, plus prefill
         chunks (continuing ones first, then newly admitted) under the token budget."""
         self.steps += 1
+        if self.store is not None:
+            self.store.poll_disk()  # disk saves that finished become visible to lookups now
         outputs: dict[str, RequestOutput] = {}
         budget = self.max_batched_tokens
         for req in sorted(self.running, key=lambda r: r.order):
@@ -669,6 +775,11 @@ class Engine:
             req.stats(),
         )
 
+    def flush(self) -> None:
+        """Wait for every pending disk save of the prefix store and make it visible (graceful shutdown)."""
+        if self.store is not None:
+            self.store.poll_disk(wait=True)
+
     # --- memory account ----------------------------------------------------------------------------
     def ledger(self) -> dict[str, Any]:
         """Every byte the engine and its prefix store hold, and what reuse saved or cost."""
@@ -692,6 +803,14 @@ class Engine:
             out["checkpoints"][ck.tier] += 1
         out["checkpoint_interval"] = self.store.config.checkpoint_interval
         out.update(self.store.stats)
+        disk = self.store.disk
+        if disk is not None:  # disk: bytes of the committed entries (states + KV of their prefixes + files)
+            out["checkpoint_bytes"]["disk"] = disk.bytes
+            out["checkpoints"]["disk"] = len(disk.entries)
+            out["disk_pending"] = len(disk.pending)
+            out["disk_pending_bytes"] = disk.pending_bytes
+            out["disk_ignored"] = len(disk.ignored)
+            out["store_dir"] = str(disk.dir)
         return out
 
     def memory(self) -> dict[str, Any]:

@@ -9,7 +9,10 @@ whose KV blocks are present and that ends at a checkpoint.
 
 Tiers: checkpoint states live on the device until the device budget is exceeded, then are demoted to
 host memory (numpy), then dropped (LRU in each tier). Cached KV blocks live in the engine's pool and
-are evicted (LRU, only those no running request holds) when the pool runs out.
+are evicted (LRU, only those no running request holds) when the pool runs out. With `store_dir` set,
+every checkpoint is also written through to disk (`serve.prefix_disk`: Orbax, in the background) with
+the KV of its whole prefix, so it still hits after it left memory, its blocks left the pool, or the
+engine restarted; the disk tier has its own budget (LRU).
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ import dataclasses
 import hashlib
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from serve.prefix_disk import DiskEntry, DiskTier
 
 
 @dataclasses.dataclass
@@ -31,6 +37,10 @@ class PrefixStoreConfig:
     sequence_end_checkpoints: bool = True
     device_bytes: int = 1 << 30
     host_bytes: int = 4 << 30
+    store_dir: str | None = None  # disk tier (write-through) when set
+    disk_bytes: int = 16 << 30
+    disk_max_pending: int = 64  # saves queued at most; a checkpoint beyond that is not written
+    disk_max_pending_bytes: int = 1 << 30  # and the device bytes those queued saves may hold
 
     def validate(self, block_size: int) -> None:
         if self.checkpoint_interval < 1 or self.checkpoint_interval % block_size:
@@ -38,9 +48,13 @@ class PrefixStoreConfig:
                 f"checkpoint_interval ({self.checkpoint_interval}) must be a positive multiple of "
                 f"the block size ({block_size})"
             )
-        for name in ("device_bytes", "host_bytes"):
+        for name in ("device_bytes", "host_bytes", "disk_bytes", "disk_max_pending_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"prefix store setting '{name}' must be >= 0")
+        if self.disk_max_pending < 1:
+            raise ValueError("prefix store setting 'disk_max_pending' must be >= 1")
+        if self.store_dir is not None and Path(self.store_dir).exists() and not Path(self.store_dir).is_dir():
+            raise ValueError(f"prefix store directory '{self.store_dir}' is not a directory")
 
 
 @dataclasses.dataclass
@@ -59,12 +73,14 @@ class Checkpoint:
 
 @dataclasses.dataclass
 class Lookup:
-    """A prompt match: reuse `hit` tokens (blocks + checkpoint), recompute the rest of `matched`."""
+    """A prompt match: reuse `hit` tokens (blocks + checkpoint), recompute the rest of `matched`. A disk
+    hit has `disk` set instead of `checkpoint`; `blocks` are then the leading blocks already in the pool."""
 
     hit: int
     matched: int
     blocks: list[int]
     checkpoint: Checkpoint | None
+    disk: DiskEntry | None = None
 
     @property
     def recomputed(self) -> int:
@@ -84,7 +100,12 @@ def fingerprint(config_json: str, leaves: list[np.ndarray]) -> bytes:
 
 class PrefixStore:
     def __init__(
-        self, config: PrefixStoreConfig, block_size: int, model_fingerprint: bytes, block_bytes: int
+        self,
+        config: PrefixStoreConfig,
+        block_size: int,
+        model_fingerprint: bytes,
+        block_bytes: int,
+        layout: str = "",
     ):
         self.config = config
         self.block_size = block_size
@@ -108,7 +129,31 @@ class PrefixStore:
             "demotions": 0,
             "dropped_checkpoints": 0,
             "evicted_blocks": 0,
+            "disk_saves": 0,
+            "disk_save_time_s": 0.0,
+            "disk_restores": 0,
+            "disk_restore_time_s": 0.0,
+            "disk_dropped": 0,
+            "disk_skipped": 0,
+            "disk_save_errors": 0,
+            "disk_restore_errors": 0,
         }
+        self.disk: DiskTier | None = None
+        if config.store_dir is not None:
+            # entries are only valid for this model and this cache layout (block size, KV dtype)
+            namespace = model_fingerprint.hex()[:16] + (f"-{layout}" if layout else "")
+            self.disk = DiskTier(
+                config.store_dir,
+                namespace,
+                model_fingerprint,
+                block_size,
+                config.disk_bytes,
+                config.disk_max_pending,
+                config.disk_max_pending_bytes,
+                self.stats,
+            )
+            for entry in self.disk.entries.values():
+                self._note_disk_tail(entry)
 
     # --- hashing ---------------------------------------------------------------------------------
     def root(self, salt: str | None) -> bytes:
@@ -133,24 +178,35 @@ class PrefixStore:
         self.stats["lookups"] += 1
         limit = len(tokens) - 1
         chain = self.chain(tokens, salt)
-        nb = 0
+        disk = self.disk
+        nb = 0  # full blocks in the pool
         while nb + 1 < len(chain) and chain[nb + 1] in self.blocks:
             nb += 1
+        reach = nb  # full blocks in the pool or inside a disk entry
+        if disk is not None:
+            while reach + 1 < len(chain) and (
+                chain[reach + 1] in self.blocks or chain[reach + 1] in disk.block_refs
+            ):
+                reach += 1
         bs = self.block_size
         # how far the match goes: full blocks, then the longest partial tail seen after them
-        matched = nb * bs
-        for tail in self.tails.get(chain[nb], ()):
+        matched = reach * bs
+        for tail in self.tails.get(chain[reach], ()):
             r = len(tail)
-            if tuple(tokens[nb * bs : nb * bs + r]) == tail:
-                matched = max(matched, nb * bs + r)
+            if tuple(tokens[reach * bs : reach * bs + r]) == tail:
+                matched = max(matched, reach * bs + r)
         matched = min(matched, limit)
-        best: tuple[int, Checkpoint] | None = None
-        for i in range(nb, -1, -1):
+        best: tuple[int, Checkpoint | DiskEntry] | None = None
+        for i in range(reach, -1, -1):
             base = i * bs
             if base > limit:
                 continue
             for r in range(min(bs - 1, limit - base), -1, -1):
-                ck = self.checkpoints.get(self.checkpoint_key(chain[i], tuple(tokens[base : base + r])))
+                key = self.checkpoint_key(chain[i], tuple(tokens[base : base + r]))
+                # a checkpoint in memory needs its blocks in the pool; a disk entry carries its own
+                ck = self.checkpoints.get(key) if i <= nb else None
+                if ck is None and disk is not None:
+                    ck = disk.entries.get(key)
                 if ck is not None:
                     best = (base + r, ck)
                     break
@@ -159,9 +215,12 @@ class PrefixStore:
         if best is None:
             return Lookup(0, matched, [], None)
         pos, ck = best
-        blocks = [self.blocks[chain[j]] for j in range(1, pos // bs + 1)]
-        for j in range(pos // bs, 0, -1):  # deepest first, so LRU eviction trims chains from their ends
+        in_pool = min(nb, pos // bs)
+        blocks = [self.blocks[chain[j]] for j in range(1, in_pool + 1)]
+        for j in range(in_pool, 0, -1):  # deepest first, so LRU eviction trims chains from their ends
             self.blocks.move_to_end(chain[j])
+        if isinstance(ck, DiskEntry):
+            return Lookup(pos, max(matched, pos), blocks, None, disk=ck)
         self.checkpoints.move_to_end(ck.key)
         return Lookup(pos, max(matched, pos), blocks, ck)
 
@@ -209,6 +268,56 @@ class PrefixStore:
             return
         self.checkpoints[ck.key] = ck
         self.stats["saves"] += 1
+
+    def promote(self, ck: Checkpoint) -> None:
+        """Bring a checkpoint restored from disk into memory (not counted as a save)."""
+        old = self.checkpoints.get(ck.key)
+        if old is not None and old.holders:
+            return
+        self.checkpoints[ck.key] = ck
+        self.checkpoints.move_to_end(ck.key)
+
+    # --- disk tier -------------------------------------------------------------------------------
+    def _note_disk_tail(self, entry: DiskEntry) -> None:
+        if entry.tail:
+            self.tails.setdefault(entry.base, set()).add(entry.tail)
+
+    def plan_disk_save(
+        self, tokens: list[int], position: int, salt: str | None, kind: str, nbytes: int
+    ) -> dict[str, Any] | None:
+        """Metadata of the disk entry for the checkpoint at `position` of `tokens`, or None when it is not
+        to be written (no disk tier, already on disk or on its way, over the budget, queue full)."""
+        if self.disk is None:
+            return None
+        nb = position // self.block_size
+        chain = self.chain(tokens[: nb * self.block_size], salt)
+        tail = [int(t) for t in tokens[nb * self.block_size : position]]
+        key = self.checkpoint_key(chain[-1], tuple(tail))
+        if not self.disk.wants(key, nbytes):
+            return None
+        return {
+            "key": key.hex(),
+            "fingerprint": self.fingerprint.hex(),
+            "block_size": self.block_size,
+            "position": position,
+            "kind": kind,
+            "base": chain[-1].hex(),
+            "block_hashes": [h.hex() for h in chain[1:]],
+            "tail": tail,
+            "created": time.time(),
+        }
+
+    def submit_disk_save(self, meta: dict[str, Any], payload: Any, device_bytes: int) -> None:
+        """Write a planned entry in the background. `payload` = (states, kv of the full blocks, number of
+        full blocks, partial block's KV or None), device arrays the caller no longer changes."""
+        self.disk.submit(meta, payload, device_bytes)
+
+    def poll_disk(self, wait: bool = False) -> None:
+        """Make finished disk saves visible to lookups (waiting for all of them with `wait`)."""
+        if self.disk is None:
+            return
+        for entry in self.disk.poll(wait=wait):
+            self._note_disk_tail(entry)
 
     def tier_bytes(self, tier: str) -> int:
         return sum(c.nbytes for c in self.checkpoints.values() if c.tier == tier)

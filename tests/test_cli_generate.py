@@ -78,3 +78,27 @@ def test_prompts_file_errors_name_the_line(capsys, tmp_path):
     f.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1], "temprature": 1}\n')
     rc, _, err = run(capsys, "--prompts-file", str(f))
     assert rc == 2 and "bad.jsonl:2" in err and "temprature" in err
+
+
+def test_prefix_cache_flags(capsys, tmp_path):
+    shared = list(range(10, 40))
+    f = tmp_path / "p.jsonl"
+    f.write_text(
+        "\n".join(
+            json.dumps(x)
+            for x in [
+                {"prompt_ids": shared},
+                {"prompt_ids": shared + [5, 6]},
+                {"prompt_ids": shared + [5, 6], "cache_salt": "t2"},
+            ]
+        )
+        + "\n"
+    )
+    rc, out, _ = run(capsys, "--prompts-file", str(f), "--json", "--slots", "1", "--checkpoint-interval", "8")
+    stats = [json.loads(line)["stats"] for line in out.strip().splitlines()]
+    assert rc == 0
+    assert [s["prefix_hit_tokens"] for s in stats] == [0, 30, 0]  # prompt-end hit; another salt never hits
+    rc, out, _ = run(capsys, "--prompts-file", str(f), "--json", "--slots", "1", "--no-prefix-cache")
+    assert rc == 0 and all(json.loads(x)["stats"]["prefix_hit_tokens"] == 0 for x in out.strip().splitlines())
+    rc, _, err = run(capsys, "--prompt-ids", "1", "--checkpoint-interval", "12")
+    assert rc == 2 and "multiple of the block size" in err

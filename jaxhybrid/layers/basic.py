@@ -16,13 +16,40 @@ class Buffer(nnx.Variable):
     """A non-trainable tensor that is part of the checkpoint (e.g. the router's score correction bias)."""
 
 
+# Logical axis names: every parameter and buffer carries one name (or None) per dimension in the standard
+# Flax `out_sharding` metadata, e.g. ("vocab", "embed"). They are plain strings; `sharding.rules` maps them
+# to mesh axes. `eager_sharding=False` keeps Flax from trying to place the value on a mesh at creation:
+# the model itself knows no mesh, so construction and numerics are unchanged.
+Axes = tuple[str | None, ...]
+
+
+def param(value: jax.Array, axes: Axes) -> nnx.Param:
+    """An `nnx.Param` annotated with one logical axis name per dimension."""
+    if len(axes) != len(value.shape):
+        raise ValueError(f"{len(axes)} logical axis names {axes} for a parameter of shape {value.shape}")
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+def buffer(value: jax.Array, axes: Axes) -> Buffer:
+    """A `Buffer` annotated with one logical axis name per dimension."""
+    if len(axes) != len(value.shape):
+        raise ValueError(f"{len(axes)} logical axis names {axes} for a buffer of shape {value.shape}")
+    return Buffer(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
 class Linear(nnx.Module):
-    """`y = x @ weight.T` with weight [out, in], no bias."""
+    """`y = x @ weight.T` with weight [out, in], no bias. `axes`: logical names of (out, in)."""
 
     def __init__(
-        self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        rngs: nnx.Rngs,
+        dtype: jnp.dtype = jnp.float32,
+        axes: tuple[str | None, str | None] = (None, None),
     ):
-        self.weight = nnx.Param(linear_init(rngs.params(), (out_features, in_features), dtype))
+        self.weight = param(linear_init(rngs.params(), (out_features, in_features), dtype), axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
@@ -32,15 +59,17 @@ class Embedding(nnx.Module):
     """Token embedding table [vocab, hidden]."""
 
     def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
-        self.weight = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (vocab, dim), dtype))
+        self.weight = param(
+            nnx.initializers.normal(0.02)(rngs.params(), (vocab, dim), dtype), ("vocab", "embed")
+        )
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.weight[...], tokens, axis=0)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype = jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype = jnp.float32, axis: str | None = "embed"):
+        self.weight = param(jnp.ones((dim,), dtype), (axis,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -50,8 +79,8 @@ class RMSNorm(nnx.Module):
 class GatedRMSNorm(nnx.Module):
     """Per-head RMSNorm multiplied by sigmoid(gate) (KDA `o_norm`)."""
 
-    def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype = jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype = jnp.float32, axis: str | None = None):
+        self.weight = param(jnp.ones((dim,), dtype), (axis,))
         self.eps = eps
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
@@ -61,18 +90,34 @@ class GatedRMSNorm(nnx.Module):
 class DepthwiseConv(nnx.Module):
     """Holds a depthwise causal conv weight [channels, 1, kernel] (applied by `ops.conv`)."""
 
-    def __init__(self, channels: int, kernel: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+    def __init__(
+        self,
+        channels: int,
+        kernel: int,
+        *,
+        rngs: nnx.Rngs,
+        dtype: jnp.dtype = jnp.float32,
+        axis: str | None = None,
+    ):
         init = nnx.initializers.variance_scaling(1.0, "fan_in", "uniform", in_axis=-1, out_axis=0)
-        self.weight = nnx.Param(init(rngs.params(), (channels, 1, kernel), dtype))
+        self.weight = param(init(rngs.params(), (channels, 1, kernel), dtype), (axis, None, None))
 
 
 class SwiGLU(nnx.Module):
     """Dense gated MLP `down(silu(gate(x)) * up(x))` (checkpoint `mlp.{gate,up,down}_proj`)."""
 
-    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
-        self.gate_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype)
-        self.up_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype)
-        self.down_proj = Linear(hidden, dim, rngs=rngs, dtype=dtype)
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        *,
+        rngs: nnx.Rngs,
+        dtype: jnp.dtype = jnp.float32,
+        hidden_axis: str | None = "mlp",
+    ):
+        self.gate_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype, axes=(hidden_axis, "embed"))
+        self.up_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype, axes=(hidden_axis, "embed"))
+        self.down_proj = Linear(hidden, dim, rngs=rngs, dtype=dtype, axes=("embed", hidden_axis))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxhybrid.cache import KDACache
 from jaxhybrid.config import ModelConfig
-from jaxhybrid.layers.basic import DepthwiseConv, GatedRMSNorm, Linear
+from jaxhybrid.layers.basic import DepthwiseConv, GatedRMSNorm, Linear, param
 from jaxhybrid.ops.conv import causal_conv1d
 from jaxhybrid.ops.kda import kda_chunked, kda_recurrent
 from jaxhybrid.ops.norms import l2_normalize
@@ -26,22 +26,25 @@ class KimiDeltaAttention(nnx.Module):
         D, H, d, K = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
         self.num_heads, self.head_dim = H, d
         self.gate_lower_bound = cfg.gate_lower_bound
-        self.q_proj = Linear(D, H * d, rngs=rngs, dtype=dtype)
-        self.k_proj = Linear(D, H * d, rngs=rngs, dtype=dtype)
-        self.v_proj = Linear(D, H * d, rngs=rngs, dtype=dtype)
-        self.q_conv1d = DepthwiseConv(H * d, K, rngs=rngs, dtype=dtype)
-        self.k_conv1d = DepthwiseConv(H * d, K, rngs=rngs, dtype=dtype)
-        self.v_conv1d = DepthwiseConv(H * d, K, rngs=rngs, dtype=dtype)
-        self.f_a_proj = Linear(D, d, rngs=rngs, dtype=dtype)
-        self.f_b_proj = Linear(d, H * d, rngs=rngs, dtype=dtype)
-        self.dt_bias = nnx.Param(jnp.ones((H * d,), jnp.float32))
+        # Logical axes: "kda_heads" marks every dimension laid out head-major over the H heads (H*d
+        # projections and conv channels, per-head scalars); "kda_head_dim" the d-wide low-rank gate dims.
+        heads_in = ("kda_heads", "embed")
+        self.q_proj = Linear(D, H * d, rngs=rngs, dtype=dtype, axes=heads_in)
+        self.k_proj = Linear(D, H * d, rngs=rngs, dtype=dtype, axes=heads_in)
+        self.v_proj = Linear(D, H * d, rngs=rngs, dtype=dtype, axes=heads_in)
+        self.q_conv1d = DepthwiseConv(H * d, K, rngs=rngs, dtype=dtype, axis="kda_heads")
+        self.k_conv1d = DepthwiseConv(H * d, K, rngs=rngs, dtype=dtype, axis="kda_heads")
+        self.v_conv1d = DepthwiseConv(H * d, K, rngs=rngs, dtype=dtype, axis="kda_heads")
+        self.f_a_proj = Linear(D, d, rngs=rngs, dtype=dtype, axes=("kda_head_dim", "embed"))
+        self.f_b_proj = Linear(d, H * d, rngs=rngs, dtype=dtype, axes=("kda_heads", "kda_head_dim"))
+        self.dt_bias = param(jnp.ones((H * d,), jnp.float32), ("kda_heads",))
         a_init = jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1.0, 16.0))
-        self.A_log = nnx.Param(a_init.reshape(1, 1, H, 1))
-        self.b_proj = Linear(D, H, rngs=rngs, dtype=dtype)
-        self.g_a_proj = Linear(D, d, rngs=rngs, dtype=dtype)
-        self.g_b_proj = Linear(d, H * d, rngs=rngs, dtype=dtype)
-        self.o_norm = GatedRMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
-        self.o_proj = Linear(H * d, D, rngs=rngs, dtype=dtype)
+        self.A_log = param(a_init.reshape(1, 1, H, 1), (None, None, "kda_heads", None))
+        self.b_proj = Linear(D, H, rngs=rngs, dtype=dtype, axes=heads_in)
+        self.g_a_proj = Linear(D, d, rngs=rngs, dtype=dtype, axes=("kda_head_dim", "embed"))
+        self.g_b_proj = Linear(d, H * d, rngs=rngs, dtype=dtype, axes=("kda_heads", "kda_head_dim"))
+        self.o_norm = GatedRMSNorm(d, cfg.rms_norm_eps, dtype=dtype, axis="kda_head_dim")
+        self.o_proj = Linear(H * d, D, rngs=rngs, dtype=dtype, axes=("embed", "kda_heads"))
 
     def forget_gate(self, x: jax.Array) -> jax.Array:
         """Per-channel log-decay g [B, T, H, d] (<= 0), in fp32."""

@@ -49,18 +49,28 @@ class MultiHeadLatentAttention(nnx.Module):
         )
         self.scale = cfg.qk_head_dim**-0.5
         self.q_lora = cfg.q_lora_rank is not None
+        # Logical axes: "heads" marks head-major dimensions (H * per-head width); "kv_latent" the
+        # compressed latent (c and the shared k_r), which has no head axis; "q_lora" the query low rank.
         if self.q_lora:
-            self.q_a_proj = Linear(D, cfg.q_lora_rank, rngs=rngs, dtype=dtype)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS, dtype=dtype)
-            self.q_b_proj = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, rngs=rngs, dtype=dtype)
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, rngs=rngs, dtype=dtype, axes=("q_lora", "embed"))
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS, dtype=dtype, axis="q_lora")
+            self.q_b_proj = Linear(
+                cfg.q_lora_rank, H * cfg.qk_head_dim, rngs=rngs, dtype=dtype, axes=("heads", "q_lora")
+            )
         else:
-            self.q_proj = Linear(D, H * cfg.qk_head_dim, rngs=rngs, dtype=dtype)
-        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, rngs=rngs, dtype=dtype)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_NORM_EPS, dtype=dtype)
-        self.kv_b_proj = Linear(
-            cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), rngs=rngs, dtype=dtype
+            self.q_proj = Linear(D, H * cfg.qk_head_dim, rngs=rngs, dtype=dtype, axes=("heads", "embed"))
+        self.kv_a_proj_with_mqa = Linear(
+            D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, rngs=rngs, dtype=dtype, axes=("kv_latent", "embed")
         )
-        self.o_proj = Linear(H * cfg.v_head_dim, D, rngs=rngs, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_NORM_EPS, dtype=dtype, axis="kv_latent")
+        self.kv_b_proj = Linear(
+            cfg.kv_lora_rank,
+            H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+            rngs=rngs,
+            dtype=dtype,
+            axes=("heads", "kv_latent"),
+        )
+        self.o_proj = Linear(H * cfg.v_head_dim, D, rngs=rngs, dtype=dtype, axes=("embed", "heads"))
 
     def query(self, x: jax.Array) -> jax.Array:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxhybrid.config import ModelConfig
-from jaxhybrid.layers.basic import Buffer, SwiGLU, linear_init
+from jaxhybrid.layers.basic import SwiGLU, buffer, linear_init, param
 from jaxhybrid.ops.moe import moe_experts_dense, moe_experts_dropless, route
 
 EXPERT_IMPLS: dict[str, Callable[..., jax.Array]] = {
@@ -25,8 +25,11 @@ EXPERT_IMPLS: dict[str, Callable[..., jax.Array]] = {
 
 class Router(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.weight = nnx.Param(linear_init(rngs.params(), (cfg.num_experts, cfg.hidden_size), jnp.float32))
-        self.e_score_correction_bias = Buffer(jnp.zeros((cfg.num_experts,), jnp.float32))
+        # "router" (not "experts"): the router is tiny and every token needs all E scores for its top-k.
+        self.weight = param(
+            linear_init(rngs.params(), (cfg.num_experts, cfg.hidden_size), jnp.float32), ("router", "embed")
+        )
+        self.e_score_correction_bias = buffer(jnp.zeros((cfg.num_experts,), jnp.float32), ("router",))
         self.top_k, self.n_group, self.topk_group = (
             cfg.num_experts_per_token,
             cfg.num_expert_group,
@@ -53,9 +56,9 @@ class Experts(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
         E, D, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.w1 = nnx.Param(linear_init(rngs.params(), (E, F, D), dtype))
-        self.w2 = nnx.Param(linear_init(rngs.params(), (E, D, F), dtype))
-        self.w3 = nnx.Param(linear_init(rngs.params(), (E, F, D), dtype))
+        self.w1 = param(linear_init(rngs.params(), (E, F, D), dtype), ("experts", "expert_mlp", "embed"))
+        self.w2 = param(linear_init(rngs.params(), (E, D, F), dtype), ("experts", "embed", "expert_mlp"))
+        self.w3 = param(linear_init(rngs.params(), (E, F, D), dtype), ("experts", "expert_mlp", "embed"))
 
 
 class MoE(nnx.Module):
@@ -64,19 +67,27 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
         self.shared_experts = (
             SwiGLU(
-                cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts, rngs=rngs, dtype=dtype
+                cfg.hidden_size,
+                cfg.moe_intermediate_size * cfg.num_shared_experts,
+                rngs=rngs,
+                dtype=dtype,
+                hidden_axis="mlp",
             )
             if cfg.num_shared_experts > 0
             else None
         )
         self.impl = "dropless"  # "dense" runs every expert (the reference)
+        # Optional replacement for EXPERT_IMPLS[self.impl] with the same signature (x, w1, w2, w3, weights,
+        # ids) -> y, e.g. the expert-parallel dispatch of `sharding.expert_parallel`. A static attribute.
+        self.experts_fn: Callable[..., jax.Array] | None = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
         ex = self.experts
-        y = EXPERT_IMPLS[self.impl](
+        experts_fn = self.experts_fn if self.experts_fn is not None else EXPERT_IMPLS[self.impl]
+        y = experts_fn(
             flat,
             ex.w1[...].astype(x.dtype),
             ex.w2[...].astype(x.dtype),

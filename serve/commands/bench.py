@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from serve.bench import decode
+from serve.bench import decode, load, ttft
 
-BENCHES = (decode,)
+BENCHES = (decode, load, ttft)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -38,3 +38,63 @@ def print_table(rows: list[dict], columns: list[str], file: TextIO | None = None
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)), file=file)
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)), file=file)
+
+
+def add_prefix_args(p: argparse.ArgumentParser) -> None:
+    """Prefix-store flags shared by `generate` and `serve` (the prefix cache is on by default)."""
+    g = p.add_argument_group("prefix cache")
+    g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix store off")
+    g.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=32768,
+        help="keep a KDA state checkpoint every N tokens (a multiple of --block-size; default 32768)",
+    )
+    g.add_argument(
+        "--no-prompt-end-checkpoints",
+        action="store_true",
+        help="do not checkpoint the state at the end of every prompt",
+    )
+    g.add_argument(
+        "--no-sequence-end-checkpoints",
+        action="store_true",
+        help="do not checkpoint the state at the end of every finished sequence",
+    )
+    g.add_argument(
+        "--device-cache-mb",
+        type=float,
+        default=1024.0,
+        help="byte budget of checkpoints kept in device memory, MiB (default 1024)",
+    )
+    g.add_argument(
+        "--host-cache-mb",
+        type=float,
+        default=4096.0,
+        help="byte budget of checkpoints demoted to host memory, MiB (default 4096)",
+    )
+    g.add_argument(
+        "--store-dir",
+        default=None,
+        help="directory of the disk (Orbax) tier: checkpoints are written through and reused after a restart",
+    )
+    g.add_argument(
+        "--disk-cache-mb", type=float, default=16384.0, help="disk tier budget, MiB (default 16384)"
+    )
+
+
+def prefix_config(args: argparse.Namespace):  # -> PrefixStoreConfig | None
+    from serve.prefix_store import PrefixStoreConfig
+
+    if args.no_prefix_cache:
+        if args.store_dir:
+            raise ValueError("--store-dir needs the prefix cache (drop --no-prefix-cache)")
+        return None
+    return PrefixStoreConfig(
+        store_dir=args.store_dir,
+        disk_bytes=int(args.disk_cache_mb * 2**20),
+        checkpoint_interval=args.checkpoint_interval,
+        prompt_end_checkpoints=not args.no_prompt_end_checkpoints,
+        sequence_end_checkpoints=not args.no_sequence_end_checkpoints,
+        device_bytes=int(args.device_cache_mb * 2**20),
+        host_bytes=int(args.host_cache_mb * 2**20),
+    )

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from serve.commands.common import DTYPES, add_config_arg
+from serve.commands.common import DTYPES, add_config_arg, add_prefix_args, prefix_config
 
+REQUEST_FIELDS = ("prompt_ids", "cache_salt")
 SAMPLING_FIELDS = (
     "max_tokens",
     "temperature",
@@ -42,7 +43,11 @@ def load_model(args: argparse.Namespace) -> Any:
     from jaxhybrid.model import HybridLM
 
     if args.model:
-        raise UsageError("--model (loading a checkpoint directory) is not supported yet; use --config NAME")
+        if args.config:
+            raise UsageError("give either --model DIR or --config NAME, not both")
+        from jaxhybrid.weights import load_pretrained
+
+        return load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=False)
     cfg = load_config(args.config or "tiny")
     return HybridLM(cfg, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype))
 
@@ -59,6 +64,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         kv_dtype=args.dtype,
         seed=args.seed,
+        prefix=prefix_config(args),
     )
 
 
@@ -68,7 +74,7 @@ def sampling_from(args: argparse.Namespace, overrides: dict[str, Any], where: st
     unknown = sorted(set(overrides) - set(SAMPLING_FIELDS))
     if unknown:
         raise UsageError(
-            f"{where}: unknown field '{unknown[0]}' (allowed: prompt_ids, {', '.join(SAMPLING_FIELDS)})"
+            f"{where}: unknown field '{unknown[0]}' (allowed: {', '.join(REQUEST_FIELDS + SAMPLING_FIELDS)})"
         )
     fields: dict[str, Any] = {
         "max_tokens": args.max_tokens,
@@ -86,14 +92,14 @@ def sampling_from(args: argparse.Namespace, overrides: dict[str, Any], where: st
     return SamplingParams(**fields)
 
 
-def collect_requests(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[int], Any]]:
+def collect_requests(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[int], Any, str | None]]:
     given = [x is not None for x in (args.prompt_ids, args.prompt, args.prompts_file)]
     if sum(given) != 1:
         raise UsageError("give exactly one of --prompt-ids, --prompt, --prompts-file")
     if args.prompt_ids is not None:
-        return [(parse_ids(args.prompt_ids), sampling_from(args, {}, "command line"))]
+        return [(parse_ids(args.prompt_ids), sampling_from(args, {}, "command line"), args.cache_salt)]
     if args.prompt is not None:
-        return [(tokenizer.encode(args.prompt), sampling_from(args, {}, "command line"))]
+        return [(tokenizer.encode(args.prompt), sampling_from(args, {}, "command line"), args.cache_salt)]
     path = Path(args.prompts_file)
     if not path.exists():
         raise UsageError(f"--prompts-file {path}: no such file")
@@ -109,9 +115,12 @@ def collect_requests(args: argparse.Namespace, tokenizer: Any) -> list[tuple[lis
         if not isinstance(obj, dict) or "prompt_ids" not in obj:
             raise UsageError(f"{where}: expected an object with 'prompt_ids'")
         ids = obj.pop("prompt_ids")
+        salt = obj.pop("cache_salt", args.cache_salt)
         if not isinstance(ids, list):
             raise UsageError(f"{where}: 'prompt_ids' must be a list of token ids")
-        out.append((ids, sampling_from(args, obj, where)))
+        if salt is not None and not isinstance(salt, str):
+            raise UsageError(f"{where}: 'cache_salt' must be a string")
+        out.append((ids, sampling_from(args, obj, where), salt))
     if not out:
         raise UsageError(f"{path}: no prompts")
     return out
@@ -120,20 +129,25 @@ def collect_requests(args: argparse.Namespace, tokenizer: Any) -> list[tuple[lis
 def run(args: argparse.Namespace) -> int:
     """Generate from token ids, text (byte-level tokenizer for random-weight configs) or a JSON-lines file."""
     from jaxhybrid.config import ConfigError
-    from jaxhybrid.tokenizer import ByteTokenizer
+    from jaxhybrid.tokenizer import load_tokenizer
     from serve.engine import Engine, RequestError
     from serve.sampling import SamplingError
 
     try:
         model = load_model(args)
-        tokenizer = ByteTokenizer(model.config.vocab_size) if model.config.vocab_size >= 259 else None
+        tokenizer = load_tokenizer(args.model, model.config)
         if args.prompt is not None and tokenizer is None:
             raise UsageError(
                 "--prompt needs a tokenizer; this config's vocabulary is too small: use --prompt-ids"
             )
         requests = collect_requests(args, tokenizer)
         engine = Engine(model, engine_config(args))
-        results = engine.generate([r[0] for r in requests], [r[1] for r in requests])
+        for prompt, params, _ in requests:  # validate every line before serving any
+            engine._validate(prompt, params, None)
+        ids = [engine.add_request(prompt, params, cache_salt=salt) for prompt, params, salt in requests]
+        while engine.has_unfinished():
+            engine.step()
+        results = [engine.result(i) for i in ids]
     except (UsageError, ConfigError, RequestError, SamplingError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -157,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate tokens for one or more prompts", description=run.__doc__)
     add_config_arg(p)
-    p.add_argument("--model", help="a checkpoint directory (not supported yet)")
+    p.add_argument("--model", help="a checkpoint directory: Hugging Face safetensors or converted Orbax")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and of per-request seeds")
     p.add_argument(
         "--dtype", choices=DTYPES, default="float32", help="weights and KV-cache dtype (default float32)"
@@ -197,6 +211,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument(
         "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"
     )
+    s.add_argument(
+        "--cache-salt", help="prefix-cache isolation key: requests only reuse prefixes of the same salt"
+    )
+    add_prefix_args(p)
     p.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt: token_ids, text, stats"
     )

@@ -1,0 +1,487 @@
+"""Hugging Face Kimi Linear checkpoints: the name mapping, reading one tensor at a time, writing.
+
+Our parameter names are the checkpoint names (`model.layers.0.self_attn.q_proj.weight`, ...) with one
+exception: the routed experts of a MoE layer are stacked into one parameter per projection,
+`model.layers.L.block_sparse_moe.experts.w1` [E, out, in], which the checkpoint stores as E tensors
+`model.layers.L.block_sparse_moe.experts.{e}.w1.weight` [out, in]. Everything else, including
+`self_attn.A_log` ([1, 1, H, 1] on both sides) and the router's `e_score_correction_bias` (a Buffer
+here), maps one to one with the same shape.
+
+Reading holds at most one parameter (one tensor, or one layer's stacked experts) on the host beyond what
+is already placed: each tensor is read with `safetensors.safe_open` (large ones in row slices) straight
+into a page-aligned buffer of the parameter's dtype, which `jax.device_put` then places on the target
+sharding (on the CPU it adopts the buffer without a copy). The file handle is reopened every
+`REOPEN_BYTES` so the memory-mapped pages it touched do not accumulate in the resident set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+REOPEN_BYTES = 64 << 20  # reopen a shard after this many bytes so its mapped pages leave the RSS
+CHUNK_BYTES = 16 << 20  # larger tensors are read in row slices of about this size
+
+# Tensors some exports carry that the model does not use; anything else unexpected is an error.
+KNOWN_UNUSED: tuple[re.Pattern[str], ...] = (
+    re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
+)
+
+_EXPERT_PARAM = re.compile(r"^(?P<prefix>model\.layers\.\d+\.block_sparse_moe\.experts)\.(?P<w>w[123])$")
+
+# safetensors dtype names -> numpy dtypes (bfloat16 and the fp8 types through ml_dtypes).
+_ST_DTYPES: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the config (missing / unexpected / mis-shaped tensor) or is broken."""
+
+
+def np_dtype(name: str) -> np.dtype:
+    import ml_dtypes  # noqa: F401  (registers bfloat16 / fp8 with numpy)
+
+    if name not in _ST_DTYPES:
+        raise CheckpointError(f"unsupported safetensors dtype {name!r}")
+    return np.dtype(_ST_DTYPES[name])
+
+
+# --- the name mapping ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One parameter of ours and the checkpoint tensor(s) it is made of."""
+
+    name: str  # our flat name
+    hf_names: tuple[str, ...]  # one name, or the E per-expert names (in expert order) of a stacked param
+    hf_shape: tuple[int, ...]  # shape of each checkpoint tensor
+    shape: tuple[int, ...]  # our shape
+
+    @property
+    def stacked(self) -> bool:
+        return len(self.hf_names) > 1 or bool(_EXPERT_PARAM.match(self.name))
+
+
+def tensor_specs(shapes: Mapping[str, tuple[int, ...]]) -> list[TensorSpec]:
+    """The checkpoint tensors behind each of our parameters (`shapes`: our flat name -> shape)."""
+    specs = []
+    for name, shape in shapes.items():
+        shape = tuple(shape)
+        m = _EXPERT_PARAM.match(name)
+        if m:
+            hf = tuple(f"{m['prefix']}.{e}.{m['w']}.weight" for e in range(shape[0]))
+            specs.append(TensorSpec(name, hf, shape[1:], shape))
+        else:
+            specs.append(TensorSpec(name, (name,), shape, shape))
+    return specs
+
+
+def known_unused(name: str, tied_embeddings: bool = False) -> bool:
+    if tied_embeddings and name == "lm_head.weight":
+        return True
+    return any(p.match(name) for p in KNOWN_UNUSED)
+
+
+# --- reading ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    dtype: str  # safetensors name, e.g. "BF16"
+    shape: tuple[int, ...]
+    offset: int  # start of the data inside the file's data section
+    nbytes: int
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor name -> info from a safetensors header; checks that the file holds all the data it declares."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (header_len,) = struct.unpack("<Q", head)
+        if 8 + header_len > size:
+            raise CheckpointError(
+                f"{path}: truncated safetensors file: the header needs {8 + header_len} bytes, "
+                f"the file has {size}"
+            )
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path}: corrupt safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    out: dict[str, TensorInfo] = {}
+    end = 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = (int(x) for x in meta["data_offsets"])
+            info = TensorInfo(
+                path, str(meta["dtype"]), tuple(int(s) for s in meta["shape"]), start, stop - start
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: corrupt header entry for tensor '{name}': {exc!r}") from None
+        out[name] = info
+        end = max(end, stop)
+    if 8 + header_len + end > size:
+        raise CheckpointError(
+            f"{path}: truncated safetensors file: its header declares {8 + header_len + end} bytes, "
+            f"the file has {size}"
+        )
+    return out
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The safetensors files of a directory: those named by the index, else every `*.safetensors`."""
+    index = directory / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index: {exc!r}") from None
+        files = [directory / f for f in sorted(set(weight_map.values()))]
+        missing = [str(f.name) for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{directory}: shard file(s) named in {INDEX_FILE} are missing: {missing}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors files and no {INDEX_FILE}")
+    return files
+
+
+def scan_checkpoint(directory: Path) -> dict[str, TensorInfo]:
+    """Every tensor of an HF checkpoint directory, from the headers only (no tensor data is read)."""
+    directory = Path(directory)
+    tensors: dict[str, TensorInfo] = {}
+    for path in checkpoint_files(directory):
+        for name, info in read_header(path).items():
+            if name in tensors:
+                raise CheckpointError(
+                    f"tensor '{name}' appears in both {tensors[name].file.name} and {path.name}"
+                )
+            tensors[name] = info
+    index = directory / INDEX_FILE
+    if index.exists():
+        for name, fname in json.loads(index.read_text())["weight_map"].items():
+            if name not in tensors or tensors[name].file.name != fname:
+                raise CheckpointError(
+                    f"tensor '{name}' is listed in {INDEX_FILE} under {fname} but is not there"
+                )
+    return tensors
+
+
+def host_buffer(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised array in its own anonymous memory mapping: page-aligned, so on the CPU
+    `jax.device_put` adopts it without a copy (the host buffer *is* the device array); returned to the
+    OS as soon as it is dropped; and not backed by transparent huge pages, whose first-touch compaction
+    made filling fresh numpy arrays several times slower on a busy machine."""
+    import mmap
+
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    mapping = mmap.mmap(-1, max(count * dtype.itemsize, 1))
+    return np.frombuffer(mapping, dtype, count=count).reshape(shape)
+
+
+class ShardReader:
+    """Reads tensors through `safe_open` into caller-given buffers, in row chunks of at most `chunk_bytes`.
+
+    One file is open at a time and it is reopened after every `reopen_bytes` read, so the memory-mapped
+    pages it touched leave the resident set; with chunked reads, loading a tensor never holds more than
+    about `reopen_bytes + chunk_bytes` beyond the destination buffer.
+    """
+
+    def __init__(self, reopen_bytes: int = REOPEN_BYTES, chunk_bytes: int = CHUNK_BYTES):
+        self.reopen_bytes = reopen_bytes
+        self.chunk_bytes = chunk_bytes
+        self._handle: Any = None
+        self._file: Path | None = None
+        self._read = 0
+
+    def _open(self, file: Path) -> Any:
+        from safetensors import SafetensorError, safe_open
+
+        if self._file != file or self._read >= self.reopen_bytes:
+            self.close()
+            try:
+                handle = safe_open(str(file), framework="np")
+                handle.__enter__()
+            except SafetensorError as exc:
+                raise CheckpointError(f"{file}: cannot open safetensors file: {exc}") from None
+            self._handle, self._file, self._read = handle, file, 0
+        return self._handle
+
+    def read_into(self, name: str, info: TensorInfo, out: np.ndarray) -> None:
+        """Read tensor `name` into `out` (same shape; the dtype is converted on the way)."""
+        from safetensors import SafetensorError
+
+        rows = info.shape[0] if info.shape else 1
+        row_bytes = info.nbytes // max(rows, 1)
+        step = (
+            rows
+            if not info.shape or info.nbytes <= self.chunk_bytes
+            else max(1, self.chunk_bytes // row_bytes)
+        )
+        try:
+            for a in range(0, rows, step):
+                b = min(a + step, rows)
+                handle = self._open(info.file)
+                if step >= rows:
+                    out[...] = handle.get_tensor(name)
+                else:
+                    out[a:b] = handle.get_slice(name)[a:b]
+                self._read += (b - a) * row_bytes
+        except SafetensorError as exc:
+            raise CheckpointError(f"tensor '{name}' in {info.file}: cannot be read: {exc}") from None
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+        self._handle, self._file, self._read = None, None, 0
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def check_against(
+    specs: list[TensorSpec], tensors: Mapping[str, TensorInfo], *, tied_embeddings: bool, where: str
+) -> None:
+    """Raise CheckpointError naming the first missing, mis-shaped or unexpected tensor."""
+    expected: set[str] = set()
+    for spec in specs:
+        for hf in spec.hf_names:
+            expected.add(hf)
+            if hf not in tensors:
+                raise CheckpointError(
+                    f"{where}: tensor '{hf}' is missing (the config needs it, shape {list(spec.hf_shape)})"
+                )
+            got = tensors[hf].shape
+            if got != spec.hf_shape:
+                raise CheckpointError(
+                    f"{where}: tensor '{hf}' has shape {list(got)} in {tensors[hf].file.name}, "
+                    f"the config needs {list(spec.hf_shape)}"
+                )
+            np_dtype(tensors[hf].dtype)  # unsupported dtypes fail here, before anything is read
+    extra = sorted(n for n in tensors if n not in expected and not known_unused(n, tied_embeddings))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CheckpointError(
+            f"{where}: unexpected tensor '{extra[0]}'{more}: not part of this config's model "
+            "and not a known-unused tensor"
+        )
+
+
+def read_params(
+    directory: Path,
+    targets: Mapping[str, tuple[jax.ShapeDtypeStruct, jax.sharding.Sharding]],
+    *,
+    tied_embeddings: bool = False,
+    progress: bool | None = None,
+    tensors: Mapping[str, TensorInfo] | None = None,
+) -> Iterator[tuple[str, jax.Array]]:
+    """Yield (our name, device array) for every target (name -> (abstract leaf, sharding)).
+
+    All names, shapes and dtypes are checked before any data is read. Each array is read, cast to the
+    target dtype and placed on its sharding before the next is read.
+    """
+    from tqdm.auto import tqdm
+
+    directory = Path(directory)
+    tensors = scan_checkpoint(directory) if tensors is None else tensors
+    specs = tensor_specs({name: sds.shape for name, (sds, _) in targets.items()})
+    check_against(specs, tensors, tied_embeddings=tied_embeddings, where=str(directory))
+    # Read in file order so each shard is streamed front to back.
+    specs.sort(key=lambda s: (str(tensors[s.hf_names[0]].file), tensors[s.hf_names[0]].offset))
+    total = sum(tensors[hf].nbytes for s in specs for hf in s.hf_names)
+    n_tensors = sum(len(s.hf_names) for s in specs)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"loading {directory.name}",
+        disable=None if progress is None else not progress,
+        leave=False,
+    )
+    done = 0
+    with bar, ShardReader() as reader:
+        for spec in specs:
+            sds, sharding = targets[spec.name]
+            host = host_buffer(sds.shape, sds.dtype)
+            for e, hf in enumerate(spec.hf_names):
+                reader.read_into(hf, tensors[hf], host[e] if spec.stacked else host)
+                bar.update(tensors[hf].nbytes)
+            arr = jax.device_put(host, sharding)
+            arr.block_until_ready()
+            del host
+            done += len(spec.hf_names)
+            bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False)
+            yield spec.name, arr
+
+
+def checkpoint_dtype(tensors: Mapping[str, TensorInfo]) -> np.dtype:
+    """The dtype the checkpoint stores its embedding table in (the model dtype when none is asked for)."""
+    info = tensors.get("model.embed_tokens.weight")
+    if info is None:
+        raise CheckpointError("tensor 'model.embed_tokens.weight' is missing")
+    return np_dtype(info.dtype)
+
+
+# --- writing ---------------------------------------------------------------------------------------------
+
+
+def hf_tensors(
+    params: Mapping[str, Any],
+) -> Iterator[tuple[str, Callable[[], np.ndarray], tuple[int, ...], np.dtype]]:
+    """(checkpoint name, thunk giving the tensor, shape, dtype) for our named params, experts unstacked."""
+    for spec in tensor_specs({n: tuple(a.shape) for n, a in params.items()}):
+        arr = params[spec.name]
+        dtype = np.dtype(arr.dtype)
+        if len(spec.hf_names) == 1 and not spec.stacked:
+            yield spec.hf_names[0], (lambda a=arr: np.asarray(a)), spec.hf_shape, dtype
+        else:
+            for e, hf in enumerate(spec.hf_names):
+                yield hf, (lambda a=arr, e=e: np.asarray(a[e])), spec.hf_shape, dtype
+
+
+def write_safetensors(
+    tensors: Iterable[tuple[str, Callable[[], np.ndarray], tuple[int, ...], np.dtype]],
+    directory: Path,
+    max_shard_bytes: int | None = None,
+) -> list[Path]:
+    """Write tensors in the HF layout: one `model.safetensors`, or shards + `model.safetensors.index.json`.
+
+    Only one shard's tensors are materialised on the host at a time.
+    """
+    from safetensors.numpy import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    items = list(tensors)
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, (_, _, shape, dtype) in enumerate(items):
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    n = len(shards)
+    names = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    weight_map: dict[str, str] = {}
+    total = 0
+    paths = []
+    for fname, shard in zip(names, shards, strict=True):
+        data = {}
+        for i in shard:
+            name, thunk, _, _ = items[i]
+            data[name] = np.ascontiguousarray(thunk())
+            weight_map[name] = fname
+            total += data[name].nbytes
+        save_file(data, str(directory / fname), metadata={"format": "pt"})
+        del data
+        paths.append(directory / fname)
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return paths
+
+
+# --- directories -----------------------------------------------------------------------------------------
+
+MODEL_TYPE = "kimi_linear"
+TOKENIZER_FILES = (
+    "tiktoken.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+def write_config(cfg: Any, directory: Path, **extra: Any) -> None:
+    """`config.json` for `cfg` (a ModelConfig) that `load_config` reads back, with the HF model type."""
+    out = {"model_type": MODEL_TYPE, "architectures": ["KimiLinearForCausalLM"], **cfg.to_hf_dict(), **extra}
+    (Path(directory) / "config.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
+def copy_tokenizer_files(src: Path | None, dst: Path) -> list[str]:
+    """Copy the tokenizer / chat template / generation files that exist in `src` to `dst`."""
+    import shutil
+
+    copied = []
+    if src is None:
+        return copied
+    for fname in TOKENIZER_FILES:
+        if (Path(src) / fname).exists() and Path(src).resolve() != Path(dst).resolve():
+            shutil.copyfile(Path(src) / fname, Path(dst) / fname)
+            copied.append(fname)
+    return copied
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def named_arrays(model: Any) -> dict[str, jax.Array]:
+    """Our flat name -> array for every parameter and buffer of a model (the checkpoint's contents)."""
+    from flax import nnx
+
+    from jaxhybrid.layers.basic import Buffer
+
+    state = nnx.state(model, nnx.Any(nnx.Param, Buffer))
+    return {path_name(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
+def save_hf(
+    model: Any,
+    directory: str | Path,
+    *,
+    max_shard_bytes: int | None = None,
+    tokenizer_dir: str | Path | None = None,
+) -> list[Path]:
+    """Write `model` as a Hugging Face Kimi Linear checkpoint directory (config.json + safetensors in the
+    published names and shapes, experts unstacked); returns the safetensors files written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_config(model.config, directory)
+    paths = write_safetensors(hf_tensors(named_arrays(model)), directory, max_shard_bytes)
+    copy_tokenizer_files(None if tokenizer_dir is None else Path(tokenizer_dir), directory)
+    return paths

@@ -1,0 +1,85 @@
+"""`jaxhybrid memory`: how much of the memory a fixed-size state saves survives prefix reuse (analytic)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from serve.commands.common import DTYPES, add_config_arg, fmt_bytes
+
+
+def run(args: argparse.Namespace) -> int:
+    """Per-sequence bytes at a context: MLA latent KV, KDA live state, state checkpoints every --interval
+    tokens, against an all-MLA model of the same depth; nothing is allocated."""
+    import jax.numpy as jnp
+
+    from jaxhybrid.cache import memory_report
+    from jaxhybrid.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+        hbm = None if args.hbm is None else int(args.hbm * 1e9)
+        rep = memory_report(cfg, args.context, args.interval, jnp.dtype(args.dtype), hbm)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rep))
+        return 0
+    gb = lambda n: f"{n / 1e9:,.2f} GB"
+    print(
+        f"{cfg.name}: {cfg.num_kda_layers} KDA + {cfg.num_mla_layers} MLA layers, context {args.context:,} "
+        f"tokens, KV dtype {rep['dtype']} (recurrent state fp32)"
+    )
+    rows = [
+        ("MLA latent KV", rep["kv_bytes"]),
+        ("KDA live state (recurrent + conv)", rep["state_bytes"]),
+        (
+            f"state checkpoints ({rep['num_checkpoints']} x every {args.interval or '-'} tokens)",
+            rep["checkpoint_bytes"],
+        ),
+        ("total per sequence", rep["total_bytes"]),
+        (f"all-MLA model, {cfg.num_hidden_layers} layers", rep["all_mla_kv_bytes"]),
+    ]
+    width = max(len(r[0]) for r in rows)
+    for name, n in rows:
+        print(f"  {name:<{width}}  {n:>22,} B  {gb(n):>12}  {fmt_bytes(n):>12}")
+    print(
+        f"  saving vs all-MLA: {rep['saving_pct']:.1f}% with checkpoints, "
+        f"{rep['saving_pct_without_checkpoints']:.1f}% without"
+    )
+    if hbm is not None:
+        print(
+            f"  sequences that fit in {args.hbm:g} GB (cache only, weights not subtracted): "
+            f"{rep['sequences_fit']} with checkpoints, {rep['sequences_fit_without_checkpoints']} without, "
+            f"{rep['sequences_fit_all_mla']} all-MLA"
+        )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "memory",
+        help="analytic per-sequence memory: KV, state, checkpoints vs all-MLA",
+        description=run.__doc__,
+    )
+    add_config_arg(p, required=True)
+    p.add_argument("--context", type=int, required=True, help="tokens per sequence")
+    p.add_argument(
+        "--interval",
+        type=int,
+        default=32768,
+        help="state checkpoint interval in tokens (default 32768; 0 = no checkpoints)",
+    )
+    p.add_argument(
+        "--dtype", choices=DTYPES, default="bfloat16", help="KV and conv-state dtype (default bfloat16)"
+    )
+    p.add_argument(
+        "--hbm",
+        type=float,
+        default=None,
+        help="accelerator memory in GB (1e9 bytes): report how many sequences of this length fit",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)

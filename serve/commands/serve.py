@@ -1,0 +1,240 @@
+"""`jaxhybrid serve`: the OpenAI-compatible HTTP server (see serve/server.py for the endpoints).
+
+With no arguments it serves an embedded default: the `tiny` config with random weights and the byte-level
+tokenizer on 127.0.0.1:8000. `--model DIR` serves a checkpoint, `--config NAME` any config (random weights).
+SIGTERM / Ctrl-C shut down gracefully: running requests get `--shutdown-timeout` seconds to finish, then
+are cancelled; pending prefix-store saves are flushed before the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from serve.commands.common import DTYPES, add_config_arg, add_prefix_args
+from serve.commands.generate import UsageError, engine_config, load_model
+
+log = logging.getLogger("jaxhybrid.serve")
+
+
+def model_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model:
+        return Path(args.model.rstrip("/")).name or "model"
+    if args.config:
+        path = Path(args.config)
+        return path.stem if path.suffix in (".yaml", ".yml", ".json") else path.name
+    return "tiny"
+
+
+def make_mesh(spec: str | None) -> Any:
+    """The `--mesh` (None when unset or a single device); MeshSpecError names what does not fit."""
+    if spec is None or not spec.strip():
+        return None
+    from sharding.mesh import mesh_from_flag
+
+    mesh = mesh_from_flag(spec)
+    return None if mesh.devices.size == 1 else mesh
+
+
+def _server_class() -> type:
+    import asyncio
+    import signal
+    import threading
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server with a graceful shutdown that ends every response properly: running requests
+        get `grace` seconds to finish, then the engine cancels them (streams end with finish_reason
+        'abort' and `data: [DONE]`); uvicorn's own cancellation is only the backstop. SIGTERM / SIGINT
+        end in a clean exit (status 0) instead of uvicorn re-raising the signal once it is done."""
+
+        def __init__(self, config: Any, engine_loop: Any, grace: float):
+            super().__init__(config)
+            self.engine_loop, self.grace = engine_loop, grace
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            timer = asyncio.get_running_loop().call_later(self.grace, self.engine_loop.abort_all)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve a model over HTTP with an OpenAI-compatible API."""
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for name, value in (("--slots", args.slots), ("--block-size", args.block_size)):
+        if value < 1:
+            print(f"error: {name} must be a positive integer, got {value}", file=sys.stderr)
+            return 2
+    if not 0 <= args.port <= 65535:
+        print(f"error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    if args.max_waiting is not None and args.max_waiting < 0:
+        print(f"error: --max-waiting must be >= 0, got {args.max_waiting}", file=sys.stderr)
+        return 2
+    if args.default_max_tokens < 1:
+        print(f"error: --default-max-tokens must be >= 1, got {args.default_max_tokens}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from jaxhybrid.config import ConfigError
+    from jaxhybrid.tokenizer import TokenizerError, load_tokenizer
+    from serve.engine import Engine
+    from serve.server import create_app
+
+    if not args.model and not args.config:
+        log.info(
+            "no --model or --config given: serving the embedded default, the 'tiny' config with random "
+            "weights (seed %d) and the byte-level tokenizer; its output is noise",
+            args.seed,
+        )
+    try:
+        mesh = make_mesh(args.mesh)
+        model = load_model(args)
+        if mesh is not None:
+            from serve.sharded import shard_model
+            from sharding.mesh import describe
+
+            shard_model(model, mesh)  # expert parallelism installed where the expert axis divides the experts
+            log.info("parameters sharded over the mesh %s", describe(mesh))
+        tokenizer = load_tokenizer(args.model, model.config)
+        if tokenizer is None:
+            log.warning("no tokenizer for this model: only token-id prompts on /v1/completions will work")
+        cfg = engine_config(args)
+        engine = Engine(model, cfg)
+    except (UsageError, ConfigError, TokenizerError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    name = model_name(args)
+    app = create_app(
+        engine,
+        tokenizer,
+        name,
+        max_waiting=args.max_waiting,
+        default_max_tokens=args.default_max_tokens,
+        stop_timeout=args.shutdown_timeout + 60.0,
+    )
+    log.info(
+        "model '%s': %d slots, block size %d, context %d tokens, prefix cache %s; listening on http://%s:%d",
+        name,
+        cfg.max_slots,
+        cfg.block_size,
+        engine.max_model_len,
+        "off" if cfg.prefix is None else f"on (checkpoint interval {cfg.prefix.checkpoint_interval})",
+        args.host,
+        args.port,
+    )
+    server = _server_class()(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            timeout_graceful_shutdown=args.shutdown_timeout + 5.0,
+        ),
+        app.state.server.loop,
+        args.shutdown_timeout,
+    )
+    server.run()
+    return 0 if server.started else 1
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows a flag's default unless its help already says it, or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from sharding.mesh import add_mesh_argument
+
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics, ...)",
+        description=(__doc__ or "").split("\n\n", 1)[1],
+        formatter_class=_HelpFormatter,
+    )
+    m = p.add_argument_group("model (default: the 'tiny' config, random weights, byte-level tokenizer)")
+    add_config_arg(m)
+    m.add_argument("--model", help="a checkpoint directory: Hugging Face safetensors or converted Orbax")
+    m.add_argument("--served-model-name", help="the model id clients use (default: directory/config name)")
+    m.add_argument("--seed", type=int, default=0, help="seed of random weights and of unseeded requests")
+    m.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV-cache dtype")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port")
+    s.add_argument(
+        "--max-waiting",
+        type=int,
+        default=64,
+        help="requests that may wait for a free slot; one more gets HTTP 429",
+    )
+    s.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=1024,
+        help="max_tokens of a chat request that gives none (capped by what the context leaves)",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds running requests get to finish on SIGTERM before they are cancelled",
+    )
+    s.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log verbosity"
+    )
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    e = p.add_argument_group("engine")
+    add_mesh_argument(e)
+    e.add_argument("--slots", type=int, default=4, help="sequences decoded at once")
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    e.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks in the pool (default: every slot at full context)",
+    )
+    e.add_argument(
+        "--kv-memory-mb", type=float, default=None, help="size the KV pool by a memory budget (MiB) instead"
+    )
+    e.add_argument("--prefill-chunk", type=int, default=128, help="longest prefill piece (tokens)")
+    e.add_argument(
+        "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"
+    )
+    add_prefix_args(p)
+    p.set_defaults(func=run)

@@ -1,0 +1,112 @@
+"""Multi-host initialisation: `jax.distributed.initialize` from flags or the environment.
+
+Every process runs the same program; after `initialize`, `jax.devices()` lists the devices of all
+processes and a mesh from `sharding.mesh.make_mesh` spans them. On CPU (several processes on one
+machine, or CPU hosts) the cross-process collectives use gloo, which must be selected before the CPU
+backend starts (`jax_cpu_collectives_implementation`), so call `initialize` before any JAX computation.
+
+Sources, first found wins, per value:
+  coordinator    the argument, `--coordinator`, or $JAX_COORDINATOR_ADDRESS ("host:port")
+  num_processes  the argument, `--num-processes`, or $JAX_NUM_PROCESSES
+  process_id     the argument, `--process-id`, or $JAX_PROCESS_ID
+With no coordinator and at most one process, nothing is initialised (single-process run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+import jax
+
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+
+
+class MultiHostError(ValueError):
+    """Inconsistent multi-host settings; the message names the value."""
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise MultiHostError(f"${name} must be an integer, got {raw!r}") from None
+
+
+def set_cpu_device_count(count: int) -> None:
+    """Ask for `count` CPU devices in this process (XLA_FLAGS); only effective before JAX starts its
+    backends. Used to fake several devices per process on one machine."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    cpu_collectives: str = "gloo",
+    initialization_timeout: int = 300,
+) -> bool:
+    """Join the process group; returns True if `jax.distributed.initialize` ran, False for one process."""
+    coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
+    num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
+    process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
+    if coordinator is None:
+        if num_processes not in (None, 1):
+            raise MultiHostError(
+                f"{num_processes} processes requested but no coordinator address "
+                f"(--coordinator or ${ENV_COORDINATOR})"
+            )
+        return False
+    if num_processes is None or process_id is None:
+        raise MultiHostError(
+            f"coordinator {coordinator} given: also set the number of processes and this process's id "
+            f"(--num-processes/--process-id or ${ENV_NUM_PROCESSES}/${ENV_PROCESS_ID})"
+        )
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise MultiHostError(f"process id {process_id} is outside 0..{num_processes - 1}")
+    if ":" not in coordinator:
+        raise MultiHostError(f"coordinator address must be host:port, got {coordinator!r}")
+    if cpu_collectives:
+        # Only the CPU backend reads this; accelerators keep their own collectives (NCCL, ICI).
+        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=initialization_timeout,
+    )
+    return True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--coordinator`, `--num-processes`, `--process-id` (defaults from the environment)."""
+    group = parser.add_argument_group("multi-host")
+    group.add_argument("--coordinator", default=None, help=f"host:port of process 0 (or ${ENV_COORDINATOR})")
+    group.add_argument(
+        "--num-processes", type=int, default=None, help=f"process count (or ${ENV_NUM_PROCESSES})"
+    )
+    group.add_argument(
+        "--process-id", type=int, default=None, help=f"this process's id (or ${ENV_PROCESS_ID})"
+    )
+
+
+def initialize_from_args(args: argparse.Namespace) -> bool:
+    return initialize(
+        getattr(args, "coordinator", None),
+        getattr(args, "num_processes", None),
+        getattr(args, "process_id", None),
+    )
+
+
+def shutdown() -> None:
+    """Leave the process group (no-op when `initialize` did not run)."""
+    if jax.process_count() > 1:
+        jax.distributed.shutdown()

@@ -1,0 +1,227 @@
+"""Disk tier of the prefix store: restart hits, visibility after the save, crash leftovers, budgets."""
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxhybrid.cache import kda_state_bytes
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from serve.engine import Engine, EngineConfig
+from serve.prefix_disk import MANIFEST, DiskTier
+from serve.prefix_store import PrefixStore, PrefixStoreConfig
+from serve.sampling import SamplingParams
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HybridLM(load_config("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)
+
+
+def engine(model, prefix=None, **kw):
+    args = dict(max_slots=2, block_size=BS, prefill_chunk=32, max_model_len=512)  # as test_prefix_store
+    args.update(kw)
+    return Engine(model, EngineConfig(prefix=prefix, **args))
+
+
+def greedy(n=4):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def tokens(rng, n):
+    return rng.integers(3, 512, n).tolist()
+
+
+def one_per_prompt(store_dir, **kw):
+    """A checkpoint at each prompt end only: one disk entry per prompt, found by its position."""
+    return PrefixStoreConfig(
+        checkpoint_interval=1024, sequence_end_checkpoints=False, store_dir=str(store_dir), **kw
+    )
+
+
+def entries(store_dir) -> dict[int, Path]:
+    """position -> committed entry directory."""
+    out = {}
+    for ns in Path(store_dir).iterdir():
+        for d in ns.iterdir():
+            if (d / MANIFEST).exists():
+                out[json.loads((d / MANIFEST).read_text())["position"]] = d
+    return out
+
+
+def ids(results):
+    return [r.token_ids for r in results]
+
+
+def test_restart_serves_hits_from_disk_with_identical_output(model, tmp_path):
+    rng = np.random.default_rng(1)
+    prompts = [tokens(rng, n) for n in (21, 37, 16)]  # partial, partial, block-aligned ends
+    extended = [p + tokens(rng, 6) for p in prompts]
+    again = [p + tokens(rng, 3) for p in prompts]
+    cfg = PrefixStoreConfig(checkpoint_interval=16, store_dir=str(tmp_path))
+    a = engine(model, cfg)
+    a.generate(prompts, greedy())
+    a.flush()
+    la = a.ledger()
+    assert la["disk_pending"] == 0 and la["disk_save_errors"] == 0
+    # write-through: everything the memory tiers got is on disk, each with the KV of its whole prefix
+    assert la["checkpoints"]["disk"] == la["saves"] == la["disk_saves"] > 0
+    assert la["checkpoint_bytes"]["disk"] > la["checkpoint_bytes"]["device"]
+
+    b = engine(model, cfg)  # a restart: nothing in memory, the store directory indexed
+    lb = b.ledger()
+    assert lb["checkpoints"] == {"device": 0, "host": 0, "disk": la["checkpoints"]["disk"]}
+    got = b.generate(extended, greedy())
+    assert ids(got) == ids(engine(model, None).generate(extended, greedy()))
+    assert [(r.stats["prefix_hit_tokens"], r.stats["recomputed_tokens"]) for r in got] == [
+        (len(p), 0) for p in prompts
+    ]
+    lb = b.ledger()
+    assert lb["disk_restores"] == 3 and lb["disk_restore_errors"] == 0 and lb["disk_restore_time_s"] > 0
+    # a disk hit is promoted to memory (and its blocks to the pool): the next hit reads nothing from disk
+    got = b.generate(again, greedy())
+    assert [r.stats["prefix_hit_tokens"] for r in got] == [len(p) for p in prompts]
+    assert b.ledger()["disk_restores"] == 3 and b.ledger()["restores"] == 6
+
+
+def test_a_save_is_visible_only_after_it_completed_and_decoding_does_not_wait(model, tmp_path, monkeypatch):
+    release = threading.Event()
+    save = DiskTier._save
+
+    def slow_save(self, meta, payload):
+        assert release.wait(60)
+        return save(self, meta, payload)
+
+    monkeypatch.setattr(DiskTier, "_save", slow_save)
+    rng = np.random.default_rng(2)
+    prompts = [tokens(rng, n) for n in (19, 26, 33)]
+    cfg = one_per_prompt(tmp_path, disk_max_pending=2)
+    a = engine(model, cfg)
+    try:
+        a.generate(prompts, greedy())  # finishes while every save is blocked
+        ledger = a.ledger()
+        assert ledger["checkpoints"]["disk"] == 0 and ledger["disk_pending"] == 2
+        assert ledger["disk_skipped"] == 1 and ledger["disk_pending_bytes"] > 0
+        a.step()  # polls: still nothing finished
+        assert a.ledger()["checkpoints"]["disk"] == 0
+        assert engine(model, cfg).ledger()["checkpoints"]["disk"] == 0  # nothing committed for a restart
+        # the same prompt now: no disk hit (invisible), but the memory tier has it
+        r = a.generate([prompts[0] + [5, 6]], greedy(1))[0]
+        assert r.stats["prefix_hit_tokens"] == len(prompts[0]) and a.ledger()["disk_restores"] == 0
+    finally:
+        release.set()
+    a.flush()
+    ledger = a.ledger()
+    assert ledger["disk_pending"] == 0 and ledger["checkpoints"]["disk"] == ledger["disk_saves"] >= 2
+    assert engine(model, cfg).ledger()["checkpoints"]["disk"] == ledger["checkpoints"]["disk"]
+
+
+def test_crash_leftovers_are_ignored_and_everything_else_hits(model, tmp_path):
+    rng = np.random.default_rng(3)
+    lengths = (17, 22, 27, 30, 35)
+    prompts = [tokens(rng, n) for n in lengths]
+    extended = [p + tokens(rng, 5) for p in prompts]
+    cfg = one_per_prompt(tmp_path)
+    a = engine(model, cfg)
+    a.generate(prompts, greedy())
+    a.flush()
+    found = entries(tmp_path)
+    assert sorted(found) == list(lengths)
+
+    def largest(d):
+        return max((p for p in d.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+    # 17: crash while Orbax wrote the data (committed copy, a file cut short)
+    f = largest(found[17])
+    os.truncate(f, f.stat().st_size // 2)
+    # 22: crash after Orbax committed, before the manifest was written
+    (found[22] / MANIFEST).unlink()
+    # 27: crash before Orbax committed: only the temporary directory exists, one file missing
+    tmp = found[27].with_name(found[27].name + ".orbax-checkpoint-tmp")
+    found[27].rename(tmp)
+    (tmp / MANIFEST).unlink()
+    largest(tmp).unlink()
+    # 30: same size, damaged bytes: passes the index, caught by the checksums when restored
+    f = largest(found[30])
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64)
+    f.write_bytes(bytes(raw))
+    # noise: a half-written manifest under another key, an empty entry, a stray file
+    bad = found[35].with_name("ab" * 32)
+    shutil.copytree(found[35], bad)
+    (bad / MANIFEST).write_text((found[35] / MANIFEST).read_text()[:100])
+    (found[35].parent / ("cd" * 32)).mkdir()
+    (found[35].parent / "stray.txt").write_text("x")
+
+    b = engine(model, cfg)
+    ledger = b.ledger()
+    assert ledger["checkpoints"]["disk"] == 2 and ledger["disk_ignored"] == 6  # 30 and 35 indexed
+    got = b.generate(extended, greedy())
+    assert ids(got) == ids(engine(model, None).generate(extended, greedy()))
+    assert [r.stats["prefix_hit_tokens"] for r in got] == [0, 0, 0, 0, 35]
+    ledger = b.ledger()
+    assert ledger["disk_restores"] == 1 and ledger["disk_restore_errors"] == 1
+    # serving the damaged prompts again writes them anew over the leftovers
+    b.generate(prompts[:4], greedy())
+    b.flush()
+    c = engine(model, cfg)
+    assert [r.stats["prefix_hit_tokens"] for r in c.generate(extended, greedy(1))] == list(lengths)
+
+
+def test_other_models_and_layouts_never_match(model, tmp_path):
+    rng = np.random.default_rng(4)
+    prompt = tokens(rng, 29)
+    cfg = one_per_prompt(tmp_path)
+    a = engine(model, cfg)
+    a.generate([prompt], greedy())
+    a.flush()
+    other = HybridLM(load_config("tiny"), rngs=nnx.Rngs(1), dtype=jnp.float32)  # other weights
+    b = engine(other, cfg)
+    assert b.ledger()["checkpoints"]["disk"] == 0
+    got = b.generate([prompt + [7, 8]], greedy())[0]
+    assert got.stats["prefix_hit_tokens"] == 0
+    assert got.token_ids == engine(other, None).generate([prompt + [7, 8]], greedy())[0].token_ids
+    fp, bb = a.store.fingerprint, a.block_bytes
+    for layout in ("bs8-bfloat16", "bs16-float32"):  # another KV dtype or block size: another namespace
+        assert not PrefixStore(cfg, BS, fp, bb, layout).disk.entries
+    assert len(PrefixStore(cfg, BS, fp, bb, "bs8-float32").disk.entries) == 1
+
+
+def test_budgets_demote_then_drop_and_disk_keeps_serving(model, tmp_path):
+    state = kda_state_bytes(model.config, jnp.float32)["total"]
+    disk_bytes = 150_000
+    cfg = PrefixStoreConfig(
+        checkpoint_interval=BS,
+        device_bytes=2 * state,
+        host_bytes=3 * state,
+        store_dir=str(tmp_path),
+        disk_bytes=disk_bytes,
+    )
+    eng = engine(model, cfg)
+    ref = engine(model, None)
+    rng = np.random.default_rng(5)
+    system = tokens(rng, 21)
+    chats = [system + tokens(rng, n) for n in (4, 9, 13)]
+    for _ in range(3):
+        got = eng.generate(chats, greedy())
+        assert ids(got) == ids(ref.generate(chats, greedy()))
+        eng.flush()
+        ledger = eng.ledger()
+        assert ledger["checkpoint_bytes"]["device"] <= cfg.device_bytes
+        assert ledger["checkpoint_bytes"]["host"] <= cfg.host_bytes
+        assert ledger["checkpoint_bytes"]["disk"] <= disk_bytes
+        on_disk = sum(p.stat().st_size for p in Path(tmp_path).rglob("*") if p.is_file())
+        assert on_disk == ledger["checkpoint_bytes"]["disk"]  # dropped entries are gone from the disk
+        chats = [c + tokens(rng, 6) for c in chats]
+    ledger = eng.ledger()
+    assert ledger["demotions"] > 0 and ledger["dropped_checkpoints"] > 0 and ledger["disk_dropped"] > 0
+    assert ledger["disk_restores"] > 0  # dropped from memory, served from disk
