@@ -92,6 +92,7 @@ class Request:
     prefill_tokens: int = 0
     preemptions: int = 0
     cache_salt: str | None = None
+    stored_logits: Any = None  # next-token logits restored with a full prefix hit (nothing left to prefill)
     prefix_hit_tokens: int = 0
     recomputed_tokens: int = 0
 
@@ -456,6 +457,8 @@ class Engine:
         )
         self.pools = _put(self.pools, jnp.int32(req.slot), states, jnp.int32(tail_block), kv)
         req.num_computed = found.hit
+        if ck is not None and ck.logits is not None and found.hit == len(req.tokens):
+            req.stored_logits = jnp.asarray(ck.logits)[None]
         if ck is not None:
             ck.holders -= 1
         else:  # keep the disk hit in memory too: the next hit on it needs no disk read
@@ -559,7 +562,9 @@ class Engine:
             budget -= n
         return jobs
 
-    def _checkpoint(self, req: Request, kind: str, save_state: bool = True) -> None:
+    def _checkpoint(
+        self, req: Request, kind: str, save_state: bool = True, logits: jax.Array | None = None
+    ) -> None:
         """Index the request's full blocks and (with `save_state`) keep the slot's KDA states at
         req.num_computed, with a copy of the partial block when that position is not block-aligned."""
         store, pos = self.store, req.num_computed
@@ -574,6 +579,8 @@ class Engine:
             return
         if key in store.checkpoints:
             store.checkpoints.move_to_end(key)
+            if logits is not None and store.checkpoints[key].logits is None:
+                store.checkpoints[key].logits = logits
             return
         t0 = time.perf_counter()
         partial = pos % self.config.block_size != 0
@@ -589,6 +596,7 @@ class Engine:
                 nbytes=nbytes,
                 tier="device",
                 kind=kind,
+                logits=logits,
             )
         )
         store.enforce_budgets(lambda tree: jax.tree_util.tree_map(np.asarray, tree))
@@ -605,15 +613,18 @@ class Engine:
             store.submit_disk_save(meta, (states, kv_full, num_full, kv if partial else None), held)
         store.stats["save_time_s"] += time.perf_counter() - t0
 
-    def _after_compute(self, req: Request) -> None:
-        """Checkpoints due now that req.num_computed advanced: interval multiples and the prompt end."""
+    def _after_compute(self, req: Request, logits: jax.Array | None = None) -> None:
+        """Checkpoints due now that req.num_computed advanced: interval multiples and the prompt end. At the
+        prompt end the next-token `logits` are kept too, so an identical prompt needs no prefill at all."""
         if self.store is None or req.status != RUNNING:
             return
         cfg = self.store.config
+        at_prompt_end = cfg.prompt_end_checkpoints and req.num_computed == len(req.prompt)
+        keep = logits if at_prompt_end else None
         if req.num_computed % cfg.checkpoint_interval == 0:
-            self._checkpoint(req, "interval")
-        elif cfg.prompt_end_checkpoints and req.num_computed == len(req.prompt):
-            self._checkpoint(req, "prompt_end")
+            self._checkpoint(req, "interval", logits=keep)
+        elif at_prompt_end:
+            self._checkpoint(req, "prompt_end", logits=keep)
 
     def _table_width(self, reqs: Sequence[Request]) -> int:
         need = max(len(r.blocks) for r in reqs)
@@ -701,6 +712,11 @@ class Engine:
             self._append(req, int(ids[req.slot]), float(logps[req.slot]), outputs)
 
     def _prefill(self, req: Request, n: int, outputs: dict[str, RequestOutput]) -> None:
+        if n == 0 and req.stored_logits is not None:  # full prefix hit: sample from the kept logits
+            logits, req.stored_logits = req.stored_logits, None
+            ids, logps = self._sample_rows(logits, [req])
+            self._append(req, int(ids[0]), float(logps[0]), outputs)
+            return
         bucket = next(b for b in self.buckets if b >= n)
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, :n] = req.tokens[req.num_computed : req.num_computed + n]
@@ -711,7 +727,7 @@ class Engine:
         )
         req.num_computed += n
         req.prefill_tokens += n
-        self._after_compute(req)
+        self._after_compute(req, logits[0])
         if req.pending == 0:
             ids, logps = self._sample_rows(logits, [req])
             req.prefill_time += time.perf_counter() - t0

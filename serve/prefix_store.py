@@ -69,6 +69,9 @@ class Checkpoint:
     tier: str  # "device" | "host"
     kind: str  # "interval" | "prompt_end" | "sequence_end"
     holders: int = 0  # running requests restoring from it right now (never evicted while > 0)
+    logits: Any = (
+        None  # [vocab] next-token logits at `position` (prompt ends): an identical prompt hits fully
+    )
 
 
 @dataclasses.dataclass
@@ -174,7 +177,8 @@ class PrefixStore:
 
     # --- lookup ----------------------------------------------------------------------------------
     def lookup(self, tokens: list[int], salt: str | None) -> Lookup:
-        """Longest reusable prefix of `tokens` (at most len - 1, so one token is left to produce logits)."""
+        """Longest reusable prefix of `tokens`: all of them when a checkpoint at their end kept its next-token
+        logits, else at most len - 1 (one token is left to produce logits)."""
         self.stats["lookups"] += 1
         limit = len(tokens) - 1
         chain = self.chain(tokens, salt)
@@ -197,7 +201,19 @@ class PrefixStore:
                 matched = max(matched, reach * bs + r)
         matched = min(matched, limit)
         best: tuple[int, Checkpoint | DiskEntry] | None = None
+        end_blocks = len(tokens) // bs
+        if (
+            end_blocks <= nb
+        ):  # an identical earlier prompt whose checkpoint kept its logits: nothing to compute
+            ck = self.checkpoints.get(
+                self.checkpoint_key(chain[end_blocks], tuple(tokens[end_blocks * bs :]))
+            )
+            if ck is not None and ck.logits is not None:
+                best = (len(tokens), ck)
+                matched = len(tokens)
         for i in range(reach, -1, -1):
+            if best is not None:
+                break
             base = i * bs
             if base > limit:
                 continue
@@ -334,6 +350,7 @@ class PrefixStore:
                 used -= ck.nbytes
                 if tier == "device" and ck.nbytes <= self.config.host_bytes:
                     ck.states, ck.tail_kv = to_host(ck.states), to_host(ck.tail_kv)
+                    ck.logits = None if ck.logits is None else to_host(ck.logits)
                     ck.tier = "host"
                     self.stats["demotions"] += 1
                 else:

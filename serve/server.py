@@ -419,6 +419,20 @@ class Tracker:
 
 
 # --- request parsing --------------------------------------------------------------------------------------
+# Fields the OpenAI API defines that do not change what this server computes: accepted (type-checked) and
+# ignored, so unchanged clients work.
+IGNORED_OPENAI_FIELDS = {
+    "user": str,
+    "presence_penalty": (int, float),
+    "frequency_penalty": (int, float),
+    "logit_bias": dict,
+    "service_tier": str,
+    "store": bool,
+    "metadata": dict,
+    "parallel_tool_calls": bool,
+}
+MAX_BODY_BYTES = 16 * 2**20
+
 COMMON_FIELDS = {
     "model",
     "max_tokens",
@@ -434,12 +448,8 @@ COMMON_FIELDS = {
     "cache_salt",
     "stream",
     "stream_options",
-    "user",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
     "return_token_ids",
-}
+} | set(IGNORED_OPENAI_FIELDS)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 
@@ -516,23 +526,21 @@ class RequestParser:
                 "model",
                 "model_not_found",
             )
+        for name, kind in IGNORED_OPENAI_FIELDS.items():
+            v = body.get(name)
+            if v is not None and (not isinstance(v, kind) or (kind is not bool and isinstance(v, bool))):
+                raise _bad(f"'{name}' has the wrong type", name, "invalid_type")
         neutral = {
-            "presence_penalty": (0, 0.0),
-            "frequency_penalty": (0, 0.0),
             "n": (1,),
             "best_of": (1,),
             "echo": (False,),
             "suffix": ("",),
-            "logit_bias": ({},),
             "top_logprobs": (0,),
         }
         for name, ok in neutral.items():
             v = body.get(name)
             if v is not None and not any(v == o and type(v) is type(o) for o in ok):
                 raise _bad(f"'{name}' = {json.dumps(v)} is not supported (allowed: {ok[0]!r})", name)
-        user = body.get("user")
-        if user is not None and not isinstance(user, str):
-            raise _bad("'user' must be a string", "user", "invalid_type")
 
     def _stop(self, body: dict) -> tuple[tuple[str, ...], tuple[int, ...]]:
         stop = body.get("stop")
@@ -733,6 +741,7 @@ class Server:
         *,
         max_waiting: int | None = 64,
         default_max_tokens: int = 1024,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -742,8 +751,18 @@ class Server:
         self.metrics = ServerMetrics()
         self.decode = _decoder(tokenizer) if tokenizer is not None else None
         self.created = int(time.time())
+        self.max_body_bytes = max_body_bytes
 
     # -- helpers --
+    def too_large(self) -> APIError:
+        return APIError(
+            413,
+            f"the request body exceeds {self.max_body_bytes} bytes",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
+
     def count(self, endpoint: str, status: int) -> None:
         self.metrics.requests.labels(endpoint if endpoint in ENDPOINTS else "other", str(status)).inc()
 
@@ -957,7 +976,12 @@ class Server:
     async def generate(self, request: Request, kind: str) -> Response:
         t0 = time.perf_counter()
         endpoint = request.url.path
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self.too_large()
         raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise self.too_large()
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -976,13 +1000,19 @@ def create_app(
     max_waiting: int | None = 64,
     default_max_tokens: int = 1024,
     stop_timeout: float = 60.0,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The OpenAI-compatible app. The engine loop starts with the app's lifespan and stops (aborting what
     is left, flushing pending saves) when it ends. `max_waiting`: requests that may wait for a slot before
     new ones get 429 (None: unlimited). `default_max_tokens`: chat completions without max_tokens generate
     up to this many (or what the context leaves)."""
     server = Server(
-        engine, tokenizer, model_name, max_waiting=max_waiting, default_max_tokens=default_max_tokens
+        engine,
+        tokenizer,
+        model_name,
+        max_waiting=max_waiting,
+        default_max_tokens=default_max_tokens,
+        max_body_bytes=max_body_bytes,
     )
 
     @contextlib.asynccontextmanager

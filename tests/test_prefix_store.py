@@ -143,3 +143,15 @@ def test_cached_blocks_are_evicted_when_the_pool_runs_out(model):
             r.token_ids for r in ref.generate(prompts, greedy())
         ]
     assert eng.ledger()["evicted_blocks"] > 0
+
+
+@pytest.mark.parametrize("length", [37, 40])  # unaligned and block-aligned prompt ends
+def test_identical_prompt_is_a_full_hit(model, length):
+    """A prompt-end checkpoint keeps the next-token logits: repeating a prompt computes nothing."""
+    p = np.random.default_rng(length).integers(3, 512, length).tolist()
+    want = engine(model, None).generate([p], greedy())[0].token_ids
+    eng = engine(model, PrefixStoreConfig(checkpoint_interval=16))
+    first = eng.generate([p], greedy())[0]
+    again = eng.generate([p], greedy())[0]
+    assert first.token_ids == again.token_ids == want
+    assert again.stats["prefix_hit_tokens"] == length and again.stats["prefill_tokens_computed"] == 0

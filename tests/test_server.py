@@ -272,6 +272,12 @@ TOO_LONG = list(range(3, 3 + CONTEXT))
             400,
             "messages",
         ),
+        ("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),  # invalid UTF-8
+        ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 10**15}, 400, "max_tokens"),
+        ("POST", "/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+        ("POST", "/v1/completions", {"prompt": "x", "top_p": -0.5}, 400, "top_p"),
+        ("POST", "/v1/completions", {"prompt": "x", "presence_penalty": "high"}, 400, "presence_penalty"),
+        ("POST", "/v1/completions", {"prompt": "x" * (17 * 2**20)}, 413, None),  # oversized body
         ("GET", "/v1/nothing-here", None, 404, None),
         ("GET", "/v1/completions", None, 405, None),
     ],
@@ -487,3 +493,87 @@ def test_jaxhybrid_serve_with_no_arguments():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_official_openai_client(served):
+    """The unchanged `openai` client gets completions and chat completions, streamed and not."""
+    import openai
+
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+    extra = {"ignore_eos": True}
+    done = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0, extra_body=extra)
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 4
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt="Hi", max_tokens=4, temperature=0, stream=True, extra_body=extra
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    msgs = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=4, temperature=0, extra_body=extra
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
+    parts = list(
+        client.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=4, temperature=0, stream=True, extra_body=extra
+        )
+    )
+    text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+    assert text == chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
+    served.wait_idle()
+
+
+def test_64_concurrent_streams_equal_requests_served_alone(served):
+    prompts = [f"prompt number {i % 8}" for i in range(64)]
+    alone = {
+        p: complete(served, prompt=p, max_tokens=4, **GREEDY)["choices"][0]["text"] for p in set(prompts)
+    }
+    results: dict[int, str] = {}
+
+    def run(i):
+        events = stream(served, "/v1/completions", prompt=prompts[i], max_tokens=4, **GREEDY)
+        results[i] = "".join(e["choices"][0]["text"] for e in events)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(64)]
+    loop = served.server.loop
+    loop.max_waiting = None
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        loop.max_waiting = 1
+    assert len(results) == 64
+    assert all(results[i] == alone[prompts[i]] for i in range(64))
+    served.wait_idle()
+
+
+def test_identical_chat_request_reports_cached_tokens(served):
+    body = {"messages": [{"role": "user", "content": "the same question"}], "max_tokens": 2, **GREEDY}
+    first = served.client.post("/v1/chat/completions", json=body).json()
+    again = served.client.post("/v1/chat/completions", json=body).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"]
+    assert again["choices"][0]["message"] == first["choices"][0]["message"]
+    metrics = served.client.get("/metrics").text
+    hits = [line for line in metrics.splitlines() if line.startswith("jaxhybrid_prefix_hit_tokens")]
+    assert hits and float(hits[0].split()[-1]) >= first["usage"]["prompt_tokens"]
+    served.wait_idle()
+
+
+def test_ignored_openai_fields_are_accepted_and_the_server_keeps_serving(served):
+    want = complete(served, prompt="steady", max_tokens=4, **GREEDY)["choices"][0]["text"]
+    extra = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.1,
+        "logit_bias": {"5": 1},
+        "user": "u1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+    }
+    assert complete(served, prompt="steady", max_tokens=4, **GREEDY, **extra)["choices"][0]["text"] == want
+    served.wait_idle()
