@@ -781,6 +781,12 @@ class Engine:
             self.step()
         return [self.result(i) for i in ids]
 
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's record (a long-running server calls this once it has delivered it)."""
+        req = self.requests.get(request_id)
+        if req is not None and req.status == FINISHED:
+            del self.requests[request_id]
+
     def result(self, request_id: str) -> GenerateResult:
         req = self.requests[request_id]
         return GenerateResult(

@@ -278,10 +278,7 @@ class EngineLoop:
                 self._forget(out.request_id)
 
     def _forget(self, rid: str) -> None:
-        """Drop a finished request from the engine's table (the engine keeps every request otherwise)."""
-        req = self.engine.requests.get(rid)
-        if req is not None and req.status == "finished":
-            del self.engine.requests[rid]
+        self.engine.forget(rid)
 
     def _snapshot(self, engine: Engine) -> dict[str, Any]:
         now = time.perf_counter()
