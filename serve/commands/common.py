@@ -98,3 +98,26 @@ def prefix_config(args: argparse.Namespace):  # -> PrefixStoreConfig | None
         device_bytes=int(args.device_cache_mb * 2**20),
         host_bytes=int(args.host_cache_mb * 2**20),
     )
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Engine-shape flags shared by `generate` and `serve`; returns the group for command-specific extras."""
+    e = p.add_argument_group("engine")
+    e.add_argument("--slots", type=int, default=4, help="sequences decoded at once (default 4)")
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    e.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks in the pool (default: enough for every slot at full context)",
+    )
+    e.add_argument(
+        "--kv-memory-mb", type=float, default=None, help="size the KV pool by a memory budget (MiB) instead"
+    )
+    e.add_argument(
+        "--prefill-chunk", type=int, default=128, help="longest prefill piece in tokens (default 128)"
+    )
+    e.add_argument(
+        "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"
+    )
+    return e

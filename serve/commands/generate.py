@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from serve.commands.common import DTYPES, add_config_arg, add_prefix_args, prefix_config
+from serve.commands.common import DTYPES, add_config_arg, add_engine_args, add_prefix_args, prefix_config
 
 REQUEST_FIELDS = ("prompt_ids", "cache_salt")
 SAMPLING_FIELDS = (
@@ -195,22 +195,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--stop-ids", help="comma-separated token ids that end a sequence")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     s.add_argument("--logprobs", action="store_true", help="report the log-probability of each chosen token")
-    e = p.add_argument_group("engine")
-    e.add_argument("--slots", type=int, default=4, help="sequences decoded at once (default 4)")
-    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    e.add_argument(
-        "--num-blocks",
-        type=int,
-        default=None,
-        help="KV blocks in the pool (default: enough for every slot at full context)",
-    )
-    e.add_argument(
-        "--kv-memory-mb", type=float, default=None, help="size the KV pool by a memory budget instead"
-    )
-    e.add_argument("--prefill-chunk", type=int, default=128, help="longest prefill piece (default 128)")
-    e.add_argument(
-        "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"
-    )
+    add_engine_args(p)
     s.add_argument(
         "--cache-salt", help="prefix-cache isolation key: requests only reuse prefixes of the same salt"
     )

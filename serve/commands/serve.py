@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from serve.commands.common import DTYPES, add_config_arg, add_prefix_args
+from serve.commands.common import DTYPES, add_config_arg, add_engine_args, add_prefix_args
 from serve.commands.generate import UsageError, engine_config, load_model
 
 log = logging.getLogger("jaxhybrid.serve")
@@ -219,22 +219,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log verbosity"
     )
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    e = p.add_argument_group("engine")
+    e = add_engine_args(p)
     add_mesh_argument(e)
-    e.add_argument("--slots", type=int, default=4, help="sequences decoded at once")
-    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    e.add_argument(
-        "--num-blocks",
-        type=int,
-        default=None,
-        help="KV blocks in the pool (default: every slot at full context)",
-    )
-    e.add_argument(
-        "--kv-memory-mb", type=float, default=None, help="size the KV pool by a memory budget (MiB) instead"
-    )
-    e.add_argument("--prefill-chunk", type=int, default=128, help="longest prefill piece (tokens)")
-    e.add_argument(
-        "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"
-    )
     add_prefix_args(p)
     p.set_defaults(func=run)
