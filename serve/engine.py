@@ -155,8 +155,9 @@ def table_buckets(max_blocks: int) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=16)
-def _programs(graphdef: Any, layer_types: tuple[str, ...]) -> tuple[Any, Any]:
-    """(run, sample) jitted once per model structure; `run` donates the pools."""
+def _programs(graphdef: Any, layer_types: tuple[str, ...], pool_shardings: Any = None) -> tuple[Any, Any]:
+    """(run, sample) jitted once per model structure (and pool layout on a mesh); `run` donates the pools,
+    and on a mesh keeps them in their shardings."""
 
     def run(params, pools, tokens, slot_ids, block_tables, start, num_valid):
         model = nnx.merge(graphdef, params)
@@ -176,7 +177,9 @@ def _programs(graphdef: Any, layer_types: tuple[str, ...]) -> tuple[Any, Any]:
         last = jnp.maximum(num_valid - 1, 0)[:, None, None]
         return jnp.take_along_axis(logits, last, axis=1)[:, 0].astype(jnp.float32), new_pools
 
-    return jax.jit(run, donate_argnums=(1,)), jax.jit(sample)
+    if pool_shardings is None:
+        return jax.jit(run, donate_argnums=(1,)), jax.jit(sample)
+    return jax.jit(run, donate_argnums=(1,), out_shardings=(None, pool_shardings)), jax.jit(sample)
 
 
 @jax.jit
@@ -221,8 +224,11 @@ class Engine:
     """Serves many sequences at once on one model. `generate` for batch use; `add_request` / `step` /
     `abort` for incremental use (the HTTP server)."""
 
-    def __init__(self, model: HybridLM, config: EngineConfig | None = None):
+    def __init__(self, model: HybridLM, config: EngineConfig | None = None, mesh: Any = None):
+        """`mesh`: a device mesh the model's parameters are already sharded over (`serve.sharded`); the
+        cache pools are then laid out on it too (KDA heads on `tensor`, slots on `data`/`expert`)."""
         self.model_config: ModelConfig = model.config
+        self.mesh = mesh
         self.config = config = dataclasses.replace(config) if config else EngineConfig()
         config.validate()
         cfg = self.model_config
@@ -247,8 +253,17 @@ class Engine:
         # so a step costs what its context needs, not what max_model_len allows.
         self.table_buckets = table_buckets(self.max_blocks_per_seq)
         graphdef, self.params = nnx.split(model)
-        self._run, self._sample = _programs(graphdef, cfg.layer_types)
+        self.pool_shardings = None
+        if mesh is not None:
+            from serve.sharded import pool_shardings
+
+            self.pool_shardings = pool_shardings(
+                cfg, mesh, slots=config.max_slots, num_blocks=num_blocks, block_size=config.block_size
+            )
+        self._run, self._sample = _programs(graphdef, cfg.layer_types, self.pool_shardings)
         self.pools = self._init_pools(num_blocks)
+        if self.pool_shardings is not None:
+            self.pools = jax.device_put(self.pools, self.pool_shardings)
         self.state_bytes_per_slot = kda_state_bytes(cfg, self.kv_dtype)["total"]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -52,6 +52,16 @@ def load_model(args: argparse.Namespace) -> Any:
     return HybridLM(cfg, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype))
 
 
+def make_mesh(spec: str | None) -> Any:
+    """The `--mesh` device mesh (None when unset or one device); MeshSpecError names what does not fit."""
+    if spec is None or not spec.strip():
+        return None
+    from sharding.mesh import mesh_from_flag
+
+    mesh = mesh_from_flag(spec)
+    return None if mesh.devices.size == 1 else mesh
+
+
 def engine_config(args: argparse.Namespace) -> Any:
     from serve.engine import EngineConfig
 
@@ -134,14 +144,19 @@ def run(args: argparse.Namespace) -> int:
     from serve.sampling import SamplingError
 
     try:
+        mesh = make_mesh(args.mesh)
         model = load_model(args)
+        if mesh is not None:
+            from serve.sharded import shard_model
+
+            shard_model(model, mesh)
         tokenizer = load_tokenizer(args.model, model.config)
         if args.prompt is not None and tokenizer is None:
             raise UsageError(
                 "--prompt needs a tokenizer; this config's vocabulary is too small: use --prompt-ids"
             )
         requests = collect_requests(args, tokenizer)
-        engine = Engine(model, engine_config(args))
+        engine = Engine(model, engine_config(args), mesh=mesh)
         for prompt, params, _ in requests:  # validate every line before serving any
             engine._validate(prompt, params, None)
         ids = [engine.add_request(prompt, params, cache_salt=salt) for prompt, params, salt in requests]
@@ -195,7 +210,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--stop-ids", help="comma-separated token ids that end a sequence")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     s.add_argument("--logprobs", action="store_true", help="report the log-probability of each chosen token")
-    add_engine_args(p)
+    from sharding.mesh import add_mesh_argument
+
+    add_mesh_argument(add_engine_args(p))
     s.add_argument(
         "--cache-salt", help="prefix-cache isolation key: requests only reuse prefixes of the same salt"
     )

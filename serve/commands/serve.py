@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from serve.commands.common import DTYPES, add_config_arg, add_engine_args, add_prefix_args
-from serve.commands.generate import UsageError, engine_config, load_model
+from serve.commands.generate import UsageError, engine_config, load_model, make_mesh
 
 log = logging.getLogger("jaxhybrid.serve")
 
@@ -31,16 +31,6 @@ def model_name(args: argparse.Namespace) -> str:
         path = Path(args.config)
         return path.stem if path.suffix in (".yaml", ".yml", ".json") else path.name
     return "tiny"
-
-
-def make_mesh(spec: str | None) -> Any:
-    """The `--mesh` (None when unset or a single device); MeshSpecError names what does not fit."""
-    if spec is None or not spec.strip():
-        return None
-    from sharding.mesh import mesh_from_flag
-
-    mesh = mesh_from_flag(spec)
-    return None if mesh.devices.size == 1 else mesh
 
 
 def _server_class() -> type:
@@ -130,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer is None:
             log.warning("no tokenizer for this model: only token-id prompts on /v1/completions will work")
         cfg = engine_config(args)
-        engine = Engine(model, cfg)
+        engine = Engine(model, cfg, mesh=mesh)
     except (UsageError, ConfigError, TokenizerError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

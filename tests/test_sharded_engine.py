@@ -1,0 +1,57 @@
+"""The engine on a device mesh (8 simulated CPU devices): same greedy tokens as one device, pools and
+expert weights really sharded."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from serve.engine import Engine, EngineConfig
+from serve.sampling import SamplingParams
+from serve.sharded import shard_model
+from sharding.mesh import mesh_from_flag
+
+ENGINE = EngineConfig(max_slots=8, block_size=8, prefill_chunk=32, max_model_len=128)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 512, n).tolist() for n in (5, 40, 17, 33)]
+
+
+@pytest.fixture(scope="module")
+def single_device_tokens():
+    eng = Engine(HybridLM(load_config("tiny"), rngs=nnx.Rngs(0)), ENGINE)
+    return [r.token_ids for r in eng.generate(prompts(), GREEDY)]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "data=1,expert=1,tensor=8",
+        "data=1,expert=8,tensor=1",
+        "data=2,expert=2,tensor=2",
+        "data=8,expert=1,tensor=1",
+    ],
+)
+def test_sharded_engine_gives_the_single_device_tokens(spec, single_device_tokens):
+    assert len(jax.devices()) == 8
+    mesh = mesh_from_flag(spec)
+    model = shard_model(HybridLM(load_config("tiny"), rngs=nnx.Rngs(0)), mesh)
+    eng = Engine(model, ENGINE, mesh=mesh)
+    assert [r.token_ids for r in eng.generate(prompts(), GREEDY)] == single_device_tokens
+    # the pools stay in their shardings through the donated program
+    for pool, want in zip(eng.pools, eng.pool_shardings, strict=True):
+        for leaf, sharding in zip(jax.tree.leaves(pool), jax.tree.leaves(want), strict=True):
+            assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    state = eng.pools[0].state  # [slots, heads, d, d]
+    shard_rows = state.addressable_shards[0].data.shape[0]
+    assert shard_rows == 8 // (mesh.shape["data"] * mesh.shape["expert"])  # slots split over data x expert
+    experts = model.model.layers[1].block_sparse_moe.experts.w1[
+        ...
+    ]  # [E=8, F=32, D]: E on expert, F on tensor
+    per_device = experts.addressable_shards[0].data.nbytes
+    assert per_device == experts.nbytes // (mesh.shape["expert"] * mesh.shape["tensor"])
