@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from serve.bench import decode, load, ttft
+from serve.bench import decode, load, mesh, ttft
 
-BENCHES = (decode, load, ttft)
+BENCHES = (decode, load, ttft, mesh)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
