@@ -49,3 +49,26 @@ def emit(result: dict[str, Any], args: argparse.Namespace) -> None:
 
 def add_out_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="also write the JSON result to this file")
+
+
+def decode_step(engine: Any, batch: int, context: int, blocks_per_seq: int) -> Callable[[], float]:
+    """A timer of the engine's decode program for `batch` rows whose caches hold `context` tokens.
+
+    Row b owns the distinct blocks 1 + b * blocks_per_seq ..., as a real batch would; the block table is
+    as wide as the engine's bucket for that context. Returns f() -> seconds of one step (blocking)."""
+    import numpy as np
+
+    nblocks = -(-(context + 1) // engine.config.block_size)
+    width = next(w for w in engine.table_buckets if w >= nblocks)
+    tables = np.zeros((batch, width), np.int32)
+    for b in range(batch):
+        tables[b, :nblocks] = 1 + b * blocks_per_seq + np.arange(nblocks)
+    tokens, slots = np.ones((batch, 1), np.int32), np.arange(batch, dtype=np.int32)
+    start, valid = np.full((batch,), context, np.int32), np.ones((batch,), np.int32)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        engine.run_program(tokens, slots, tables, start, valid).block_until_ready()
+        return time.perf_counter() - t0
+
+    return step

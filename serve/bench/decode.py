@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 
 import numpy as np
 
-from serve.bench.common import add_out_arg, emit, environment
+from serve.bench.common import add_out_arg, decode_step, emit, environment
 from serve.commands.common import print_table
 
 
@@ -48,31 +47,15 @@ def measure(cfg, contexts: list[int], batch: int, repeats: int, dtype: str, bloc
         ),
     )
     del model
-    tokens = np.ones((batch, 1), np.int32)
-    slots = np.arange(batch, dtype=np.int32)
-    valid = np.ones((batch,), np.int32)
-    inputs = {}
-    for ctx in contexts:
-        nblocks = math.ceil((ctx + 1) / block_size)
-        width = next(w for w in engine.table_buckets if w >= nblocks)
-        tables = np.zeros((batch, width), np.int32)
-        for b in range(batch):  # distinct blocks per row, as a real batch would hold
-            tables[b, :nblocks] = 1 + b * blocks_per_seq + np.arange(nblocks)
-        inputs[ctx] = (tables, np.full((batch,), ctx, np.int32))
-
-    def step(ctx: int) -> float:
-        tables, start = inputs[ctx]
-        t0 = time.perf_counter()
-        engine.run_program(tokens, slots, tables, start, valid).block_until_ready()
-        return time.perf_counter() - t0
+    steps = {ctx: decode_step(engine, batch, ctx, blocks_per_seq) for ctx in contexts}
 
     for ctx in contexts:  # compile and warm every shape first
         for _ in range(3):
-            step(ctx)
+            steps[ctx]()
     samples: dict[int, list[float]] = {ctx: [] for ctx in contexts}
     for _ in range(repeats):  # interleaved, so load drift on a shared machine hits every context alike
         for ctx in contexts:
-            samples[ctx].append(step(ctx))
+            samples[ctx].append(steps[ctx]())
     rows = []
     for ctx in contexts:
         med, low = float(np.median(samples[ctx])), min(samples[ctx])

@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 
 import numpy as np
 
-from serve.bench.common import add_out_arg, emit, environment
+from serve.bench.common import add_out_arg, decode_step, emit, environment
 from serve.commands.common import print_table
 
 
@@ -57,20 +56,10 @@ def run(args: argparse.Namespace) -> int:
             ),
             mesh=mesh,
         )
-        width = next(w for w in engine.table_buckets if w >= blocks)
-        tables = np.zeros((args.slots, width), np.int32)
-        for b in range(args.slots):
-            tables[b, :blocks] = 1 + b * blocks + np.arange(blocks)
-        tokens, slots = np.ones((args.slots, 1), np.int32), np.arange(args.slots, dtype=np.int32)
-        start, valid = np.full((args.slots,), args.context, np.int32), np.ones((args.slots,), np.int32)
-        step = lambda: engine.run_program(tokens, slots, tables, start, valid).block_until_ready()  # noqa: B023
+        step = decode_step(engine, args.slots, args.context, blocks)
         for _ in range(3):
             step()
-        samples = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            step()
-            samples.append(time.perf_counter() - t0)
+        samples = [step() for _ in range(args.repeats)]
         med = float(np.median(samples))
         rows.append(
             {
