@@ -64,3 +64,45 @@ def test_bench_ttft_hit_arithmetic(capsys):
     assert (rows["interval"]["hit_tokens"], rows["interval"]["recomputed_tokens"]) == (32, 8)
     assert (rows["prompt_end"]["hit_tokens"], rows["prompt_end"]["prefilled_tokens"]) == (40, 5)
     assert rows["prompt_end"]["checkpoint_bytes"] > rows["interval"]["checkpoint_bytes"] > 0
+
+
+def test_bench_prefix_recompute_falls_and_bytes_rise_as_the_interval_shrinks(capsys):
+    assert (
+        main(
+            [
+                "bench",
+                "prefix",
+                "--config",
+                "tiny",
+                "--intervals",
+                "8,32",
+                "--conversations",
+                "3",
+                "--turns",
+                "3",
+                "--system-len",
+                "40",
+                "--user-min",
+                "4",
+                "--user-max",
+                "12",
+                "--max-tokens",
+                "4",
+                "--block-size",
+                "8",
+                "--chunk",
+                "32",
+                "--max-model-len",
+                "256",
+            ]
+        )
+        == 0
+    )
+    rows = json.loads(capsys.readouterr().out.strip())["rows"]
+    names = [r["setting"] for r in rows]
+    assert names == ["off", "interval 32", "interval 8", "prompt/sequence-end + interval 8"]
+    recompute = [r["recomputed_tokens"] for r in rows[1:]]
+    ckpt = [r["peak_checkpoint_bytes"]["device"] for r in rows[1:3]]
+    assert recompute[0] >= recompute[1] >= recompute[2] and recompute[2] == min(recompute)
+    assert ckpt[0] < ckpt[1]
+    assert rows[0]["hit_tokens"] == 0 and rows[3]["hit_rate"] >= rows[2]["hit_rate"] > 0

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from serve.bench import decode, load, mesh, ttft
+from serve.bench import decode, load, mesh, prefix, ttft
 
-BENCHES = (decode, load, ttft, mesh)
+BENCHES = (decode, load, ttft, mesh, prefix)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
