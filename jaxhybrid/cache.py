@@ -48,22 +48,22 @@ SCRATCH_BLOCK = 0
 LayerCache = KDACache | MLACache | PagedMLACache
 
 
+def kda_zero_state(cfg: ModelConfig, batch: int, dtype: jnp.dtype = jnp.float32) -> KDACache:
+    """One KDA layer's empty state for `batch` sequences (conv inputs in `dtype`, recurrent state fp32)."""
+    return KDACache(
+        conv=jnp.zeros((batch, 3 * cfg.kda_proj_dim, cfg.short_conv_kernel_size - 1), dtype),
+        state=jnp.zeros((batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32),
+    )
+
+
 def init_cache(
     cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32
 ) -> tuple[LayerCache, ...]:
     """Zero caches for `batch` sequences of up to `max_len` tokens (MLA latent in `dtype`)."""
     out: list[LayerCache] = []
-    conv_channels = 3 * cfg.kda_proj_dim
     for kind in cfg.layer_types:
         if kind == "kda":
-            out.append(
-                KDACache(
-                    conv=jnp.zeros((batch, conv_channels, cfg.short_conv_kernel_size - 1), dtype),
-                    state=jnp.zeros(
-                        (batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32
-                    ),
-                )
-            )
+            out.append(kda_zero_state(cfg, batch, dtype))
         else:
             out.append(
                 MLACache(

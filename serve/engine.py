@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, PagedMLACache, kda_state_bytes
+from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, PagedMLACache, kda_state_bytes, kda_zero_state
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import HybridLM
 from serve.blocks import BlockAllocator
@@ -283,23 +283,14 @@ class Engine:
 
     # --- pools -----------------------------------------------------------------------------------
     def _init_pools(self, num_blocks: int) -> tuple[Any, ...]:
-        cfg, slots = self.model_config, self.config.max_slots
-        pools: list[Any] = []
-        for kind in cfg.layer_types:
-            if kind == "kda":
-                pools.append(
-                    KDACache(
-                        conv=jnp.zeros(
-                            (slots, 3 * cfg.kda_proj_dim, cfg.short_conv_kernel_size - 1), self.kv_dtype
-                        ),
-                        state=jnp.zeros(
-                            (slots, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32
-                        ),
-                    )
-                )
-            else:
-                pools.append(jnp.zeros((num_blocks, self.config.block_size, cfg.latent_dim), self.kv_dtype))
-        return tuple(pools)
+        """Per KDA layer the slot-indexed state pool; per MLA layer the paged latent pool."""
+        cfg = self.model_config
+        return tuple(
+            kda_zero_state(cfg, self.config.max_slots, self.kv_dtype)
+            if kind == "kda"
+            else jnp.zeros((num_blocks, self.config.block_size, cfg.latent_dim), self.kv_dtype)
+            for kind in cfg.layer_types
+        )
 
     def _reset_slot(self, slot: int) -> None:
         """Zero a slot's KDA state so a newly admitted request starts from the empty state."""
