@@ -40,20 +40,17 @@ LINEAR_ATTN_KEYS: dict[str, str] = {
     "head_dim": "kda_head_dim",
     "short_conv_kernel_size": "short_conv_kernel_size",
     "gate_lower_bound": "gate_lower_bound",
+    "use_full_rank_gate": "use_full_rank_gate",
 }
 
-# Fields Kimi K3 adds that this codebase does not implement yet (value that means "off").
+# Fields this codebase does not implement yet (value that means "off"): multi-token prediction layers.
 UNIMPLEMENTED_DEFAULTS: dict[str, Any] = {
-    "hidden_act": "silu",
-    "activation_situ_beta": None,
-    "activation_situ_linear_beta": None,
-    "attn_res_block_size": None,
-    "routed_expert_hidden_size": None,
-    "latent_moe_use_norm": False,
-    "mla_use_output_gate": False,
-    "use_full_rank_gate": False,
     "num_nextn_predict_layers": 0,
 }
+
+# compressed-tensors formats of quantized routed experts -> `ModelConfig.expert_quant`.
+QUANT_FORMATS: dict[str, str] = {"mxfp4-pack-quantized": "mxfp4"}
+QUANT_GROUP_SIZE: dict[str, int] = {"mxfp4": 32}
 
 # Hugging Face keys that are known and either irrelevant here or checked for their only supported value.
 FIXED_VALUES: dict[str, Any] = {
@@ -79,7 +76,6 @@ IGNORED_HF_KEYS = {
     "pad_token_id",
     "use_grouped_topk",
     "attention_dropout",
-    "quantization_config",
     "vision_config",
     "text_config",
 }
@@ -100,6 +96,8 @@ class ModelConfig:
     kda_head_dim: int
     short_conv_kernel_size: int = 4
     gate_lower_bound: float | None = None
+    use_full_rank_gate: bool = False  # K3: output gate g_proj [H*d, hidden] instead of g_a_proj/g_b_proj
+    kda_a_log_size: int | None = None  # K3: A_log stored with this many entries (first H used); None = H
     # MLA
     num_attention_heads: int = 1
     q_lora_rank: int | None = None
@@ -107,6 +105,8 @@ class ModelConfig:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    mla_lora_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (not rms_norm_eps)
+    mla_use_output_gate: bool = False  # K3: o * sigmoid(g_proj(x)) before o_proj
     # MoE
     num_experts: int = 0
     num_experts_per_token: int = 1
@@ -117,6 +117,15 @@ class ModelConfig:
     moe_renormalize: bool = True
     num_expert_group: int = 1
     topk_group: int = 1
+    routed_expert_hidden_size: int | None = None  # K3 latent MoE: routed experts run in this width
+    latent_moe_use_norm: bool = False  # K3: RMSNorm of the combined latent before routed_expert_up_proj
+    expert_quant: str | None = None  # checkpoint storage of the routed experts: None (dense) or "mxfp4"
+    # gated MLPs (dense, shared and routed experts)
+    hidden_act: str = "silu"  # "silu" or "situ" (K3)
+    activation_situ_beta: float | None = None  # SiTU gate cap (1.0 when None)
+    activation_situ_linear_beta: float | None = None  # SiTU up cap (no cap when None)
+    # residual stream
+    attn_res_block_size: int | None = None  # K3 attention residuals: a new block every this many layers
     # misc
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
@@ -124,7 +133,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = "custom"
-    # Kimi K3 fields set to a value this codebase cannot run yet: {field: value}.
+    # Fields set to a value this codebase cannot run yet (multi-token prediction): {field: value}.
     unimplemented: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
@@ -165,6 +174,16 @@ class ModelConfig:
     @property
     def kda_proj_dim(self) -> int:
         return self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def a_log_size(self) -> int:
+        """Entries of each KDA layer's stored A_log (the first kda_num_heads are used)."""
+        return self.kda_a_log_size if self.kda_a_log_size is not None else self.kda_num_heads
+
+    @property
+    def expert_dim(self) -> int:
+        """Input/output width of the routed experts: the latent width (K3) or the hidden size."""
+        return self.routed_expert_hidden_size or self.hidden_size
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -243,10 +262,46 @@ def validate(cfg: ModelConfig) -> None:
         "linear_attn_config.gate_lower_bound",
         f"must be null or negative, got {cfg.gate_lower_bound!r}",
     )
+    for fld in ("rms_norm_eps", "mla_lora_norm_eps"):
+        value = getattr(cfg, fld)
+        need(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+            fld,
+            f"must be positive, got {value!r}",
+        )
     need(
-        isinstance(cfg.rms_norm_eps, (int, float)) and cfg.rms_norm_eps > 0,
-        "rms_norm_eps",
-        f"must be positive, got {cfg.rms_norm_eps!r}",
+        cfg.hidden_act in ("silu", "situ"), "hidden_act", f"must be 'silu' or 'situ', got {cfg.hidden_act!r}"
+    )
+    for fld in ("activation_situ_beta", "activation_situ_linear_beta"):
+        value = getattr(cfg, fld)
+        need(
+            value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0),
+            fld,
+            f"must be null or positive, got {value!r}",
+        )
+    for fld in ("attn_res_block_size", "routed_expert_hidden_size", "kda_a_log_size"):
+        value = getattr(cfg, fld)
+        need(
+            value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
+            fld,
+            f"must be null or a positive integer, got {value!r}",
+        )
+    for fld in ("use_full_rank_gate", "mla_use_output_gate", "latent_moe_use_norm"):
+        need(isinstance(getattr(cfg, fld), bool), fld, f"must be true or false, got {getattr(cfg, fld)!r}")
+    need(
+        cfg.kda_a_log_size is None or cfg.kda_a_log_size >= cfg.kda_num_heads,
+        "kda_a_log_size",
+        f"must be >= linear_attn_config.num_heads={cfg.kda_num_heads}, got {cfg.kda_a_log_size!r}",
+    )
+    need(
+        not cfg.latent_moe_use_norm or cfg.routed_expert_hidden_size is not None,
+        "latent_moe_use_norm",
+        "needs routed_expert_hidden_size (the latent the norm acts on)",
+    )
+    need(
+        cfg.expert_quant is None or cfg.expert_quant in QUANT_GROUP_SIZE,
+        "expert_quant",
+        f"must be null or one of {sorted(QUANT_GROUP_SIZE)}, got {cfg.expert_quant!r}",
     )
 
     n = cfg.num_hidden_layers
@@ -305,6 +360,20 @@ def validate(cfg: ModelConfig) -> None:
             "num_experts_per_token",
             f"{cfg.num_experts_per_token} exceeds the {cfg.topk_group * per_group} in the kept groups",
         )
+        if cfg.expert_quant is not None:
+            group = QUANT_GROUP_SIZE[cfg.expert_quant]
+            for fld, width in (
+                ("moe_intermediate_size", cfg.moe_intermediate_size),
+                (
+                    "routed_expert_hidden_size" if cfg.routed_expert_hidden_size else "hidden_size",
+                    cfg.expert_dim,
+                ),
+            ):
+                need(
+                    width % group == 0,
+                    fld,
+                    f"must be a multiple of {group} for {cfg.expert_quant} routed experts, got {width}",
+                )
     need(cfg.vocab_size >= 2, "vocab_size", "must be at least 2")
     for tok in ("bos_token_id", "eos_token_id"):
         value = getattr(cfg, tok)
@@ -321,20 +390,68 @@ def _first_id(value: Any) -> int | None:
     return value
 
 
+def parse_quantization_config(qc: Any, name: str = "custom") -> str | None:
+    """`expert_quant` from a checkpoint's `quantization_config` (compressed-tensors), or None.
+
+    The format may sit at the top level or under `config_groups.<group>.format`; only the routed experts
+    are quantized. Anything but a supported format (mxfp4-pack-quantized, group size 32) is an error, since
+    the weights could not be read."""
+    if qc is None:
+        return None
+    field = "quantization_config"
+    if not isinstance(qc, Mapping):
+        raise ConfigError(f"config field '{field}' must be a mapping (config '{name}')")
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise ConfigError(
+            f"config field '{field}.quant_method': only 'compressed-tensors' is supported, got {method!r} "
+            f"(config '{name}')"
+        )
+    formats: list[Any] = [qc["format"]] if qc.get("format") not in (None, "mixed-precision") else []
+    group_sizes: list[Any] = [qc["group_size"]] if "group_size" in qc else []
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, Mapping):
+        raise ConfigError(f"config field '{field}.config_groups' must be a mapping (config '{name}')")
+    for group in groups.values():
+        if isinstance(group, Mapping):
+            if group.get("format") is not None:
+                formats.append(group["format"])
+            weights = group.get("weights")
+            if isinstance(weights, Mapping) and weights.get("group_size") is not None:
+                group_sizes.append(weights["group_size"])
+    kind = next((QUANT_FORMATS[f] for f in formats if f in QUANT_FORMATS), None)
+    if kind is None:
+        raise ConfigError(
+            f"config field '{field}.format': supported formats are {sorted(QUANT_FORMATS)}, got "
+            f"{formats or 'none'} (config '{name}')"
+        )
+    bad = [g for g in group_sizes if g != QUANT_GROUP_SIZE[kind]]
+    if bad:
+        raise ConfigError(
+            f"config field '{field}': {kind} needs group size {QUANT_GROUP_SIZE[kind]}, got {bad[0]!r} "
+            f"(config '{name}')"
+        )
+    return kind
+
+
 def from_dict(raw: Mapping[str, Any], *, strict: bool, name: str = "custom") -> ModelConfig:
-    """Build a config from a Hugging Face style dict (`strict`: unknown keys are errors)."""
+    """Build a config from a Hugging Face style dict (`strict`: unknown keys are errors).
+
+    A multimodal wrapper (Kimi K3) keeps the text model under `text_config`; its `quantization_config` may
+    sit inside text_config or at the top level and becomes `expert_quant`."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config '{name}' must be a mapping, got {type(raw).__name__}")
+    quant_config = raw.get("quantization_config")
     if "text_config" in raw and isinstance(raw["text_config"], Mapping):
-        # Multimodal wrappers (Kimi K3) keep the text model under text_config.
         merged = dict(raw["text_config"])
         merged.setdefault("name", raw.get("name", name))
+        quant_config = merged.get("quantization_config", quant_config)
         raw = merged
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     kw: dict[str, Any] = {"name": raw.get("name", name)}
     unimpl: dict[str, Any] = {}
     for key, value in raw.items():
-        if key == "name":
+        if key in ("name", "quantization_config"):
             continue
         if key == "linear_attn_config":
             if not isinstance(value, Mapping):
@@ -390,6 +507,14 @@ def from_dict(raw: Mapping[str, Any], *, strict: bool, name: str = "custom") -> 
     for key, value in list(kw.items()):
         if key in _INT_FIELDS and isinstance(value, float) and value.is_integer():
             kw[key] = int(value)
+    if quant_config is not None:
+        parsed = parse_quantization_config(quant_config, kw["name"])
+        if kw.get("expert_quant") not in (None, parsed):
+            raise ConfigError(
+                f"config field 'expert_quant' ({kw['expert_quant']!r}) disagrees with quantization_config "
+                f"({parsed!r}) (config '{kw['name']}')"
+            )
+        kw["expert_quant"] = parsed
     kw["unimplemented"] = tuple(sorted(unimpl.items()))
     try:
         return ModelConfig(**kw)

@@ -16,7 +16,7 @@ from jaxhybrid.model import HybridLM
 
 
 def abstract_model(cfg: ModelConfig, dtype: jnp.dtype = jnp.bfloat16) -> HybridLM:
-    """The model with ShapeDtypeStruct leaves (K3 fields not implemented are approximated)."""
+    """The model with ShapeDtypeStruct leaves (unimplemented fields, i.e. MTP layers, are left out)."""
     return nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, allow_unimplemented=True))
 
 
@@ -36,6 +36,9 @@ class _Head(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if cfg.attn_res_block_size is not None:  # K3 attention residuals: the model-level output read
+            self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+            self.output_attn_res_proj = Linear(cfg.hidden_size, 1, rngs=rngs, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
 

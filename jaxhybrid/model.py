@@ -1,4 +1,4 @@
-"""HybridLM: the Kimi Linear family language model (checkpoint names `model.*` and `lm_head`)."""
+"""HybridLM: the Kimi Linear / Kimi K3 family language model (checkpoint names `model.*` and `lm_head`)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from flax import nnx
 from jaxhybrid.cache import LayerCache, init_cache
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import Embedding, Linear, RMSNorm
-from jaxhybrid.layers.decoder import DecoderLayer
+from jaxhybrid.layers.decoder import DecoderLayer, res_mix
 
 
 class NotImplementedConfigError(NotImplementedError):
-    """The config sets a feature (a Kimi K3 addition) that this codebase does not implement yet."""
+    """The config sets a feature (multi-token prediction layers) that this codebase does not implement yet."""
 
 
 class Backbone(nnx.Module):
@@ -26,6 +26,44 @@ class Backbone(nnx.Module):
             [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        # Attention residuals (K3): the final read of the residual blocks before `norm`.
+        self.attn_res = cfg.attn_res_block_size is not None
+        if self.attn_res:
+            D = cfg.hidden_size
+            self.output_attn_res_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+            self.output_attn_res_proj = Linear(D, 1, rngs=rngs, dtype=dtype, axes=(None, "embed"))
+
+    def run_layers(
+        self,
+        h: jax.Array,
+        cache: tuple[LayerCache, ...] | None,
+        lengths: jax.Array | None,
+        *,
+        return_load: bool = False,
+    ) -> tuple[jax.Array, tuple[LayerCache, ...], list[jax.Array]]:
+        """Embedded tokens [B, T, D] through every decoder layer -> (hidden before `norm`, caches, loads).
+
+        Plain residual stream, or (K3) the attention-residual stream: a partial sum plus the closed blocks,
+        read by the output mix at the end. `cache` None: a full causal pass from empty caches. `loads`: the
+        expert load of each MoE layer in order when `return_load`, else empty."""
+        caches = (None,) * len(self.layers) if cache is None else cache
+        new_cache, loads = [], []
+        blocks: tuple[jax.Array, ...] = ()
+        for layer, layer_cache in zip(self.layers, caches, strict=True):
+            if self.attn_res:
+                h, blocks, c, load = layer.attn_res_call(
+                    h, blocks, layer_cache, lengths, return_load=return_load
+                )
+            elif return_load:
+                h, c, load = layer(h, layer_cache, lengths, return_load=True)
+            else:
+                (h, c), load = layer(h, layer_cache, lengths), None
+            new_cache.append(c)
+            if load is not None:
+                loads.append(load)
+        if self.attn_res:
+            h = res_mix(h, blocks, self.output_attn_res_norm, self.output_attn_res_proj)
+        return h, tuple(new_cache), loads
 
 
 class HybridLM(nnx.Module):
@@ -39,8 +77,8 @@ class HybridLM(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         allow_unimplemented: bool = False,
     ):
-        """`allow_unimplemented` builds the Kimi Linear approximation of a config with unsupported fields
-        (for shape/byte accounting only)."""
+        """`allow_unimplemented` builds a config with unsupported fields (multi-token prediction) without
+        them (for shape/byte accounting only)."""
         if cfg.unimplemented and not allow_unimplemented:
             fields = ", ".join(f"{k}={v!r}" for k, v in cfg.unimplemented)
             raise NotImplementedConfigError(
@@ -60,11 +98,19 @@ class HybridLM(nnx.Module):
             return jnp.einsum("...d,vd->...v", h, self.model.embed_tokens.weight[...].astype(h.dtype))
         return self.lm_head(h)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """tokens [B, T] -> logits [B, T, vocab] for a full causal pass from an empty cache."""
-        h = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
-            h, _ = layer(h)
+    def __call__(
+        self, tokens: jax.Array, *, return_expert_load: bool = False
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """tokens [B, T] -> logits [B, T, vocab] for a full causal pass from an empty cache.
+
+        `return_expert_load`: also return the tokens routed to each expert, [MoE layers, E] int32, in layer
+        order (what training's router-bias update needs); the logits are the same either way."""
+        h, _, loads = self.model.run_layers(
+            self.model.embed_tokens(tokens), None, None, return_load=return_expert_load
+        )
+        if return_expert_load:
+            n = self.config.num_experts
+            return self.logits(h), jnp.stack(loads) if loads else jnp.zeros((0, n), jnp.int32)
         return self.logits(h)
 
     def forward_cached(
@@ -75,12 +121,8 @@ class HybridLM(nnx.Module):
         `lengths` [B] (optional) = number of real tokens per row; the rest of each row is right padding that
         does not change any cache. MLA caches need room for T more positions after their current length.
         """
-        h = self.model.embed_tokens(tokens)
-        new_cache = []
-        for layer, layer_cache in zip(self.model.layers, cache, strict=True):
-            h, c = layer(h, layer_cache, lengths)
-            new_cache.append(c)
-        return self.logits(h), tuple(new_cache)
+        h, new_cache, _ = self.model.run_layers(self.model.embed_tokens(tokens), cache, lengths)
+        return self.logits(h), new_cache
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> tuple[LayerCache, ...]:
         return init_cache(self.config, batch, max_len, dtype or self.model.embed_tokens.weight[...].dtype)

@@ -10,12 +10,26 @@
 The chat template (`chat_template` in `tokenizer_config.json`, or `chat_template.jinja`) is rendered with
 jinja2 in a sandbox, then encoded with special tokens recognised where the template wrote them.
 `load_tokenizer(model_dir, cfg)` picks the right one.
+
+Kimi K3 ships no Jinja template; its chat format (shared/K3.md) is built in: `K3Tokenizer`, a
+`TiktokenTokenizer` chosen by the tokenizer directory's contents: a tiktoken directory with no chat
+template whose special tokens include K3's `<|open|>`, `<|close|>`, `<|sep|>` and `<|end_of_msg|>`.
+Per message `<|open|>message role="ROLE"<|sep|>` CONTENT `<|close|>message<|sep|><|end_of_msg|>`, then
+the generation prefix `<|open|>message role="assistant"<|sep|><|open|>response<|sep|>`. Segments are
+encoded one at a time and special tokens are recognised only in the control segments, so a message that
+contains the text "<|open|>" stays text. UNSETTLED in K3.md: whether [BOS] is prepended; here it is not,
+unless tokenizer_config.json sets `add_bos_token: true` (Kimi K2's and Kimi Linear's templates start
+without [BOS]). Generation stops on `<|end_of_msg|>`, the config's eos, which is also this tokenizer's eos.
+Earlier assistant turns use the same per-message form as every other role (K3.md gives one form per
+turn); whether they should also carry the `<|open|>response<|sep|>` wrapper of the generation prefix is
+not established either.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +52,19 @@ KIMI_PATTERN = "|".join(
     ]
 )
 RESERVED_TOKEN = "<|reserved_token_{}|>"
+
+# Kimi K3's special tokens (shared/K3.md) and those its chat format is written with.
+K3_SPECIAL_TOKENS: dict[str, int] = {
+    "[BOS]": 163584,
+    "[EOS]": 163585,
+    "<|end_of_msg|>": 163586,
+    "<|open|>": 163587,
+    "<|close|>": 163588,
+    "<|sep|>": 163589,
+    "[PAD]": 163839,
+}
+K3_CHAT_TOKENS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+K3_ROLE = re.compile(r"^[A-Za-z0-9_.-]+$")  # roles are written into a control segment: no specials, quotes
 
 # A plain-text chat format for tokenizers without a template of their own (the byte-level one).
 DEFAULT_CHAT_TEMPLATE = (
@@ -294,14 +321,20 @@ class TiktokenTokenizer(Tokenizer):
         if clash:
             raise TokenizerError(f"{cfg_path}: special token id {clash[0]} is inside the BPE vocabulary")
         tokens = _template_tokens(config)
-        return cls(
+        template = read_chat_template(directory, config)
+        kw: dict[str, Any] = {}
+        klass: type[TiktokenTokenizer] = cls
+        if template is None and set(K3_CHAT_TOKENS) <= set(specials.values()):
+            klass, kw = K3Tokenizer, {"add_bos": config.get("add_bos_token") is True}
+        return klass(
             ranks,
             {text: i for i, text in specials.items()},
             bos_token=tokens.get("bos_token"),
             eos_token=tokens.get("eos_token"),
             pad_token=tokens.get("pad_token"),
-            chat_template=read_chat_template(directory, config),
+            chat_template=template,
             template_tokens=tokens,
+            **kw,
         )
 
     def encode(self, text: str, add_bos: bool = False, allow_special: bool = False) -> list[int]:
@@ -326,6 +359,79 @@ class TiktokenTokenizer(Tokenizer):
     @property
     def max_token_id(self) -> int:
         return self.vocab_size - 1
+
+
+def k3_chat_segments(
+    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+) -> list[tuple[str, bool]]:
+    """K3's chat format as (text, is_control) segments: per message `<|open|>message role="ROLE"<|sep|>`,
+    the content, `<|close|>message<|sep|><|end_of_msg|>`; then the generation prefix. Only control
+    segments may hold special tokens. Roles must be plain names (they are written into a control
+    segment); contents must be strings."""
+    segments: list[tuple[str, bool]] = []
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not K3_ROLE.match(role):
+            raise TokenizerError(f"messages[{i}].role {role!r}: a K3 role must match {K3_ROLE.pattern}")
+        if not isinstance(content, str):
+            raise TokenizerError(f"messages[{i}].content must be a string")
+        segments += [
+            (f'<|open|>message role="{role}"<|sep|>', True),
+            (content, False),
+            ("<|close|>message<|sep|><|end_of_msg|>", True),
+        ]
+    if add_generation_prompt:
+        segments.append(('<|open|>message role="assistant"<|sep|><|open|>response<|sep|>', True))
+    return segments
+
+
+class K3Tokenizer(TiktokenTokenizer):
+    """Kimi K3: Kimi's tiktoken BPE with K3's built-in chat format (see the module docstring).
+
+    `add_bos`: prepend [BOS] to a rendered conversation (UNSETTLED in K3.md; off by default). The eos is
+    `<|end_of_msg|>` (stop on it, not on [EOS]); the pad token is [PAD] when the directory has one."""
+
+    def __init__(
+        self, ranks: dict[bytes, int], special_tokens: Mapping[str, int], *, add_bos: bool = False, **kw: Any
+    ):
+        super().__init__(ranks, special_tokens, **kw)
+        missing = [t for t in K3_CHAT_TOKENS if t not in self.special_tokens]
+        if missing:
+            raise TokenizerError(f"a K3 tokenizer needs the special tokens {missing}")
+        self.add_bos = add_bos
+        self.eos_token_id = self.special_tokens["<|end_of_msg|>"]
+        if self.bos_token_id is None:
+            self.bos_token_id = self.special_tokens.get("[BOS]")
+        if self.pad_token_id is None:
+            self.pad_token_id = self.special_tokens.get("[PAD]")
+        names = sorted(K3_CHAT_TOKENS, key=len, reverse=True)
+        self._control_split = re.compile("(" + "|".join(re.escape(t) for t in names) + ")")
+
+    def _encode_control(self, text: str) -> list[int]:
+        """A control segment: K3's chat special tokens by id, the text between them encoded as text."""
+        ids: list[int] = []
+        for part in self._control_split.split(text):
+            if part in K3_CHAT_TOKENS:
+                ids.append(self.special_tokens[part])
+            elif part:
+                ids += self.encode(part)
+        return ids
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kw: Any
+    ) -> str:
+        """The conversation as text in K3's chat format (template keyword arguments are ignored)."""
+        text = "".join(t for t, _ in k3_chat_segments(messages, add_generation_prompt))
+        return ("[BOS]" if self.add_bos and self.bos_token_id is not None else "") + text
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kw: Any
+    ) -> list[int]:
+        """Token ids of the conversation, each segment encoded alone (special tokens only in control ones)."""
+        ids = [self.bos_token_id] if self.add_bos and self.bos_token_id is not None else []
+        for text, control in k3_chat_segments(messages, add_generation_prompt):
+            ids += self._encode_control(text) if control else self.encode(text)
+        return ids
 
 
 class HFTokenizer(Tokenizer):

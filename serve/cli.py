@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from serve.commands import bench, convert, generate, info, memory, serve
+from serve.commands import bench, convert, generate, info, memory, serve, train
 
-COMMANDS = (info, generate, bench, convert, memory, serve)
+COMMANDS = (info, generate, bench, convert, memory, serve, train)
 
 
 def build_parser() -> argparse.ArgumentParser:

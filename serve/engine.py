@@ -169,7 +169,10 @@ def _programs(graphdef: Any, layer_types: tuple[str, ...], pool_shardings: Any =
         )
         logits, new = model.forward_cached(tokens, cache, num_valid)
         new_pools = tuple(
-            KDACache(conv=pool.conv.at[slot_ids].set(c.conv), state=pool.state.at[slot_ids].set(c.state))
+            KDACache(
+                conv=pool.conv.at[slot_ids].set(c.conv.astype(pool.conv.dtype)),
+                state=pool.state.at[slot_ids].set(c.state.astype(pool.state.dtype)),
+            )
             if kind == "kda"
             else c.pool
             for kind, pool, c in zip(layer_types, pools, new, strict=True)
@@ -179,7 +182,14 @@ def _programs(graphdef: Any, layer_types: tuple[str, ...], pool_shardings: Any =
 
     if pool_shardings is None:
         return jax.jit(run, donate_argnums=(1,)), jax.jit(sample)
-    return jax.jit(run, donate_argnums=(1,), out_shardings=(None, pool_shardings)), jax.jit(sample)
+    # Logits and sampled ids replicated: every process reads them (a mesh may span several processes).
+    replicated = jax.sharding.NamedSharding(
+        jax.tree.leaves(pool_shardings)[0].mesh, jax.sharding.PartitionSpec()
+    )
+    return (
+        jax.jit(run, donate_argnums=(1,), out_shardings=(replicated, pool_shardings)),
+        jax.jit(sample, out_shardings=replicated),
+    )
 
 
 @jax.jit

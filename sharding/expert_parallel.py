@@ -2,7 +2,7 @@
 
 `make_expert_parallel_fn(mesh)` returns a callable with the signature of
 `jaxhybrid.ops.moe.moe_experts_dropless` ``(x [N, D], w1 [E, F, D], w2 [E, D, F], w3 [E, F, D],
-weights [N, k], expert_ids [N, k]) -> [N, D]`` that the model's MoE layers call instead of their local
+weights [N, k], expert_ids [N, k], *, act) -> [N, D]`` that the model's MoE layers call instead of their local
 implementation (`MoE.experts_fn`, installed with `jaxhybrid.model.set_experts_fn`).
 
 Layout inside ``shard_map`` (mesh axes data, expert, tensor):
@@ -18,8 +18,9 @@ Per device, with n local tokens and P = n*k (token, expert) pairs:
 1. sort the pairs by expert id (stable); since experts are laid out contiguously per device, the sorted
    pairs are also grouped by destination device; ``send_sizes[d]`` pairs go to device d;
 2. exchange the token rows (and each row's local expert id) over ``expert``;
-3. on the receiver, sort the received rows by local expert and run the SwiGLU experts as three grouped
-   matmuls (`jax.lax.ragged_dot_general`; rows of padding form no group);
+3. on the receiver, sort the received rows by local expert and run the gated-MLP experts (activation
+   ``act``, SiLU or SiTU) as three grouped matmuls (`jax.lax.ragged_dot_general`; rows of padding form
+   no group);
 4. send the output rows back the same way, multiply by the routing weights, scatter-add per token (fp32).
 
 Nothing is dropped: buffers are sized for the worst case (all P pairs of every source to one device).
@@ -47,6 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
+
+from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
+from jaxhybrid.ops.moe import check_expert_shapes
 
 EXCHANGES = ("auto", "padded", "ragged", "ragged_emulated")
 
@@ -95,8 +99,14 @@ def ragged_all_to_all_emulated(
     return output
 
 
-def _grouped_swiglu(
-    rows: jax.Array, keys: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, dtype: Any
+def _grouped_experts(
+    rows: jax.Array,
+    keys: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    w3: jax.Array,
+    dtype: Any,
+    act: GatedActivation = SILU,
 ) -> jax.Array:
     """rows [M, D] with local expert ids `keys` [M] (E_loc = padding) -> expert outputs [M, D] fp32, in
     the order of `rows` (padding rows give unspecified values that nobody reads)."""
@@ -108,7 +118,7 @@ def _grouped_swiglu(
     def grouped_matmul(lhs: jax.Array, w: jax.Array) -> jax.Array:
         return jax.lax.ragged_dot_general(lhs, w, sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
 
-    hidden = (jax.nn.silu(grouped_matmul(sorted_rows, w1)) * grouped_matmul(sorted_rows, w3)).astype(dtype)
+    hidden = gated_act(grouped_matmul(sorted_rows, w1), grouped_matmul(sorted_rows, w3), act).astype(dtype)
     out = grouped_matmul(hidden, w2)
     return jnp.zeros_like(out).at[order].set(out)
 
@@ -223,14 +233,17 @@ def make_expert_parallel_fn(
     tp = mesh.shape[tensor_axis] if tensor_axis is not None and tensor_axis in mesh.shape else 1
 
     def experts_fn(
-        x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, weights: jax.Array, expert_ids: jax.Array
+        x: jax.Array,
+        w1: jax.Array,
+        w2: jax.Array,
+        w3: jax.Array,
+        weights: jax.Array,
+        expert_ids: jax.Array,
+        *,
+        act: GatedActivation = SILU,
     ) -> jax.Array:
-        num_experts, ffn, dim = w1.shape
-        if x.shape[-1] != dim or w3.shape != w1.shape or w2.shape != (num_experts, dim, ffn):
-            raise ValueError(
-                f"expected x [N, D], w1/w3 [E, F, D], w2 [E, D, F]; got x {x.shape}, w1 {w1.shape}, "
-                f"w3 {w3.shape}, w2 {w2.shape}"
-            )
+        check_expert_shapes(x, w1, w2, w3)
+        num_experts, ffn, _ = w1.shape
         if num_experts % ep:
             raise ValueError(
                 f"expert parallelism over {ep} devices needs num_experts divisible by {ep}, got {num_experts}"
@@ -257,7 +270,7 @@ def make_expert_parallel_fn(
             send_sizes = jnp.bincount(dest, length=ep).astype(jnp.int32)
 
             def experts(r: jax.Array, keys: jax.Array) -> jax.Array:
-                return _grouped_swiglu(r, keys, w1, w2, w3, x.dtype)
+                return _grouped_experts(r, keys, w1, w2, w3, x.dtype, act)
 
             common = dict(ep=ep, axis=expert_axis, num_local=num_local, combine_dtype=combine_dtype)
             if kind == "padded":

@@ -7,10 +7,13 @@ tuple of mesh axes, or None (replicated):
     logical name    mesh axes          dimensions
     --------------  -----------------  ------------------------------------------------------------------
     vocab           tensor             embedding and lm_head rows
-    embed           -                  the hidden size everywhere (activations stay whole on it)
-    heads           tensor             MLA head-major dims: q_proj/q_b_proj/kv_b_proj rows, o_proj cols
-    kda_heads       tensor             KDA head-major dims: q/k/v/f_b/g_b/b_proj rows, conv channels,
-                                       dt_bias, A_log heads, o_proj cols; heads of the KDA pools
+    embed           -                  the hidden size everywhere (activations stay whole on it), incl.
+                                       the K3 AttnRes vectors (*_res_norm [D], *_res_proj [1, D])
+    heads           tensor             MLA head-major dims: q_proj/q_b_proj/kv_b_proj/g_proj rows, o_proj
+                                       cols
+    kda_heads       tensor             KDA head-major dims: q/k/v/f_b/g_b/g_proj/b_proj rows, conv
+                                       channels, dt_bias, A_log heads (unpadded), o_proj cols; heads of
+                                       the KDA pools
     kda_head_dim    -                  KDA d-wide gate ranks (f_a/g_a rows), o_norm weight
     q_lora          -                  MLA query low rank
     kv_latent       -                  MLA latent (kv_lora_rank + rope): kv_a_proj rows, kv_b_proj cols,
@@ -18,6 +21,8 @@ tuple of mesh axes, or None (replicated):
     mlp             tensor             dense and shared-expert intermediate size
     experts         expert             the stacked routed experts (w1/w2/w3 dim 0)
     expert_mlp      tensor             routed experts' intermediate size (2-D expert x tensor split)
+    moe_latent      -                  K3 latent MoE width: routed_expert_down_proj rows, up_proj cols,
+                                       routed_expert_norm, the experts' in/out dim (like `embed`)
     router          -                  router rows and the score-correction bias (all E scores per token)
     batch           (data, expert)     sequences of a batch (tokens, logits, block tables, lengths)
     slots           (data, expert)     the engine's slot axis of the KDA conv/state pools
@@ -74,6 +79,7 @@ RULES: dict[str, MeshAxes] = {
     "mlp": "tensor",
     "experts": "expert",
     "expert_mlp": "tensor",
+    "moe_latent": None,
     "router": None,
     "batch": ("data", "expert"),
     "slots": ("data", "expert"),

@@ -72,7 +72,11 @@ def test_named_configs_load():
     assert (k3.num_kda_layers, k3.num_mla_layers) == (69, 24)
     assert k3.layer_types[-2:] == ("mla", "mla")
     assert k3.gate_lower_bound == -5.0
-    assert dict(k3.unimplemented)["attn_res_block_size"] == 12
+    assert k3.unimplemented == ()
+    assert (k3.attn_res_block_size, k3.routed_expert_hidden_size, k3.hidden_act) == (12, 3584, "situ")
+    assert (k3.activation_situ_beta, k3.activation_situ_linear_beta) == (4.0, 25.0)
+    assert k3.latent_moe_use_norm and k3.mla_use_output_gate and k3.use_full_rank_gate
+    assert (k3.a_log_size, k3.mla_lora_norm_eps, k3.expert_quant) == (128, 1e-6, "mxfp4")
 
 
 def test_hf_config_with_aliases_equals_our_yaml(tmp_path):
@@ -88,7 +92,7 @@ def test_hf_config_with_aliases_equals_our_yaml(tmp_path):
 
 
 def test_round_trip_through_hf_dict():
-    for name in ("tiny", "tiny-grouped", "kimi-k3"):
+    for name in ("tiny", "tiny-grouped", "kimi-k3", "tiny-k3"):
         cfg = load_config(name)
         assert from_dict(cfg.to_hf_dict(), strict=True, name=cfg.name) == cfg
 
@@ -152,3 +156,73 @@ def test_missing_required_and_bad_files(tmp_path):
     # Hugging Face files may carry keys we do not know: ignored, not an error.
     hf = dict(HF_48B, some_future_key=1)
     assert from_dict(hf, strict=False).num_experts == 256
+
+
+def test_k3_released_config_json(tmp_path):
+    """K3's config.json: the text model under text_config (with transformers' stray head_dim 74), a vision
+    tower, and the compressed-tensors quantization_config at the top level or inside text_config."""
+    k3 = load_config("kimi-k3")
+    text = k3.to_hf_dict()
+    for key in ("name", "expert_quant", "kda_a_log_size", "mla_lora_norm_eps"):  # not in K3's config.json
+        del text[key]
+    text.update(head_dim=74, model_type="kimi_k3_text", num_nextn_predict_layers=0, topk_method="noaux_tc")
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "weights": {"group_size": 32}}},
+    }
+    want = k3.replace(name="m", kda_a_log_size=None)
+    top = {
+        "model_type": "kimi_k3",
+        "text_config": text,
+        "vision_config": {"x": 1},
+        "quantization_config": quant,
+    }
+    assert from_dict(top, strict=False, name="m") == want
+    inner = {"model_type": "kimi_k3", "text_config": dict(text, quantization_config=quant)}
+    assert from_dict(inner, strict=False, name="m") == want
+    groups_only = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"g": {"format": "mxfp4-pack-quantized"}},
+    }
+    assert (
+        from_dict({"text_config": text, "quantization_config": groups_only}, strict=False).expert_quant
+        == "mxfp4"
+    )
+    assert from_dict({"text_config": text}, strict=False).expert_quant is None
+    (tmp_path / "config.json").write_text(json.dumps(top))
+    assert load_config(tmp_path).replace(name="m") == want
+    bad = [
+        ({"quant_method": "fp8"}, "quant_method"),
+        ({"quant_method": "compressed-tensors", "format": "int4-pack-quantized"}, "format"),
+        (
+            dict(
+                quant, config_groups={"g": {"format": "mxfp4-pack-quantized", "weights": {"group_size": 16}}}
+            ),
+            "16",
+        ),
+    ]
+    for qc, match in bad:
+        with pytest.raises(ConfigError, match=match):
+            from_dict({"text_config": text, "quantization_config": qc}, strict=False)
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"activation_situ_beta": 0.0}, "activation_situ_beta"),
+        ({"attn_res_block_size": 0}, "attn_res_block_size"),
+        ({"routed_expert_hidden_size": None}, "latent_moe_use_norm"),
+        ({"kda_a_log_size": 1}, "kda_a_log_size"),
+        ({"mla_lora_norm_eps": 0}, "mla_lora_norm_eps"),
+        ({"expert_quant": "nf4"}, "expert_quant"),
+        ({"expert_quant": "mxfp4", "moe_intermediate_size": 48}, "moe_intermediate_size"),
+        ({"expert_quant": "mxfp4", "routed_expert_hidden_size": 80}, "routed_expert_hidden_size"),
+    ],
+)
+def test_invalid_k3_fields_name_the_field(changes, field):
+    raw = load_config("tiny-k3").to_hf_dict()
+    raw.update(changes)
+    with pytest.raises(ConfigError, match=field):
+        from_dict(raw, strict=True)

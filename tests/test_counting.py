@@ -84,10 +84,61 @@ def test_info_cli_json(capsys):
     assert "no config named" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-grouped"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-grouped", "tiny-k3"])
 def test_per_kind_count_equals_whole_model_count(name):
     """count_params traces one layer per kind; the whole abstract model must give the same total."""
     cfg = load_config(name)
     shapes = named_shapes(cfg)
     whole = sum(int(np.prod(v.shape)) for k, v in shapes.items() if not k.endswith("e_score_correction_bias"))
     assert count_params(cfg)["total_params"] == whole
+
+
+def test_kimi_k3_parameter_count_from_k3_md_shapes():
+    """Kimi K3 (shared/K3.md), summed by hand from the tensor shapes, equals count_params (eval_shape)."""
+    D, V, vocab_tables = 7168, 163840, 2  # embed_tokens + untied lm_head
+    H, d, conv = 96, 128, 4  # KDA
+    HD = H * d
+    kda = (
+        3 * HD * D  # q/k/v_proj
+        + 3 * HD * conv  # q/k/v_conv1d [HD, 1, 4]
+        + d * D  # f_a_proj
+        + HD * d  # f_b_proj
+        + HD  # dt_bias
+        + 128  # A_log, stored with 128 entries (96 used)
+        + H * D  # b_proj
+        + HD * D  # g_proj (full rank output gate)
+        + d  # o_norm
+        + D * HD  # o_proj
+    )
+    q_rank, kv_rank, nope, rope, vd = 1536, 512, 128, 64, 128  # MLA, 96 heads
+    mla = (
+        q_rank * D  # q_a_proj
+        + q_rank  # q_a_layernorm
+        + H * (nope + rope) * q_rank  # q_b_proj
+        + (kv_rank + rope) * D  # kv_a_proj_with_mqa
+        + kv_rank  # kv_a_layernorm
+        + H * (nope + vd) * kv_rank  # kv_b_proj
+        + H * vd * D  # g_proj (output gate)
+        + D * H * vd  # o_proj
+    )
+    E, F, L, shared = 896, 3072, 3584, 2 * 3072
+    routed = E * 3 * F * L  # experts.E.w1/w3 [3072, 3584], w2 [3584, 3072]
+    moe = (
+        E * D  # router gate.weight (the e_score_correction_bias is a buffer)
+        + routed
+        + 3 * shared * D  # shared_experts gate/up/down_proj
+        + L * D  # routed_expert_down_proj
+        + D * L  # routed_expert_up_proj
+        + L  # routed_expert_norm
+    )
+    dense = 3 * 33792 * D  # layer 0 mlp
+    per_layer = 2 * D + 4 * D  # input/post_attention_layernorm + self_attention_res_{norm,proj} + mlp_res_*
+    head = vocab_tables * V * D + D + 2 * D  # embeddings, model.norm, output_attn_res_{norm,proj}
+    total = head + 93 * per_layer + 69 * kda + 24 * mla + dense + 92 * moe
+    assert total == 2_779_484_395_776
+
+    counts = count_params(load_config("kimi-k3"))
+    assert counts["total_params"] == total and not counts["approximate"]
+    assert counts["routed_expert_params"] == 92 * routed
+    assert counts["active_params"] == total - 92 * (E - 16) * 3 * F * L
+    assert counts["buffer_elements"] == 92 * E  # the router biases

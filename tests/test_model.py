@@ -7,7 +7,7 @@ import pytest
 from conftest import rel_err
 from flax import nnx
 
-from jaxhybrid.config import load_config
+from jaxhybrid.config import from_dict, load_config
 from jaxhybrid.model import HybridLM, NotImplementedConfigError, pure_fn, set_moe_impl
 
 TOL = 1e-5  # fp32 relative error, max|a-b| / max|b|
@@ -97,5 +97,10 @@ def test_dropless_moe_equals_dense_reference_in_the_model():
 
 
 def test_unimplemented_config_is_refused():
-    with pytest.raises(NotImplementedConfigError, match="attn_res_block_size"):
-        nnx.eval_shape(lambda: HybridLM(load_config("kimi-k3"), rngs=nnx.Rngs(0)))
+    """Multi-token prediction layers are the one config feature not implemented; every K3 field is."""
+    assert load_config("kimi-k3").unimplemented == ()
+    raw = dict(load_config("tiny").to_hf_dict(), num_nextn_predict_layers=1)
+    cfg = from_dict(raw, strict=True)
+    assert cfg.unimplemented == (("num_nextn_predict_layers", 1),)
+    with pytest.raises(NotImplementedConfigError, match="num_nextn_predict_layers"):
+        nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))

@@ -482,12 +482,12 @@ def test_jaxhybrid_serve_with_no_arguments():
             assert time.monotonic() < deadline, "the server did not become healthy"
             time.sleep(0.25)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=120)
-        assert r.status_code == 200 and r.json()["model"] == "tiny"
+        assert r.status_code == 200 and r.json()["model"] == "stdlib-small"  # the shipped model
         assert r.json()["usage"]["completion_tokens"] >= 1
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
-        assert "embedded default" in out and "random weights" in out
+        assert "embedded default" in out and "shipped model" in out
         assert "Traceback" not in out
     finally:
         if proc.poll() is None:

@@ -81,7 +81,7 @@ def test_make_mesh_axes_and_types():
 
 # --- rules -------------------------------------------------------------------------------------------
 def test_every_variable_has_logical_names():
-    for name in ("tiny", "tiny-grouped"):
+    for name in ("tiny", "tiny-grouped", "tiny-k3"):
         state = nnx.state(abstract(name))
         for path, var in nnx.to_flat_state(state):
             axes = variable_axes(var)
@@ -116,6 +116,24 @@ def test_parameter_specs_tiny_on_2x2x2():
     assert specs[f"{moe}.gate.weight"] == P()
     assert specs[f"{moe}.gate.e_score_correction_bias"] == P()
     assert specs[f"{moe}.shared_experts.up_proj.weight"] == P("tensor")
+
+
+def test_parameter_specs_of_k3_tensors_on_2x2x2():
+    mesh = make_mesh("data=2,expert=2,tensor=2")
+    specs = specs_by_path(abstract("tiny-k3"), mesh)
+    kda, mla, moe = "model.layers.0.self_attn", "model.layers.3.self_attn", "model.layers.1.block_sparse_moe"
+    assert specs[f"{kda}.g_proj.weight"] == P("tensor")  # full-rank gate: head-major rows, like q_proj
+    assert specs[f"{kda}.A_log"] == P()  # padded past the heads: replicated
+    assert specs[f"{mla}.g_proj.weight"] == P("tensor")  # output gate: head-major rows
+    assert specs[f"{moe}.routed_expert_down_proj.weight"] == P()  # the latent stays whole, like embed
+    assert specs[f"{moe}.routed_expert_up_proj.weight"] == P()
+    assert specs[f"{moe}.routed_expert_norm.weight"] == P()
+    assert specs[f"{moe}.experts.w1"] == P("expert", "tensor")
+    assert specs[f"{moe}.experts.w2"] == P("expert", None, "tensor")
+    for name in ("self_attention_res", "mlp_res"):
+        assert specs[f"model.layers.5.{name}_norm.weight"] == P()
+        assert specs[f"model.layers.5.{name}_proj.weight"] == P()
+    assert specs["model.output_attn_res_proj.weight"] == P()
 
 
 def test_fallbacks_replicate_what_does_not_divide():

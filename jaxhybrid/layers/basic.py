@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxhybrid.config import ModelConfig
+from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 from jaxhybrid.ops.norms import gated_rms_norm, rms_norm
 
 # Linear weights are stored [out, in] as in the checkpoint; fan-in is the last axis.
@@ -103,8 +105,18 @@ class DepthwiseConv(nnx.Module):
         self.weight = param(init(rngs.params(), (channels, 1, kernel), dtype), (axis, None, None))
 
 
+def gated_activation(cfg: ModelConfig) -> GatedActivation:
+    """The gated-MLP activation a config asks for: SiLU, or SiTU with its betas (K3)."""
+    if cfg.hidden_act == "silu":
+        return SILU
+    beta = 1.0 if cfg.activation_situ_beta is None else float(cfg.activation_situ_beta)
+    linear = None if cfg.activation_situ_linear_beta is None else float(cfg.activation_situ_linear_beta)
+    return GatedActivation("situ", beta, linear)
+
+
 class SwiGLU(nnx.Module):
-    """Dense gated MLP `down(silu(gate(x)) * up(x))` (checkpoint `mlp.{gate,up,down}_proj`)."""
+    """Dense gated MLP `down(act(gate(x), up(x)))` (checkpoint `mlp.{gate,up,down}_proj`); `act` is SiLU
+    (`silu(gate) * up`, the SwiGLU) unless a K3 config asks for SiTU."""
 
     def __init__(
         self,
@@ -114,10 +126,12 @@ class SwiGLU(nnx.Module):
         rngs: nnx.Rngs,
         dtype: jnp.dtype = jnp.float32,
         hidden_axis: str | None = "mlp",
+        act: GatedActivation = SILU,
     ):
         self.gate_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype, axes=(hidden_axis, "embed"))
         self.up_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype, axes=(hidden_axis, "embed"))
         self.down_proj = Linear(hidden, dim, rngs=rngs, dtype=dtype, axes=("embed", hidden_axis))
+        self.act = act
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x), self.act))

@@ -1,4 +1,9 @@
-"""Kimi Delta Attention layer (checkpoint names `self_attn.*` of KDA layers)."""
+"""Kimi Delta Attention layer (checkpoint names `self_attn.*` of KDA layers).
+
+Kimi K3 variants, each switched on by its config field: the bounded forget gate (`gate_lower_bound`), the
+full-rank output gate `g_proj` in place of `g_a_proj`/`g_b_proj` (`use_full_rank_gate`), and an `A_log`
+stored with more entries than heads, of which the first H are used (`kda_a_log_size`).
+"""
 
 from __future__ import annotations
 
@@ -39,10 +44,20 @@ class KimiDeltaAttention(nnx.Module):
         self.f_b_proj = Linear(d, H * d, rngs=rngs, dtype=dtype, axes=("kda_heads", "kda_head_dim"))
         self.dt_bias = param(jnp.ones((H * d,), jnp.float32), ("kda_heads",))
         a_init = jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1.0, 16.0))
-        self.A_log = param(a_init.reshape(1, 1, H, 1), (None, None, "kda_heads", None))
+        # A padded A_log (K3: 128 entries for 96 heads, zeros after H) is replicated: its entries do not
+        # fall on head boundaries of a tensor split.
+        padded = cfg.a_log_size
+        a_init = jnp.pad(a_init, (0, padded - H))
+        self.A_log = param(
+            a_init.reshape(1, 1, padded, 1), (None, None, "kda_heads" if padded == H else None, None)
+        )
         self.b_proj = Linear(D, H, rngs=rngs, dtype=dtype, axes=heads_in)
-        self.g_a_proj = Linear(D, d, rngs=rngs, dtype=dtype, axes=("kda_head_dim", "embed"))
-        self.g_b_proj = Linear(d, H * d, rngs=rngs, dtype=dtype, axes=("kda_heads", "kda_head_dim"))
+        self.full_rank_gate = cfg.use_full_rank_gate
+        if self.full_rank_gate:
+            self.g_proj = Linear(D, H * d, rngs=rngs, dtype=dtype, axes=heads_in)
+        else:
+            self.g_a_proj = Linear(D, d, rngs=rngs, dtype=dtype, axes=("kda_head_dim", "embed"))
+            self.g_b_proj = Linear(d, H * d, rngs=rngs, dtype=dtype, axes=("kda_heads", "kda_head_dim"))
         self.o_norm = GatedRMSNorm(d, cfg.rms_norm_eps, dtype=dtype, axis="kda_head_dim")
         self.o_proj = Linear(H * d, D, rngs=rngs, dtype=dtype, axes=("embed", "kda_heads"))
 
@@ -51,10 +66,18 @@ class KimiDeltaAttention(nnx.Module):
         B, T, _ = x.shape
         raw = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32).reshape(B, T, self.num_heads, self.head_dim)
         raw = raw + self.dt_bias[...].astype(jnp.float32).reshape(self.num_heads, self.head_dim)
-        a = jnp.exp(self.A_log[...].astype(jnp.float32).reshape(self.num_heads, 1))
+        a = jnp.exp(
+            self.A_log[...].astype(jnp.float32).reshape(-1)[: self.num_heads].reshape(self.num_heads, 1)
+        )
         if self.gate_lower_bound is None:
             return -a * jax.nn.softplus(raw)
         return self.gate_lower_bound * jax.nn.sigmoid(a * raw)
+
+    def output_gate(self, x: jax.Array) -> jax.Array:
+        """Pre-sigmoid gate [B, T, H*d] of the gated o_norm: full rank (K3) or low rank."""
+        if self.full_rank_gate:
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
 
     def __call__(
         self, x: jax.Array, cache: KDACache | None = None, lengths: jax.Array | None = None
@@ -79,6 +102,6 @@ class KimiDeltaAttention(nnx.Module):
             beta = beta * mask[:, :, None]
         kda = kda_recurrent if T == 1 else kda_chunked
         o, state = kda(q, k, v.astype(jnp.float32), g, beta, None if cache is None else cache.state)
-        gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, d)
+        gate = self.output_gate(x).reshape(B, T, H, d)
         o = self.o_norm(o.astype(x.dtype), gate).reshape(B, T, H * d)
         return self.o_proj(o), KDACache(conv=conv_state, state=state)

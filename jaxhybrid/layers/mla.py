@@ -1,4 +1,8 @@
-"""Multi-head latent attention, Kimi Linear flavour (no rotary embedding; checkpoint names `self_attn.*`)."""
+"""Multi-head latent attention, Kimi Linear flavour (no rotary embedding; checkpoint names `self_attn.*`).
+
+Kimi K3 adds an output gate (`mla_use_output_gate`): the attention result [.., H*v] is multiplied per
+channel by `sigmoid(g_proj(x))` before `o_proj`.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import Linear, RMSNorm
 from jaxhybrid.ops.mla import causal_mask, mla_attention_absorbed, mla_attention_expanded
 
-LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use 1e-6, not rms_norm_eps
+LORA_NORM_EPS = 1e-6  # the default of ModelConfig.mla_lora_norm_eps (q_a/kv_a_layernorm), not rms_norm_eps
 
 
 def write_latent(kv: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -53,7 +57,7 @@ class MultiHeadLatentAttention(nnx.Module):
         # compressed latent (c and the shared k_r), which has no head axis; "q_lora" the query low rank.
         if self.q_lora:
             self.q_a_proj = Linear(D, cfg.q_lora_rank, rngs=rngs, dtype=dtype, axes=("q_lora", "embed"))
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS, dtype=dtype, axis="q_lora")
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.mla_lora_norm_eps, dtype=dtype, axis="q_lora")
             self.q_b_proj = Linear(
                 cfg.q_lora_rank, H * cfg.qk_head_dim, rngs=rngs, dtype=dtype, axes=("heads", "q_lora")
             )
@@ -62,7 +66,7 @@ class MultiHeadLatentAttention(nnx.Module):
         self.kv_a_proj_with_mqa = Linear(
             D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, rngs=rngs, dtype=dtype, axes=("kv_latent", "embed")
         )
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_NORM_EPS, dtype=dtype, axis="kv_latent")
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.mla_lora_norm_eps, dtype=dtype, axis="kv_latent")
         self.kv_b_proj = Linear(
             cfg.kv_lora_rank,
             H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
@@ -71,6 +75,9 @@ class MultiHeadLatentAttention(nnx.Module):
             axes=("heads", "kv_latent"),
         )
         self.o_proj = Linear(H * cfg.v_head_dim, D, rngs=rngs, dtype=dtype, axes=("embed", "heads"))
+        self.output_gate = cfg.mla_use_output_gate
+        if self.output_gate:
+            self.g_proj = Linear(D, H * cfg.v_head_dim, rngs=rngs, dtype=dtype, axes=("heads", "embed"))
 
     def query(self, x: jax.Array) -> jax.Array:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
@@ -82,7 +89,8 @@ class MultiHeadLatentAttention(nnx.Module):
         c, k_r = ckr[..., : self.rank], ckr[..., self.rank :]
         return jnp.concatenate([self.kv_a_layernorm(c), k_r], axis=-1)
 
-    def attend(self, q: jax.Array, kv: jax.Array, mask: jax.Array, absorbed: bool) -> jax.Array:
+    def attend(self, q: jax.Array, kv: jax.Array, mask: jax.Array, absorbed: bool, x: jax.Array) -> jax.Array:
+        """Attention of q over the latents kv, gated by `sigmoid(g_proj(x))` (K3) and projected by o_proj."""
         fn = mla_attention_absorbed if absorbed else mla_attention_expanded
         o = fn(
             q,
@@ -93,7 +101,11 @@ class MultiHeadLatentAttention(nnx.Module):
             v_dim=self.v_dim,
             scale=self.scale,
         )
-        return self.o_proj(o.reshape(*q.shape[:2], self.num_heads * self.v_dim))
+        o = o.reshape(*q.shape[:2], self.num_heads * self.v_dim)
+        if self.output_gate:
+            gate = jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32))
+            o = (o.astype(jnp.float32) * gate).astype(o.dtype)
+        return self.o_proj(o)
 
     def __call__(
         self, x: jax.Array, cache: MLACache | PagedMLACache | None = None, lengths: jax.Array | None = None
@@ -106,7 +118,7 @@ class MultiHeadLatentAttention(nnx.Module):
             pool = write_paged(cache, new, lengths)
             kv = read_paged(pool, cache.block_table)
             mask = causal_mask(cache.length, T, kv.shape[1], lengths)
-            y = self.attend(q, kv.astype(x.dtype), mask, absorbed=(T == 1))
+            y = self.attend(q, kv.astype(x.dtype), mask, absorbed=(T == 1), x=x)
             return y, PagedMLACache(pool=pool, block_table=cache.block_table, length=cache.length + added)
         if cache is None:
             start = jnp.zeros((B,), jnp.int32)
@@ -115,5 +127,5 @@ class MultiHeadLatentAttention(nnx.Module):
             start = cache.length
             kv = write_latent(cache.kv, new.astype(cache.kv.dtype), start)
         mask = causal_mask(start, T, kv.shape[1], lengths)
-        y = self.attend(q, kv.astype(x.dtype), mask, absorbed=(T == 1 and cache is not None))
+        y = self.attend(q, kv.astype(x.dtype), mask, absorbed=(T == 1 and cache is not None), x=x)
         return y, MLACache(kv=kv, length=start + added)

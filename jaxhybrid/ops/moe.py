@@ -1,4 +1,4 @@
-"""Mixture-of-experts array functions: sigmoid router with group-limited top-k, and SwiGLU experts.
+"""Mixture-of-experts array functions: sigmoid router with group-limited top-k, and gated-MLP experts.
 
 Everything here is a pure function of arrays. Weights stay in checkpoint layout ``[out, in]``
 (router ``[E, D]``; experts ``w1/w3: [E, F, D]``, ``w2: [E, D, F]``) so loading needs no transposes.
@@ -9,12 +9,17 @@ Two expert implementations share one signature:
   matmuls with :func:`jax.lax.ragged_dot_general`. Static shapes, no capacity factor, nothing dropped.
 * :func:`moe_experts_dense` - the reference: every expert on every token, combined with a ``[N, E]``
   weight matrix. ``E`` times the FLOPs; use it for tests only.
+
+Every expert implementation takes the gated activation as the keyword ``act`` (a static
+:class:`~jaxhybrid.ops.activations.GatedActivation`; SiLU by default, SiTU for Kimi K3).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 
 __all__ = ["route", "moe_experts_dropless", "moe_experts_ragged", "moe_experts_blocked", "moe_experts_dense"]
 
@@ -102,7 +107,7 @@ def route(
     return weights, expert_ids.astype(jnp.int32)
 
 
-def _check_expert_shapes(x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array) -> None:
+def check_expert_shapes(x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array) -> None:
     """Fail early with a readable message instead of an opaque dot-general shape error."""
     num_experts, ffn, dim = w1.shape
     if x.shape[-1] != dim or w3.shape != w1.shape or w2.shape != (num_experts, dim, ffn):
@@ -119,8 +124,10 @@ def moe_experts_ragged(
     w3: jax.Array,
     weights: jax.Array,
     expert_ids: jax.Array,
+    *,
+    act: GatedActivation = SILU,
 ) -> jax.Array:
-    """Weighted sum of the chosen SwiGLU experts, computed only for routed (token, expert) pairs.
+    """Weighted sum of the chosen gated-MLP experts, computed only for routed (token, expert) pairs.
 
     The ``N * k`` pairs are stably sorted by expert id so each expert's rows are contiguous; the
     per-expert row counts (a length-``E`` bincount) drive three grouped matmuls. Results are scaled
@@ -131,11 +138,12 @@ def moe_experts_ragged(
       x: ``[N, D]`` tokens.
       w1, w3: ``[E, F, D]`` gate and up projections; w2: ``[E, D, F]`` down projection.
       weights: ``[N, k]`` routing weights; expert_ids: ``[N, k]`` ids, each in ``[0, E)``.
+      act: the gated activation (static).
 
     Returns:
       ``[N, D]`` in ``x.dtype``; matmuls accumulate in float32.
     """
-    _check_expert_shapes(x, w1, w2, w3)
+    check_expert_shapes(x, w1, w2, w3)
     num_tokens, k = expert_ids.shape
     num_experts = w1.shape[0]
 
@@ -150,7 +158,7 @@ def moe_experts_ragged(
 
     gate = grouped_matmul(rows, w1)
     up = grouped_matmul(rows, w3)
-    hidden = (jax.nn.silu(gate) * up).astype(x.dtype)
+    hidden = gated_act(gate, up, act).astype(x.dtype)
     out_rows = grouped_matmul(hidden, w2)  # [N*k, D] float32
     out_rows = out_rows * weights.reshape(-1)[order].astype(jnp.float32)[:, None]
     out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of_row].add(out_rows)
@@ -164,6 +172,8 @@ def moe_experts_dense(
     w3: jax.Array,
     weights: jax.Array,
     expert_ids: jax.Array,
+    *,
+    act: GatedActivation = SILU,
 ) -> jax.Array:
     """Reference for :func:`moe_experts_dropless`: run every expert on every token, then combine.
 
@@ -171,7 +181,7 @@ def moe_experts_dense(
     not chosen; repeated ids add up, as in the dropless path) and contracts it with all expert
     outputs. Costs ``E / k`` times the useful FLOPs and ``N * E * F`` memory; for tests.
     """
-    _check_expert_shapes(x, w1, w2, w3)
+    check_expert_shapes(x, w1, w2, w3)
     num_tokens = x.shape[0]
     num_experts = w1.shape[0]
     combine = (
@@ -182,7 +192,7 @@ def moe_experts_dense(
     xs, w1, w3 = _f32_operands(x, w1, w3)
     gate = jnp.einsum("nd,efd->nef", xs, w1, preferred_element_type=jnp.float32)
     up = jnp.einsum("nd,efd->nef", xs, w3, preferred_element_type=jnp.float32)
-    hidden, w2 = _f32_operands((jax.nn.silu(gate) * up).astype(x.dtype), w2)
+    hidden, w2 = _f32_operands(gated_act(gate, up, act).astype(x.dtype), w2)
     out_all = jnp.einsum("nef,edf->ned", hidden, w2, preferred_element_type=jnp.float32)
     out = jnp.einsum("ne,ned->nd", combine, out_all)
     return out.astype(x.dtype)
@@ -202,6 +212,8 @@ def moe_experts_blocked(
     w3: jax.Array,
     weights: jax.Array,
     expert_ids: jax.Array,
+    *,
+    act: GatedActivation = SILU,
 ) -> jax.Array:
     """Dropless experts as a block-sparse batched matmul: the CPU path.
 
@@ -211,7 +223,7 @@ def moe_experts_blocked(
     matmul. Work is ``blocks * m`` rows (at most ``N * k + E * (m - 1)``), nothing is dropped, and the
     number of blocks is static. Same contract as :func:`moe_experts_dropless`.
     """
-    _check_expert_shapes(x, w1, w2, w3)
+    check_expert_shapes(x, w1, w2, w3)
     num_tokens, k = expert_ids.shape
     num_experts, _, dim = w1.shape
     pairs = num_tokens * k
@@ -235,7 +247,7 @@ def moe_experts_blocked(
     )
     gate = jnp.einsum("bmd,bfd->bmf", rows, b1, preferred_element_type=jnp.float32)
     up = jnp.einsum("bmd,bfd->bmf", rows, b3, preferred_element_type=jnp.float32)
-    hidden = (jax.nn.silu(gate) * up).astype(b2.dtype)
+    hidden = gated_act(gate, up, act).astype(b2.dtype)
     out = jnp.einsum("bmf,bdf->bmd", hidden, b2, preferred_element_type=jnp.float32).reshape(-1, dim)
     out_rows = out[dest] * weights.reshape(-1)[order].astype(jnp.float32)[:, None]
     y = jnp.zeros((num_tokens, dim), jnp.float32).at[order // k].add(out_rows)
@@ -249,8 +261,10 @@ def moe_experts_dropless(
     w3: jax.Array,
     weights: jax.Array,
     expert_ids: jax.Array,
+    *,
+    act: GatedActivation = SILU,
 ) -> jax.Array:
     """Dropless routed experts: ``ragged_dot`` grouped matmul on accelerators, the block-sparse form on the
     CPU (where ragged_dot computes every expert). Both equal :func:`moe_experts_dense`."""
     impl = moe_experts_blocked if jax.default_backend() == "cpu" else moe_experts_ragged
-    return impl(x, w1, w2, w3, weights, expert_ids)
+    return impl(x, w1, w2, w3, weights, expert_ids, act=act)

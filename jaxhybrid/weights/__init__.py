@@ -6,11 +6,15 @@
 The model is built abstractly (`nnx.eval_shape`, nothing allocated), split into graph and state, and each
 state leaf is filled with a device array made from the tensor just read and placed on its sharding; the
 host never holds a second full copy of the weights.
+
+The released Kimi K3 layout loads too: `language_model.`-prefixed tensors, the vision tower skipped (and
+reported), MXFP4 routed experts dequantized, config.json with the text model under `text_config`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,8 @@ import numpy as np
 
 from jaxhybrid.weights.hf import MODEL_TYPE, CheckpointError, path_name, save_hf
 from jaxhybrid.weights.orbax_io import is_orbax_dir, save_orbax
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CheckpointError",
@@ -31,9 +37,9 @@ __all__ = [
 ]
 
 
-def read_model_config(directory: str | Path) -> Any:
-    """The ModelConfig of a checkpoint directory; only `model_type: kimi_linear` is accepted."""
-    from jaxhybrid.config import ConfigError, load_config
+def read_raw_config(directory: str | Path) -> dict[str, Any]:
+    """The config.json of a checkpoint directory as a dict."""
+    from jaxhybrid.config import ConfigError
 
     directory = Path(directory)
     path = directory / "config.json"
@@ -45,11 +51,47 @@ def read_model_config(directory: str | Path) -> Any:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON: {exc}") from None
-    model_type = raw.get("model_type") if isinstance(raw, dict) else None
-    if model_type != MODEL_TYPE:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return raw
+
+
+def is_kimi_linear_family(raw: dict[str, Any]) -> bool:
+    """`model_type: kimi_linear`, or a multimodal wrapper (Kimi K3, whatever its own model_type) whose
+    `text_config` is a Kimi Linear family text model: model_type kimi_linear, or a `linear_attn_config`."""
+    if raw.get("model_type") == MODEL_TYPE:
+        return True
+    text = raw.get("text_config")
+    return isinstance(text, dict) and (text.get("model_type") == MODEL_TYPE or "linear_attn_config" in text)
+
+
+def read_model_config(directory: str | Path) -> Any:
+    """The ModelConfig of a checkpoint directory; only Kimi Linear family models are accepted
+    (`is_kimi_linear_family`)."""
+    from jaxhybrid.config import ConfigError, load_config
+
+    directory = Path(directory)
+    raw = read_raw_config(directory)
+    if not is_kimi_linear_family(raw):
+        model_type = raw.get("model_type")
         what = "has no model_type" if model_type is None else f"has model_type {model_type!r}"
-        raise ConfigError(f"{path} {what}: only '{MODEL_TYPE}' (Kimi Linear) checkpoints are supported")
+        raise ConfigError(
+            f"{directory / 'config.json'} {what}: only '{MODEL_TYPE}' (Kimi Linear) checkpoints and "
+            "wrappers with a Kimi Linear family text_config (Kimi K3) are supported"
+        )
     return load_config(directory)
+
+
+def _with_stored_a_log_size(cfg: Any, tensors: dict[str, Any]) -> Any:
+    """K3 stores `A_log` padded (128 entries for 96 heads) but its config.json does not say so: take the
+    padded size from the checkpoint when the config leaves it unset."""
+    sizes = {int(np.prod(t.shape)) for n, t in tensors.items() if n.endswith(".self_attn.A_log")}
+    if cfg.kda_a_log_size is not None or not sizes:
+        return cfg
+    if len(sizes) > 1:
+        raise CheckpointError(f"A_log tensors have different sizes across layers: {sorted(sizes)}")
+    size = sizes.pop()
+    return cfg if size == cfg.kda_num_heads else cfg.replace(kda_a_log_size=size)
 
 
 def checkpoint_format(directory: str | Path) -> str:
@@ -85,13 +127,17 @@ def load_pretrained(
     mesh: jax.sharding.Mesh | None = None,
     *,
     progress: bool | None = None,
+    report: dict[str, Any] | None = None,
 ) -> Any:
-    """A ready HybridLM from a Hugging Face Kimi Linear directory or one written by `save_orbax`.
+    """A ready HybridLM from a Hugging Face Kimi Linear / released K3 directory or one from `save_orbax`.
 
     `dtype`: the model dtype (None: the dtype the checkpoint stores its embedding in); parameters the model
-    keeps in fp32 (A_log, dt_bias, the router) stay fp32. `mesh`: place each parameter on the sharding
-    `sharding.rules.state_shardings` gives it (None: the default device). `progress`: show a progress bar
-    (None: only on a terminal).
+    keeps in fp32 (A_log, dt_bias, the router) stay fp32, and so does every tensor the checkpoint stores in
+    fp32 while its embedding is in a narrower type (K3: conv weights, A_log, dt_bias, o_norm). `mesh`:
+    place each parameter on the sharding `sharding.rules.state_shardings` gives it (None: the default
+    device). `progress`: show a progress bar (None: only on a terminal). `report`: a dict filled with
+    `format`, `layout`, `expert_quant`, `skipped` (count), `skipped_summary` ({top-level name: count}),
+    `skipped_names` (the first 20) and `kept_fp32` (names kept fp32 by the rule above).
     """
     from flax import nnx
 
@@ -103,15 +149,31 @@ def load_pretrained(
     cfg = read_model_config(directory)
     fmt = checkpoint_format(directory)
     tensors = None
+    skipped: list[str] = []
+    expert_quant = getattr(cfg, "expert_quant", None)  # from config.json's quantization_config
     if fmt == "hf":
-        tensors = hf.scan_checkpoint(directory)
+        all_tensors = hf.scan_checkpoint(directory)
+        tensors, skipped = hf.text_model_tensors(all_tensors)
         stored = hf.checkpoint_dtype(tensors)
+        stored_dtypes = {n: np.dtype(np.float32) for n, t in tensors.items() if t.dtype == "F32"}
+        released = any(n.startswith(hf.RELEASED_PREFIX) for n in all_tensors)
+        cfg = _with_stored_a_log_size(cfg, tensors)
     else:
         arrays = orbax_io.stored_arrays(directory)
         if "model.embed_tokens.weight" not in arrays:
             raise CheckpointError(f"{directory}: array 'model.embed_tokens.weight' is missing")
         stored = arrays["model.embed_tokens.weight"][1]
+        stored_dtypes = {n: np.dtype(d) for n, (_, d) in arrays.items()}
+        released = False
     dtype = np.dtype(stored if dtype is None else jnp.dtype(dtype))
+    if skipped:
+        summary = hf.skipped_summary(skipped)
+        log.info(
+            "%s: skipped %d tensors outside the text model (%s)",
+            directory,
+            len(skipped),
+            ", ".join(f"{k}: {v}" for k, v in summary.items()),
+        )
 
     abstract = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
     graphdef, state = nnx.split(abstract)
@@ -124,10 +186,32 @@ def load_pretrained(
         variables[path_name(p)] = var
     shardings = _shardings(abstract, list(variables), mesh)
     targets = {name: (var.get_value(), shardings[name]) for name, var in variables.items()}
+    kept_fp32 = []
+    if np.dtype(stored) != np.float32:
+        for name, (sds, sharding) in targets.items():
+            narrow = jnp.issubdtype(sds.dtype, jnp.floating) and np.dtype(sds.dtype).itemsize < 4
+            if narrow and stored_dtypes.get(name) == np.float32:
+                targets[name] = (jax.ShapeDtypeStruct(sds.shape, jnp.float32), sharding)
+                kept_fp32.append(name)
+    if report is not None:
+        report.update(
+            format=fmt,
+            layout="k3-released" if released else "kimi-linear" if fmt == "hf" else "orbax",
+            expert_quant=expert_quant if fmt == "hf" else None,
+            skipped=len(skipped),
+            skipped_summary=hf.skipped_summary(skipped),
+            skipped_names=skipped[:20],
+            kept_fp32=kept_fp32,
+        )
 
     if fmt == "hf":
         for name, arr in hf.read_params(
-            directory, targets, tied_embeddings=cfg.tie_word_embeddings, progress=progress, tensors=tensors
+            directory,
+            targets,
+            tied_embeddings=cfg.tie_word_embeddings,
+            progress=progress,
+            tensors=tensors,
+            expert_quant=expert_quant,
         ):
             variables[name].set_value(arr)
     else:

@@ -7,6 +7,16 @@ exception: the routed experts of a MoE layer are stacked into one parameter per 
 `self_attn.A_log` ([1, 1, H, 1] on both sides) and the router's `e_score_correction_bias` (a Buffer
 here), maps one to one with the same shape.
 
+The released Kimi K3 layout (shared/K3.md) differs in three ways, all handled here:
+- the text model's tensors are prefixed `language_model.` (`language_model.model.X`,
+  `language_model.lm_head.weight`); everything outside that prefix (`vision_tower.*`, `mm_projector.*`)
+  is not part of the text model and is skipped (`text_model_tensors`, reported by the loader);
+- routed experts are MXFP4 (`experts.E.wK.weight_packed` uint8 [out, in/2] + `weight_scale` uint8
+  [out, in/32]) when config.json's `quantization_config` says compressed-tensors `mxfp4-pack-quantized`
+  (`ModelConfig.expert_quant == "mxfp4"`); the loader dequantizes them exactly into the stacked expert
+  arrays (`jaxhybrid.weights.mxfp4`);
+- `config.json` keeps the text model under `text_config`.
+
 Reading holds at most one parameter (one tensor, or one layer's stacked experts) on the host beyond what
 is already placed: each tensor is read with `safetensors.safe_open` (large ones in row slices) straight
 into a page-aligned buffer of the parameter's dtype, which `jax.device_put` then places on the target
@@ -35,7 +45,14 @@ CHUNK_BYTES = 16 << 20  # larger tensors are read in row slices of about this si
 # Tensors some exports carry that the model does not use; anything else unexpected is an error.
 KNOWN_UNUSED: tuple[re.Pattern[str], ...] = (
     re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
+    # compressed-tensors may record each packed weight's logical shape; the config gives it already
+    re.compile(r"^model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight_shape$"),
 )
+
+RELEASED_PREFIX = "language_model."  # the text model's tensors in the released (multimodal) K3 layout
+RELEASED_MODEL_TYPE = "kimi_k3"  # the top-level model_type our released-layout writer labels config.json with
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+QUANT_METHOD = "compressed-tensors"
 
 _EXPERT_PARAM = re.compile(r"^(?P<prefix>model\.layers\.\d+\.block_sparse_moe\.experts)\.(?P<w>w[123])$")
 
@@ -80,26 +97,65 @@ class TensorSpec:
 
     name: str  # our flat name
     hf_names: tuple[str, ...]  # one name, or the E per-expert names (in expert order) of a stacked param
-    hf_shape: tuple[int, ...]  # shape of each checkpoint tensor
+    hf_shape: tuple[int, ...]  # shape of each checkpoint tensor (MXFP4: of each weight_packed)
     shape: tuple[int, ...]  # our shape
+    quant: str | None = None  # "mxfp4": hf_names are `weight_packed` tensors, each with a `weight_scale`
 
     @property
     def stacked(self) -> bool:
         return len(self.hf_names) > 1 or bool(_EXPERT_PARAM.match(self.name))
 
+    @property
+    def scale_names(self) -> tuple[str, ...]:
+        """The `weight_scale` tensor beside each `weight_packed` one (MXFP4 only)."""
+        return tuple(n.removesuffix("_packed") + "_scale" for n in self.hf_names) if self.quant else ()
 
-def tensor_specs(shapes: Mapping[str, tuple[int, ...]]) -> list[TensorSpec]:
-    """The checkpoint tensors behind each of our parameters (`shapes`: our flat name -> shape)."""
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        from jaxhybrid.weights.mxfp4 import packed_shapes
+
+        return packed_shapes(self.shape[1:])[1] if self.quant else ()
+
+
+def tensor_specs(shapes: Mapping[str, tuple[int, ...]], expert_quant: str | None = None) -> list[TensorSpec]:
+    """The checkpoint tensors behind each of our parameters (`shapes`: our flat name -> shape).
+    `expert_quant="mxfp4"`: the routed experts are stored as MXFP4 packed + scale tensors."""
+    from jaxhybrid.weights.mxfp4 import packed_shapes
+
+    if expert_quant not in (None, "mxfp4"):
+        raise CheckpointError(f"unsupported expert quantization {expert_quant!r} (only 'mxfp4')")
     specs = []
     for name, shape in shapes.items():
         shape = tuple(shape)
         m = _EXPERT_PARAM.match(name)
-        if m:
+        if m and expert_quant == "mxfp4":
+            hf = tuple(f"{m['prefix']}.{e}.{m['w']}.weight_packed" for e in range(shape[0]))
+            specs.append(TensorSpec(name, hf, packed_shapes(shape[1:])[0], shape, quant="mxfp4"))
+        elif m:
             hf = tuple(f"{m['prefix']}.{e}.{m['w']}.weight" for e in range(shape[0]))
             specs.append(TensorSpec(name, hf, shape[1:], shape))
         else:
             specs.append(TensorSpec(name, (name,), shape, shape))
     return specs
+
+
+def text_model_tensors(tensors: Mapping[str, TensorInfo]) -> tuple[dict[str, TensorInfo], list[str]]:
+    """(the text model's tensors under our names, the names skipped). In the released layout (any name
+    starts with `language_model.`) that prefix is removed and every tensor outside it is skipped; other
+    checkpoints pass through unchanged. Each TensorInfo keeps the name it has in its file."""
+    if not any(n.startswith(RELEASED_PREFIX) for n in tensors):
+        return dict(tensors), []
+    text = {n.removeprefix(RELEASED_PREFIX): t for n, t in tensors.items() if n.startswith(RELEASED_PREFIX)}
+    return text, sorted(n for n in tensors if not n.startswith(RELEASED_PREFIX))
+
+
+def skipped_summary(names: Iterable[str]) -> dict[str, int]:
+    """Skipped tensor count per top-level name (`vision_tower`: 412, `mm_projector`: 4, ...)."""
+    out: dict[str, int] = {}
+    for n in names:
+        top = n.split(".", 1)[0]
+        out[top] = out.get(top, 0) + 1
+    return out
 
 
 def known_unused(name: str, tied_embeddings: bool = False) -> bool:
@@ -118,6 +174,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     offset: int  # start of the data inside the file's data section
     nbytes: int
+    key: str = ""  # the tensor's name inside the file (it differs from ours in the released layout)
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -147,7 +204,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         try:
             start, stop = (int(x) for x in meta["data_offsets"])
             info = TensorInfo(
-                path, str(meta["dtype"]), tuple(int(s) for s in meta["shape"]), start, stop - start
+                path, str(meta["dtype"]), tuple(int(s) for s in meta["shape"]), start, stop - start, name
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{path}: corrupt header entry for tensor '{name}': {exc!r}") from None
@@ -246,6 +303,7 @@ class ShardReader:
         """Read tensor `name` into `out` (same shape; the dtype is converted on the way)."""
         from safetensors import SafetensorError
 
+        name = info.key or name
         rows = info.shape[0] if info.shape else 1
         row_bytes = info.nbytes // max(rows, 1)
         step = (
@@ -283,25 +341,40 @@ def check_against(
     """Raise CheckpointError naming the first missing, mis-shaped or unexpected tensor."""
     expected: set[str] = set()
     for spec in specs:
-        for hf in spec.hf_names:
-            expected.add(hf)
-            if hf not in tensors:
-                raise CheckpointError(
-                    f"{where}: tensor '{hf}' is missing (the config needs it, shape {list(spec.hf_shape)})"
-                )
-            got = tensors[hf].shape
-            if got != spec.hf_shape:
-                raise CheckpointError(
-                    f"{where}: tensor '{hf}' has shape {list(got)} in {tensors[hf].file.name}, "
-                    f"the config needs {list(spec.hf_shape)}"
-                )
-            np_dtype(tensors[hf].dtype)  # unsupported dtypes fail here, before anything is read
+        parts = [(spec.hf_names, spec.hf_shape), (spec.scale_names, spec.scale_shape)]
+        for names, shape in parts:
+            for hf in names:
+                expected.add(hf)
+                if hf not in tensors:
+                    hint = ""
+                    if f"{hf}_packed" in tensors:
+                        hint = (
+                            f"; the checkpoint has '{hf}_packed', but MXFP4 tensors need a "
+                            f"compressed-tensors '{MXFP4_FORMAT}' quantization_config in config.json"
+                        )
+                    raise CheckpointError(
+                        f"{where}: tensor '{hf}' is missing (the config needs it, shape {list(shape)}){hint}"
+                    )
+                got = tensors[hf].shape
+                if got != shape:
+                    raise CheckpointError(
+                        f"{where}: tensor '{hf}' has shape {list(got)} in {tensors[hf].file.name}, "
+                        f"the config needs {list(shape)}"
+                    )
+                np_dtype(tensors[hf].dtype)  # unsupported dtypes fail here, before anything is read
+                if spec.quant and tensors[hf].dtype != "U8":
+                    raise CheckpointError(
+                        f"{where}: MXFP4 tensor '{hf}' has dtype {tensors[hf].dtype}, expected U8"
+                    )
     extra = sorted(n for n in tensors if n not in expected and not known_unused(n, tied_embeddings))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        hint = ""
+        if extra[0].endswith(("weight_packed", "weight_scale")):
+            hint = f" (MXFP4 tensors need a compressed-tensors '{MXFP4_FORMAT}' quantization_config)"
         raise CheckpointError(
             f"{where}: unexpected tensor '{extra[0]}'{more}: not part of this config's model "
-            "and not a known-unused tensor"
+            f"and not a known-unused tensor{hint}"
         )
 
 
@@ -312,21 +385,24 @@ def read_params(
     tied_embeddings: bool = False,
     progress: bool | None = None,
     tensors: Mapping[str, TensorInfo] | None = None,
+    expert_quant: str | None = None,
 ) -> Iterator[tuple[str, jax.Array]]:
     """Yield (our name, device array) for every target (name -> (abstract leaf, sharding)).
 
     All names, shapes and dtypes are checked before any data is read. Each array is read, cast to the
-    target dtype and placed on its sharding before the next is read.
+    target dtype and placed on its sharding before the next is read. `tensors`: the checkpoint's tensors
+    under our names (default: scanned, released-layout prefix removed and the rest skipped);
+    `expert_quant="mxfp4"`: routed experts are read as MXFP4 and dequantized exactly.
     """
     from tqdm.auto import tqdm
 
     directory = Path(directory)
-    tensors = scan_checkpoint(directory) if tensors is None else tensors
-    specs = tensor_specs({name: sds.shape for name, (sds, _) in targets.items()})
+    tensors = text_model_tensors(scan_checkpoint(directory))[0] if tensors is None else tensors
+    specs = tensor_specs({name: sds.shape for name, (sds, _) in targets.items()}, expert_quant)
     check_against(specs, tensors, tied_embeddings=tied_embeddings, where=str(directory))
     # Read in file order so each shard is streamed front to back.
     specs.sort(key=lambda s: (str(tensors[s.hf_names[0]].file), tensors[s.hf_names[0]].offset))
-    total = sum(tensors[hf].nbytes for s in specs for hf in s.hf_names)
+    total = sum(tensors[hf].nbytes for s in specs for hf in (*s.hf_names, *s.scale_names))
     n_tensors = sum(len(s.hf_names) for s in specs)
     bar = tqdm(
         total=total,
@@ -342,7 +418,10 @@ def read_params(
         for spec in specs:
             sds, sharding = targets[spec.name]
             host = host_buffer(sds.shape, sds.dtype)
-            for e, hf in enumerate(spec.hf_names):
+            if spec.quant:
+                read_mxfp4_experts(reader, spec, tensors, host, where=str(directory))
+                bar.update(sum(tensors[hf].nbytes for hf in (*spec.hf_names, *spec.scale_names)))
+            for e, hf in enumerate(spec.hf_names if not spec.quant else ()):
                 reader.read_into(hf, tensors[hf], host[e] if spec.stacked else host)
                 bar.update(tensors[hf].nbytes)
             arr = jax.device_put(host, sharding)
@@ -351,6 +430,23 @@ def read_params(
             done += len(spec.hf_names)
             bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False)
             yield spec.name, arr
+
+
+def read_mxfp4_experts(
+    reader: ShardReader, spec: TensorSpec, tensors: Mapping[str, TensorInfo], host: np.ndarray, where: str
+) -> None:
+    """Read each expert's weight_packed / weight_scale and dequantize it into host[e] (exact: E2M1 times a
+    power of two). A NaN scale (E8M0 255) is refused rather than loaded as NaN weights."""
+    from jaxhybrid.weights.mxfp4 import SCALE_NAN, dequantize_mxfp4
+
+    packed = np.empty(spec.hf_shape, np.uint8)
+    scale = np.empty(spec.scale_shape, np.uint8)
+    for e, (p_name, s_name) in enumerate(zip(spec.hf_names, spec.scale_names, strict=True)):
+        reader.read_into(p_name, tensors[p_name], packed)
+        reader.read_into(s_name, tensors[s_name], scale)
+        if np.any(scale == SCALE_NAN):
+            raise CheckpointError(f"{where}: tensor '{s_name}' holds the E8M0 NaN scale 255")
+        host[e] = dequantize_mxfp4(packed, scale, host.dtype)
 
 
 def checkpoint_dtype(tensors: Mapping[str, TensorInfo]) -> np.dtype:
@@ -365,17 +461,30 @@ def checkpoint_dtype(tensors: Mapping[str, TensorInfo]) -> np.dtype:
 
 
 def hf_tensors(
-    params: Mapping[str, Any],
+    params: Mapping[str, Any], *, prefix: str = "", expert_quant: str | None = None
 ) -> Iterator[tuple[str, Callable[[], np.ndarray], tuple[int, ...], np.dtype]]:
-    """(checkpoint name, thunk giving the tensor, shape, dtype) for our named params, experts unstacked."""
-    for spec in tensor_specs({n: tuple(a.shape) for n, a in params.items()}):
+    """(checkpoint name, thunk giving the tensor, shape, dtype) for our named params, experts unstacked;
+    names prefixed with `prefix`; `expert_quant="mxfp4"`: experts quantized to packed + scale tensors
+    (each thunk quantizes its expert: exact for values that MXFP4 represents)."""
+    from jaxhybrid.weights.mxfp4 import quantize_mxfp4
+
+    u8 = np.dtype(np.uint8)
+    for spec in tensor_specs({n: tuple(a.shape) for n, a in params.items()}, expert_quant):
         arr = params[spec.name]
         dtype = np.dtype(arr.dtype)
-        if len(spec.hf_names) == 1 and not spec.stacked:
-            yield spec.hf_names[0], (lambda a=arr: np.asarray(a)), spec.hf_shape, dtype
+        if spec.quant:
+            for e, (p_name, s_name) in enumerate(zip(spec.hf_names, spec.scale_names, strict=True)):
+                quant = (
+                    (lambda a=arr, e=e: quantize_mxfp4(np.asarray(a[e]))[0]),
+                    (lambda a=arr, e=e: quantize_mxfp4(np.asarray(a[e]))[1]),
+                )
+                yield prefix + p_name, quant[0], spec.hf_shape, u8
+                yield prefix + s_name, quant[1], spec.scale_shape, u8
+        elif len(spec.hf_names) == 1 and not spec.stacked:
+            yield prefix + spec.hf_names[0], (lambda a=arr: np.asarray(a)), spec.hf_shape, dtype
         else:
             for e, hf in enumerate(spec.hf_names):
-                yield hf, (lambda a=arr, e=e: np.asarray(a[e])), spec.hf_shape, dtype
+                yield prefix + hf, (lambda a=arr, e=e: np.asarray(a[e])), spec.hf_shape, dtype
 
 
 def write_safetensors(
@@ -442,6 +551,26 @@ def write_config(cfg: Any, directory: Path, **extra: Any) -> None:
     (Path(directory) / "config.json").write_text(json.dumps(out, indent=2) + "\n")
 
 
+def mxfp4_quantization_config() -> dict[str, Any]:
+    """A compressed-tensors quantization_config for MXFP4 routed experts (format under a config group)."""
+    weights = {"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group", "symmetric": True}
+    return {
+        "quant_method": QUANT_METHOD,
+        "format": MXFP4_FORMAT,
+        "config_groups": {"group_0": {"format": MXFP4_FORMAT, "targets": ["Linear"], "weights": weights}},
+    }
+
+
+def write_released_config(cfg: Any, directory: Path, expert_quant: str | None) -> None:
+    """`config.json` in the released K3 shape: the text model under `text_config`, the quantization config
+    at the top level (K3.md allows either place; the reader accepts both)."""
+    text = {"model_type": MODEL_TYPE, **cfg.to_hf_dict()}
+    out: dict[str, Any] = {"model_type": RELEASED_MODEL_TYPE, "text_config": text}
+    if expert_quant == "mxfp4":
+        out["quantization_config"] = mxfp4_quantization_config()
+    (Path(directory) / "config.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
 def copy_tokenizer_files(src: Path | None, dst: Path) -> list[str]:
     """Copy the tokenizer / chat template / generation files that exist in `src` to `dst`."""
     import shutil
@@ -476,12 +605,38 @@ def save_hf(
     *,
     max_shard_bytes: int | None = None,
     tokenizer_dir: str | Path | None = None,
+    layout: str = "kimi-linear",
+    expert_quant: str | None = None,
+    extra_tensors: Mapping[str, np.ndarray] | None = None,
 ) -> list[Path]:
-    """Write `model` as a Hugging Face Kimi Linear checkpoint directory (config.json + safetensors in the
-    published names and shapes, experts unstacked); returns the safetensors files written."""
+    """Write `model` as a Hugging Face checkpoint directory (config.json + safetensors in the published
+    names and shapes, experts unstacked); returns the safetensors files written.
+
+    `layout="kimi-linear"`: Kimi Linear's names. `layout="k3-released"`: the released K3 layout, tensors
+    under `language_model.` and config.json with `text_config` (+ `quantization_config`).
+    `expert_quant="mxfp4"`: routed experts as MXFP4 packed + scale tensors. `extra_tensors`: written as
+    given (e.g. vision-tower tensors, which the loader skips).
+    """
+    if layout not in ("kimi-linear", "k3-released"):
+        raise ValueError(f"unknown checkpoint layout {layout!r} (kimi-linear or k3-released)")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    write_config(model.config, directory)
-    paths = write_safetensors(hf_tensors(named_arrays(model)), directory, max_shard_bytes)
+    released = layout == "k3-released"
+    cfg = model.config
+    if hasattr(cfg, "expert_quant"):  # the config says how the experts are stored: as written here
+        cfg = cfg.replace(expert_quant=expert_quant)
+    if released:
+        write_released_config(cfg, directory, expert_quant)
+    elif expert_quant is not None:
+        write_config(cfg, directory, quantization_config=mxfp4_quantization_config())
+    else:
+        write_config(cfg, directory)
+    items = list(
+        hf_tensors(named_arrays(model), prefix=RELEASED_PREFIX if released else "", expert_quant=expert_quant)
+    )
+    for name, arr in (extra_tensors or {}).items():
+        arr = np.asarray(arr)
+        items.append((name, (lambda a=arr: a), tuple(arr.shape), arr.dtype))
+    paths = write_safetensors(items, directory, max_shard_bytes)
     copy_tokenizer_files(None if tokenizer_dir is None else Path(tokenizer_dir), directory)
     return paths

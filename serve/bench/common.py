@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,29 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one XLA compilation
+
+
+@contextlib.contextmanager
+def compile_watch() -> Iterator[dict[str, float]]:
+    """Count the XLA compilations (and their seconds) made while the block runs, from JAX's own monitoring
+    events: a timed region that shows any has timed a compile, not the program."""
+    import jax.monitoring
+
+    seen = {"compiles": 0, "compile_s": 0.0}
+
+    def listener(event: str, duration_secs: float, **kwargs: Any) -> None:
+        if event == COMPILE_EVENT:
+            seen["compiles"] += 1
+            seen["compile_s"] += duration_secs
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> dict[str, float]:

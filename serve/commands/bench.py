@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from serve.bench import decode, load, mesh, prefix, ttft
+from serve.bench import compare, decode, load, mesh, prefix, throughput, ttft
 
-BENCHES = (decode, load, ttft, mesh, prefix)
+BENCHES = (decode, load, ttft, mesh, prefix, throughput, compare)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

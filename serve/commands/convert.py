@@ -1,4 +1,5 @@
-"""`jaxhybrid convert HF_DIR OUT_DIR`: a Hugging Face Kimi Linear checkpoint to our Orbax directory."""
+"""`jaxhybrid convert HF_DIR OUT_DIR`: a Hugging Face Kimi Linear (or released Kimi K3) checkpoint to our
+Orbax directory. K3's vision tower is skipped (counted in the summary) and its MXFP4 experts dequantized."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ def run(args: argparse.Namespace) -> int:
     dtype = None if args.dtype == "auto" else args.dtype
     try:
         t0 = time.perf_counter()
-        model = load_pretrained(args.hf_dir, dtype=dtype, progress=None if args.progress else False)
+        report: dict = {}
+        model = load_pretrained(
+            args.hf_dir, dtype=dtype, progress=None if args.progress else False, report=report
+        )
         t1 = time.perf_counter()
         save_orbax(model, args.out_dir, tokenizer_dir=args.hf_dir, overwrite=args.overwrite)
         t2 = time.perf_counter()
@@ -37,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
         "dtype": str(jax.numpy.dtype(model.model.embed_tokens.weight[...].dtype)),
         "arrays": len(arrays),
         "bytes": nbytes,
+        "layout": report.get("layout"),
+        "expert_quant": report.get("expert_quant"),
+        "skipped": report.get("skipped", 0),
+        "skipped_summary": report.get("skipped_summary", {}),
         "load_s": round(t1 - t0, 3),
         "save_s": round(t2 - t1, 3),
     }
@@ -47,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
             f"wrote {args.out_dir}: {len(arrays)} arrays, {fmt_bytes(nbytes)} ({result['dtype']}); "
             f"load {result['load_s']:.2f} s, save {result['save_s']:.2f} s"
         )
+        if result["skipped"]:
+            parts = ", ".join(f"{k} {v}" for k, v in result["skipped_summary"].items())
+            print(f"skipped {result['skipped']} tensors outside the text model ({parts})")
     return 0
 
 
@@ -54,7 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert", help="convert a Hugging Face checkpoint directory to an Orbax one", description=run.__doc__
     )
-    p.add_argument("hf_dir", help="Hugging Face Kimi Linear directory (config.json + *.safetensors)")
+    p.add_argument(
+        "hf_dir", help="Hugging Face Kimi Linear or released Kimi K3 directory (config.json + *.safetensors)"
+    )
     p.add_argument("out_dir", help="output directory (must not exist or be empty unless --overwrite)")
     p.add_argument(
         "--dtype",

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +38,17 @@ def parse_ids(text: str) -> list[int]:
 
 
 def load_model(args: argparse.Namespace) -> Any:
-    """The model named by --model / --config (random weights from --seed for a config)."""
+    """The model named by --model / --config (random weights from --seed for a config). With neither, the
+    shipped model (`jaxhybrid.assets`): `args.model` is set to its directory, so its tokenizer is used."""
     import jax.numpy as jnp
     from flax import nnx
 
+    from jaxhybrid.assets import shipped_model_dir
     from jaxhybrid.config import load_config
     from jaxhybrid.model import HybridLM
 
+    if not args.model and not args.config and shipped_model_dir() is not None:
+        args.model = str(shipped_model_dir())
     if args.model:
         if args.config:
             raise UsageError("give either --model DIR or --config NAME, not both")
@@ -60,6 +67,45 @@ def make_mesh(spec: str | None) -> Any:
 
     mesh = mesh_from_flag(spec)
     return None if mesh.devices.size == 1 else mesh
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send file descriptor 1 to stderr for a while: gloo (the CPU collectives of several processes)
+    prints its connection lines to stdout from C++, which would mix with the results (`--json`)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run_replicated(args: argparse.Namespace, model: Any, mesh: Any, tokenizer: Any) -> list[Any] | None:
+    """Several processes (`--coordinator/--num-processes/--process-id`): every process runs the engine on
+    the same requests in lockstep (`serve.replicated`); process 0 reads the prompts and gets the results,
+    the others follow, print one summary line to stderr and return None."""
+    from serve.engine import Engine
+    from serve.replicated import ReplicatedEngine, check_engine_config
+
+    rep = ReplicatedEngine(Engine(model, check_engine_config(engine_config(args)), mesh=mesh))
+    if not rep.is_leader:
+        steps = rep.follow()
+        print(
+            f"process {rep.process_index} of {rep.process_count}: followed process 0 for {steps} steps",
+            file=sys.stderr,
+        )
+        return None
+    try:
+        requests = collect_requests(args, tokenizer)
+    except Exception:
+        rep.close()  # release the followers before reporting the error
+        rep.step()
+        raise
+    return rep.generate(requests)
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -138,13 +184,26 @@ def collect_requests(args: argparse.Namespace, tokenizer: Any) -> list[tuple[lis
 
 def run(args: argparse.Namespace) -> int:
     """Generate from token ids, text (byte-level tokenizer for random-weight configs) or a JSON-lines file."""
+    import jax
+
     from jaxhybrid.config import ConfigError
     from jaxhybrid.tokenizer import load_tokenizer
     from serve.engine import Engine, RequestError
     from serve.sampling import SamplingError
+    from sharding import multihost
 
+    multi = False
+    quiet = contextlib.ExitStack()
     try:
+        multi = multihost.initialize_from_args(args) and jax.process_count() > 1
+        if multi:
+            quiet.enter_context(stdout_to_stderr())
         mesh = make_mesh(args.mesh)
+        if multi and mesh is None:
+            raise UsageError(
+                "several processes need --mesh over the devices of all of them "
+                "(e.g. --mesh data=2,expert=2,tensor=2)"
+            )
         model = load_model(args)
         if mesh is not None:
             from serve.sharded import shard_model
@@ -155,17 +214,26 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(
                 "--prompt needs a tokenizer; this config's vocabulary is too small: use --prompt-ids"
             )
-        requests = collect_requests(args, tokenizer)
-        engine = Engine(model, engine_config(args), mesh=mesh)
-        for prompt, params, _ in requests:  # validate every line before serving any
-            engine._validate(prompt, params, None)
-        ids = [engine.add_request(prompt, params, cache_salt=salt) for prompt, params, salt in requests]
-        while engine.has_unfinished():
-            engine.step()
-        results = [engine.result(i) for i in ids]
+        if multi:
+            results = run_replicated(args, model, mesh, tokenizer)
+            if results is None:  # a follower: process 0 prints the results
+                return 0
+        else:
+            requests = collect_requests(args, tokenizer)
+            engine = Engine(model, engine_config(args), mesh=mesh)
+            for prompt, params, _ in requests:  # validate every line before serving any
+                engine._validate(prompt, params, None)
+            ids = [engine.add_request(prompt, params, cache_salt=salt) for prompt, params, salt in requests]
+            while engine.has_unfinished():
+                engine.step()
+            results = [engine.result(i) for i in ids]
     except (UsageError, ConfigError, RequestError, SamplingError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if multi:
+            multihost.shutdown()
+        quiet.close()
     for res in results:
         text = tokenizer.decode(res.token_ids) if tokenizer else None
         if args.json:
@@ -210,6 +278,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--stop-ids", help="comma-separated token ids that end a sequence")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     s.add_argument("--logprobs", action="store_true", help="report the log-probability of each chosen token")
+    from sharding import multihost
     from sharding.mesh import add_mesh_argument
 
     add_mesh_argument(add_engine_args(p))
@@ -217,6 +286,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--cache-salt", help="prefix-cache isolation key: requests only reuse prefixes of the same salt"
     )
     add_prefix_args(p)
+    multihost.add_arguments(p)
     p.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt: token_ids, text, stats"
     )

@@ -1,12 +1,41 @@
-"""`jaxhybrid info`: parameter counts and per-sequence cache bytes of a config, from shapes only."""
+"""`jaxhybrid info`: parameter counts, checkpoint bytes and per-sequence cache bytes of a config, from shapes
+only. With MXFP4 routed experts (`expert_quant: mxfp4`, Kimi K3) the checkpoint bytes count them at 4.25 bits
+per weight (packed nibbles + one E8M0 scale byte per 32) and everything else at its dtype."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Any
 
 from serve.commands.common import DTYPES, add_config_arg, fmt_bytes, fmt_count
+
+BUFFER_ITEMSIZE = 4  # the model's buffers (the router's score-correction bias) are fp32
+
+
+def checkpoint_bytes(cfg: Any, counts: dict[str, Any], itemsize: int) -> dict[str, Any]:
+    """Bytes a checkpoint of `cfg` stores: routed experts at `itemsize` bytes per weight, or at 4.25 bits
+    when `cfg.expert_quant == "mxfp4"`; every other parameter at its dtype (`counts["param_bytes"]`
+    less the routed experts at `itemsize`); buffers fp32."""
+    from jaxhybrid.weights.mxfp4 import GROUP
+
+    quant = getattr(cfg, "expert_quant", None)
+    routed = counts["routed_expert_params"]
+    other = counts["param_bytes"] - routed * itemsize
+    if quant == "mxfp4":
+        # per weight [out, in] (in a multiple of 32): out*in/2 packed bytes + out*in/32 scale bytes
+        routed_bytes = routed // 2 + routed // GROUP
+    else:
+        routed_bytes = routed * itemsize
+    buffers = counts["buffer_elements"] * BUFFER_ITEMSIZE
+    return {
+        "expert_quant": quant,
+        "routed_expert_bytes": routed_bytes,
+        "other_param_bytes": other,
+        "buffer_bytes": buffers,
+        "total_bytes": routed_bytes + other + buffers,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,8 +54,10 @@ def run(args: argparse.Namespace) -> int:
     dtype = jnp.dtype(args.dtype)
     counts = count_params(cfg, dtype)
     cache = cache_bytes_per_sequence(cfg, args.context, dtype)
+    ckpt = checkpoint_bytes(cfg, counts, dtype.itemsize)
     out = {
         **counts,
+        "checkpoint": ckpt,
         "layers": cfg.num_hidden_layers,
         "kda_layers": cfg.num_kda_layers,
         "mla_layers": cfg.num_mla_layers,
@@ -55,6 +86,22 @@ def run(args: argparse.Namespace) -> int:
             fmt_count(counts["routed_expert_params"]),
         ),
         (f"parameter bytes ({args.dtype})", f"{counts['param_bytes']:,}", fmt_bytes(counts["param_bytes"])),
+    ]
+    if ckpt["expert_quant"] == "mxfp4":
+        rows += [
+            (
+                "routed experts, MXFP4 (4.25 bit)",
+                f"{ckpt['routed_expert_bytes']:,}",
+                fmt_bytes(ckpt["routed_expert_bytes"]),
+            ),
+            (
+                f"other parameters ({args.dtype} / fp32)",
+                f"{ckpt['other_param_bytes']:,}",
+                fmt_bytes(ckpt["other_param_bytes"]),
+            ),
+            ("checkpoint bytes (+ fp32 buffers)", f"{ckpt['total_bytes']:,}", fmt_bytes(ckpt["total_bytes"])),
+        ]
+    rows += [
         (f"MLA latent KV @ {args.context} tokens", f"{cache['kv_bytes']:,}", fmt_bytes(cache["kv_bytes"])),
         ("KDA state (recurrent fp32 + conv)", f"{cache['state_bytes']:,}", fmt_bytes(cache["state_bytes"])),
         ("cache per sequence", f"{cache['total_bytes']:,}", fmt_bytes(cache["total_bytes"])),

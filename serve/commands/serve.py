@@ -1,7 +1,8 @@
 """`jaxhybrid serve`: the OpenAI-compatible HTTP server (see serve/server.py for the endpoints).
 
-With no arguments it serves an embedded default: the `tiny` config with random weights and the byte-level
-tokenizer on 127.0.0.1:8000. `--model DIR` serves a checkpoint, `--config NAME` any config (random weights).
+With no arguments it serves an embedded default on 127.0.0.1:8000: the shipped model (stdlib-small trained
+on Python source, package data in `jaxhybrid/assets/stdlib-small/`) with its BPE tokenizer. `--model DIR`
+serves a checkpoint, `--config NAME` any config (random weights).
 SIGTERM / Ctrl-C shut down gracefully: running requests get `--shutdown-timeout` seconds to finish, then
 are cancelled; pending prefix-store saves are flushed before the process exits.
 """
@@ -20,6 +21,7 @@ from serve.commands.common import DTYPES, add_config_arg, add_engine_args, add_p
 from serve.commands.generate import UsageError, engine_config, load_model, make_mesh
 
 log = logging.getLogger("jaxhybrid.serve")
+IDLE_WAIT_S = 0.05  # several processes: an idle leader steps (and wakes the followers) this often
 
 
 def model_name(args: argparse.Namespace) -> str:
@@ -73,6 +75,27 @@ def _server_class() -> type:
     return Server
 
 
+def serve_replicated(args: argparse.Namespace, engine: Any, tokenizer: Any) -> int:
+    """Several processes: every process runs the engine in lockstep (`serve.replicated`). Process 0 serves
+    HTTP and owns the intake; the others follow until process 0 shuts down."""
+    from serve.replicated import ReplicatedEngine
+    from sharding import multihost
+
+    rep = ReplicatedEngine(engine, idle_wait_s=IDLE_WAIT_S)
+    try:
+        if not rep.is_leader:
+            log.info("process %d of %d: following process 0", rep.process_index, rep.process_count)
+            rep.follow()
+            return 0
+        status = serve_http(args, rep, tokenizer)
+        if not rep.closed:  # the engine thread has stopped: tell the followers (with its last aborts)
+            rep.close()
+            rep.step()
+        return status
+    finally:
+        multihost.shutdown()
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve a model over HTTP with an OpenAI-compatible API."""
     logging.basicConfig(
@@ -94,21 +117,38 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --default-max-tokens must be >= 1, got {args.default_max_tokens}", file=sys.stderr)
         return 2
 
-    import uvicorn
+    import jax
+    import uvicorn  # noqa: F401  (fail here, before loading a model, when it is missing)
 
     from jaxhybrid.config import ConfigError
     from jaxhybrid.tokenizer import TokenizerError, load_tokenizer
     from serve.engine import Engine
-    from serve.server import create_app
+    from sharding import multihost
 
     if not args.model and not args.config:
-        log.info(
-            "no --model or --config given: serving the embedded default, the 'tiny' config with random "
-            "weights (seed %d) and the byte-level tokenizer; its output is noise",
-            args.seed,
-        )
+        from jaxhybrid.assets import shipped_model_dir
+
+        if shipped_model_dir() is not None:
+            log.info(
+                "no --model or --config given: serving the embedded default, the shipped model %s "
+                "(stdlib-small, trained on Python standard library source) with its tokenizer",
+                shipped_model_dir(),
+            )
+        else:
+            log.info(
+                "no --model or --config given and no shipped model installed: serving the 'tiny' config "
+                "with random weights (seed %d) and the byte-level tokenizer; its output is noise",
+                args.seed,
+            )
+    multi = False
     try:
+        multi = multihost.initialize_from_args(args) and jax.process_count() > 1
         mesh = make_mesh(args.mesh)
+        if multi and mesh is None:
+            raise UsageError(
+                "several processes need --mesh over the devices of all of them "
+                "(e.g. --mesh data=2,expert=2,tensor=2)"
+            )
         model = load_model(args)
         if mesh is not None:
             from serve.sharded import shard_model
@@ -120,10 +160,26 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer is None:
             log.warning("no tokenizer for this model: only token-id prompts on /v1/completions will work")
         cfg = engine_config(args)
+        if multi:
+            from serve.replicated import check_engine_config
+
+            cfg = check_engine_config(cfg)
         engine = Engine(model, cfg, mesh=mesh)
     except (UsageError, ConfigError, TokenizerError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if multi:
+        return serve_replicated(args, engine, tokenizer)
+    return serve_http(args, engine, tokenizer)
+
+
+def serve_http(args: argparse.Namespace, engine: Any, tokenizer: Any) -> int:
+    """Run the HTTP server on `engine` (an Engine, or a ReplicatedEngine on process 0) until shutdown."""
+    import uvicorn
+
+    from serve.server import create_app
+
+    cfg = engine.config
     name = model_name(args)
     app = create_app(
         engine,
@@ -178,7 +234,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(__doc__ or "").split("\n\n", 1)[1],
         formatter_class=_HelpFormatter,
     )
-    m = p.add_argument_group("model (default: the 'tiny' config, random weights, byte-level tokenizer)")
+    m = p.add_argument_group("model (default: the shipped stdlib-small model and its tokenizer)")
     add_config_arg(m)
     m.add_argument("--model", help="a checkpoint directory: Hugging Face safetensors or converted Orbax")
     m.add_argument("--served-model-name", help="the model id clients use (default: directory/config name)")
@@ -212,4 +268,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e = add_engine_args(p)
     add_mesh_argument(e)
     add_prefix_args(p)
+    from sharding import multihost
+
+    multihost.add_arguments(p)
     p.set_defaults(func=run)

@@ -1,0 +1,376 @@
+"""`jaxhybrid bench throughput`: prefill and decode tokens/s, and how close they come to the machine's limits.
+
+Prefill: one engine program call over a whole prompt of each `--prompt-lengths` (batch 1, from an empty
+cache: what a server does for a prompt that fits one prefill chunk). Decode: the engine's decode program
+for each `--batch-sizes` x `--contexts` (rows own distinct KV blocks, caches filled to the context).
+
+In the same run the machine's rates are measured: a square matmul in the run's dtype (FLOP/s) and two
+streaming reads of a large fp32 array, a reduction and a matrix-vector product (bytes/s; the faster is the
+reference). Each prefill row reports its model FLOP/s as a fraction of the matmul rate, each decode row its
+bytes read per second as a fraction of the read bandwidth. How FLOPs and bytes are counted is written into
+the result (`counting`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from serve.bench.common import add_out_arg, compile_watch, decode_step, emit, environment
+from serve.commands.common import print_table
+
+COUNTING = {
+    "prefill_flops": "2 x (active params - embedding) per token (every matmul weight, lm_head over all T "
+    "positions, the top-k of E routed experts) + MLA attention 2 x heads x (qk_head_dim + v_head_dim) x "
+    "T(T+1)/2 per MLA layer (causal pairs only) + KDA 6 x heads x head_dim^2 per token per KDA layer "
+    "(state read-out, k^T S and the rank-1 update of the recurrent form)",
+    "decode_bytes": "weights read once per step: all non-routed params except the embedding table + "
+    "routed experts x (1 - (1 - k/E)^batch) (expected distinct experts, uniform routing); plus per row the "
+    "MLA latent KV of `context` tokens and the live KDA state (recurrent fp32 + conv)",
+    "matmul_rate": "2 n^3 / median time of a jitted n x n @ n x n matmul in the run's dtype",
+    "bandwidth": "bytes of a large fp32 array / median time of reading it once, as a sum and as a "
+    "matrix-vector product; the faster of the two",
+}
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> dict[str, float]:
+    """Compile/warm `fn` (blocking) with two calls, then the median and min of `repeats` timed calls, and
+    the compilations seen while timing (0 unless something recompiled)."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    fn()
+    samples = []
+    with compile_watch() as compiles:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return {
+        "median_s": float(np.median(samples)),
+        "min_s": min(samples),
+        "first_call_s": first,
+        "compiles_while_timed": compiles["compiles"],
+    }
+
+
+def machine_rates(dtype: str, repeats: int, matmul_size: int, read_mib: int) -> dict[str, Any]:
+    """The machine's matmul rate in `dtype` and its streaming read bandwidth (fp32), measured now."""
+    import jax
+    import jax.numpy as jnp
+
+    n = matmul_size
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+    mm = jax.jit(lambda x, y: x @ y)
+    t_mm = _median_time(lambda: mm(a, b).block_until_ready(), repeats)
+
+    side = int(math.sqrt(read_mib * 2**20 // 4))
+    x = jax.random.normal(jax.random.key(2), (side, side), jnp.float32)
+    v = jnp.ones((side,), jnp.float32)
+    nbytes = x.size * x.dtype.itemsize
+    total = jax.jit(jnp.sum)
+    gemv = jax.jit(lambda m, u: m @ u)
+    t_sum = _median_time(lambda: total(x).block_until_ready(), repeats)
+    t_gemv = _median_time(lambda: gemv(x, v).block_until_ready(), repeats)
+    sum_rate, gemv_rate = nbytes / t_sum["median_s"], nbytes / t_gemv["median_s"]
+    return {
+        "matmul": {
+            "n": n,
+            "dtype": dtype,
+            "flops": 2 * n**3,
+            **t_mm,
+            "flop_per_s": 2 * n**3 / t_mm["median_s"],
+        },
+        "read": {
+            "bytes": nbytes,
+            "dtype": "float32",
+            "sum": {**t_sum, "bytes_per_s": sum_rate},
+            "gemv": {**t_gemv, "bytes_per_s": gemv_rate},
+        },
+        "matmul_flop_per_s": 2 * n**3 / t_mm["median_s"],
+        "bandwidth_bytes_per_s": max(sum_rate, gemv_rate),
+    }
+
+
+def param_bytes(model: Any) -> dict[str, int]:
+    """Elements and bytes of the model's parameters, split into embedding table, routed experts and the rest
+    (from the arrays themselves, so mixed dtypes such as the fp32 router are counted as stored)."""
+    from flax import nnx
+
+    out = {k: 0 for k in ("elements", "bytes", "embedding", "embedding_bytes", "routed", "routed_bytes")}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        leaf = var.get_value()
+        size, nbytes = int(np.prod(leaf.shape)), int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+        names = [str(p) for p in path]
+        out["elements"] += size
+        out["bytes"] += nbytes
+        if "embed_tokens" in names:
+            out["embedding"] += size
+            out["embedding_bytes"] += nbytes
+        elif "experts" in names and "shared_experts" not in names:
+            out["routed"] += size
+            out["routed_bytes"] += nbytes
+    return out
+
+
+def prefill_flops(cfg: Any, matmul_params: float, tokens: int) -> dict[str, float]:
+    """Model FLOPs of a prefill of `tokens` tokens from an empty cache (see COUNTING)."""
+    dense = 2.0 * matmul_params * tokens
+    mla = (
+        cfg.num_mla_layers
+        * 2.0
+        * cfg.num_attention_heads
+        * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+        * tokens
+        * (tokens + 1)
+        / 2
+    )
+    kda = cfg.num_kda_layers * 6.0 * cfg.kda_num_heads * cfg.kda_head_dim**2 * tokens
+    return {
+        "matmul_flops": dense,
+        "mla_attention_flops": mla,
+        "kda_state_flops": kda,
+        "flops": dense + mla + kda,
+    }
+
+
+def decode_bytes(cfg: Any, params: dict[str, int], batch: int, context: int, dtype: str) -> dict[str, float]:
+    """Bytes one decode step reads for `batch` rows at `context` tokens (see COUNTING)."""
+    from jaxhybrid.cache import kda_state_bytes, mla_kv_bytes
+
+    k, e = cfg.num_experts_per_token, max(cfg.num_experts, 1)
+    touched = 1.0 - (1.0 - k / e) ** batch if params["routed"] else 0.0
+    weights = (
+        params["bytes"]
+        - params["embedding_bytes"]
+        - params["routed_bytes"]
+        + touched * params["routed_bytes"]
+    )
+    kv = batch * mla_kv_bytes(cfg, context, dtype)
+    state = batch * kda_state_bytes(cfg, dtype)["total"]
+    return {"weight_bytes": weights, "kv_bytes": kv, "state_bytes": state, "bytes": weights + kv + state}
+
+
+def measure(
+    model: Any,
+    prompt_lengths: list[int],
+    batches: list[int],
+    contexts: list[int],
+    dtype: str,
+    repeats: int,
+    block_size: int,
+    rates: dict[str, Any],
+) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    """Prefill and decode rows for `model` on one engine sized for the largest batch and context."""
+    from serve.engine import Engine, EngineConfig
+
+    cfg = model.config
+    params = param_bytes(model)
+    active = (
+        params["elements"]
+        - params["routed"]
+        + params["routed"] * cfg.num_experts_per_token / max(cfg.num_experts, 1)
+    )
+    matmul_params = active - params["embedding"]
+    longest = max(max(contexts) + 1, max(prompt_lengths))
+    blocks_per_seq = math.ceil(longest / block_size)
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_slots=max(batches),
+            block_size=block_size,
+            max_model_len=blocks_per_seq * block_size,
+            num_blocks=max(batches) * blocks_per_seq + 1,
+            kv_dtype=dtype,
+            prefix=None,
+        ),
+    )
+
+    def prefill(length: int) -> Callable[[], None]:
+        nblocks = math.ceil(length / block_size)
+        table = np.zeros((1, next(w for w in engine.table_buckets if w >= nblocks)), np.int32)
+        table[0, :nblocks] = 1 + np.arange(nblocks)
+        tokens = (np.arange(length, dtype=np.int32) % (cfg.vocab_size - 3) + 3)[None]
+        zero, valid = np.zeros((1,), np.int32), np.full((1,), length, np.int32)
+        return lambda: engine.run_program(tokens, zero, table, zero, valid).block_until_ready()
+
+    prefill_rows = []
+    for length in prompt_lengths:
+        t = _median_time(prefill(length), repeats)
+        flops = prefill_flops(cfg, matmul_params, length)
+        rate = flops["flops"] / t["median_s"]
+        prefill_rows.append(
+            {
+                "prompt_len": length,
+                "tokens": length,
+                **t,
+                "tokens_per_s": length / t["median_s"],
+                **flops,
+                "flop_per_s": rate,
+                "matmul_fraction": rate / rates["matmul_flop_per_s"],
+            }
+        )
+
+    decode_rows = []
+    for batch in batches:
+        for context in contexts:
+            step = decode_step(engine, batch, context, blocks_per_seq)
+            t = _median_time(step, repeats)
+            nbytes = decode_bytes(cfg, params, batch, context, dtype)
+            rate = nbytes["bytes"] / t["median_s"]
+            decode_rows.append(
+                {
+                    "batch": batch,
+                    "context": context,
+                    "tokens": batch,
+                    **t,
+                    "tokens_per_s": batch / t["median_s"],
+                    **nbytes,
+                    "bytes_per_s": rate,
+                    "bandwidth_fraction": rate / rates["bandwidth_bytes_per_s"],
+                }
+            )
+    model_info = {
+        "config": cfg.name,
+        "params": params["elements"],
+        "active_params": active,
+        "matmul_params_per_token": matmul_params,
+        "param_bytes": params["bytes"],
+        "routed_expert_bytes": params["routed_bytes"],
+        "embedding_bytes": params["embedding_bytes"],
+        "mla_layers": cfg.num_mla_layers,
+        "kda_layers": cfg.num_kda_layers,
+    }
+    return prefill_rows, decode_rows, model_info
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise ValueError(f"{flag} must be positive integers, got {text!r}")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prefill and decode tokens/s with the achieved fraction of the measured matmul rate and bandwidth."""
+    from jaxhybrid.config import ConfigError
+    from serve.commands.generate import UsageError, load_model
+
+    try:
+        prompt_lengths = _ints(args.prompt_lengths, "--prompt-lengths")
+        batches = _ints(args.batch_sizes, "--batch-sizes")
+        contexts = _ints(args.contexts, "--contexts")
+        if args.repeats < 1:
+            raise ValueError("--repeats must be at least 1")
+        if args.config is None and args.model is None:
+            args.config = "small"
+        model = load_model(args)
+    except (UsageError, ConfigError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    env = environment()
+    matmul_size = args.matmul_size or (2048 if env["platform"] == "cpu" else 8192)
+    read_mib = args.read_mib or (256 if env["platform"] == "cpu" else 2048)
+    rates = machine_rates(args.dtype, args.repeats, matmul_size, read_mib)
+    prefill_rows, decode_rows, model_info = measure(
+        model, prompt_lengths, batches, contexts, args.dtype, args.repeats, args.block_size, rates
+    )
+    result = {
+        "bench": "throughput",
+        "config": model_info["config"],
+        "model_dir": args.model,
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "repeats": args.repeats,
+        "environment": env,
+        "machine": rates,
+        "model": model_info,
+        "counting": COUNTING,
+        "prefill": prefill_rows,
+        "decode": decode_rows,
+    }
+    print(
+        f"{model_info['config']} {args.dtype} on {env['platform']} ({env['device_kind']}, "
+        f"{env['device_count']} device(s)): matmul {rates['matmul_flop_per_s'] / 1e9:.1f} GFLOP/s "
+        f"(n={matmul_size}), "
+        f"read {rates['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
+        file=sys.stderr,
+    )
+    print_table(
+        [
+            {
+                "prompt_len": r["prompt_len"],
+                "ms": f"{1e3 * r['median_s']:.1f}",
+                "tokens_per_s": f"{r['tokens_per_s']:.1f}",
+                "GFLOP/s": f"{r['flop_per_s'] / 1e9:.2f}",
+                "of_matmul": f"{100 * r['matmul_fraction']:.1f}%",
+            }
+            for r in prefill_rows
+        ],
+        ["prompt_len", "ms", "tokens_per_s", "GFLOP/s", "of_matmul"],
+        file=sys.stderr,
+    )
+    print_table(
+        [
+            {
+                "batch": r["batch"],
+                "context": r["context"],
+                "step_ms": f"{1e3 * r['median_s']:.2f}",
+                "tokens_per_s": f"{r['tokens_per_s']:.1f}",
+                "MB/step": f"{r['bytes'] / 1e6:.2f}",
+                "GB/s": f"{r['bytes_per_s'] / 1e9:.2f}",
+                "of_bandwidth": f"{100 * r['bandwidth_fraction']:.1f}%",
+            }
+            for r in decode_rows
+        ],
+        ["batch", "context", "step_ms", "tokens_per_s", "MB/step", "GB/s", "of_bandwidth"],
+        file=sys.stderr,
+    )
+    emit(result, args)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "throughput",
+        help="prefill / decode tokens/s vs the measured matmul rate and memory bandwidth",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", help="config name or path (default small)")
+    src.add_argument("--model", help="a checkpoint directory: Hugging Face safetensors or converted Orbax")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (--config)")
+    p.add_argument(
+        "--prompt-lengths", default="128,512,2048", help="prefill prompt lengths (default 128,512,2048)"
+    )
+    p.add_argument("--batch-sizes", default="1,4,16", help="decode batch sizes (default 1,4,16)")
+    p.add_argument("--contexts", default="512,4096", help="decode context lengths (default 512,4096)")
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and cache dtype"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed calls per point, after 2 warm-ups (default 5)"
+    )
+    p.add_argument("--block-size", type=int, default=64, help="KV block size (default 64)")
+    p.add_argument(
+        "--matmul-size",
+        type=int,
+        default=None,
+        help="n of the n x n peak matmul (default 2048 CPU, 8192 other)",
+    )
+    p.add_argument(
+        "--read-mib", type=int, default=None, help="MiB of the bandwidth array (default 256 CPU, 2048 other)"
+    )
+    add_out_arg(p)
+    p.set_defaults(func=run)

@@ -1,0 +1,222 @@
+"""The engine on several processes: every process runs the same engine loop on the same requests.
+
+With a mesh that spans several processes (`sharding.multihost.initialize`), every process holds some
+shards of the parameters and the cache pools, and every jitted program is one SPMD program that all
+processes must call, in the same order, with the same host-side inputs. The engine's scheduler is
+deterministic host code (block allocator, slot lists, request order; request seeds come from the
+request or from the engine's seeded counter), so identical engines fed identical inputs in the same
+order take identical decisions and call identical programs. `ReplicatedEngine` provides the identical
+inputs:
+
+* Process 0 (the leader) owns the request intake. Its `add_request`, `abort` and `forget` act on its own
+  engine at once, exactly as on a plain engine (errors reach the caller, the request is visible in
+  `engine.requests`), and are also appended to a log, with the request id and sampling seed the leader's
+  engine resolved, so that no follower draws its own.
+* Once per `step`, every process takes part in a broadcast from process 0 of the log since the last step
+  (a JSON document, length-prefixed, as uint8 through `jax.experimental.multihost_utils.
+  broadcast_one_to_all`: one collective for the length, a second only when there is something to send,
+  padded to a power of two so few shapes compile). Followers replay the log in order, which brings their
+  engines to the leader's state; then every process runs `Engine.step`.
+* The leader consumes the outputs; followers run `follow()` (step until the leader closes).
+
+Every other attribute is the wrapped engine's, so a `ReplicatedEngine` stands in for an `Engine` in
+callers that only add, abort, forget and step (the CLI, the HTTP server's engine loop). Sampling is
+identical on all processes: a request's token depends only on its logits (replicated by the engine's
+programs), its seed and its step (`serve.sampling.request_key`).
+
+Not replicated: the prefix store. Its fingerprint and its host tier read arrays whole on the host (a
+process holds only its shards), and its disk tier finishes saves asynchronously, so a checkpoint would
+become visible to lookups at different steps on different processes. Multi-process engines run without
+it (`check_engine_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from serve.engine import Engine, EngineConfig, GenerateResult, RequestOutput
+from serve.sampling import SamplingParams
+
+
+class ReplicatedEngineError(RuntimeError):
+    """Misuse of a replicated engine (an intake call on a follower, a step after close)."""
+
+
+def check_engine_config(config: EngineConfig) -> EngineConfig:
+    """The engine settings for a multi-process run: the prefix store is turned off (see the module doc);
+    a disk tier that was asked for explicitly is an error rather than a silent change."""
+    if jax.process_count() == 1:
+        return config
+    if config.prefix is not None and config.prefix.store_dir:
+        raise ValueError("the prefix store's disk tier (--store-dir) is not supported with several processes")
+    return dataclasses.replace(config, prefix=None)
+
+
+def _bucket(n: int) -> int:
+    """Padded payload size: the next power of two, at least 256 bytes."""
+    return max(256, 1 << (n - 1).bit_length())
+
+
+class ReplicatedEngine:
+    """Runs `engine` in lockstep on every process; process 0 owns the intake (see the module doc).
+
+    In a single process this is a thin pass-through (no broadcast), so callers can use it unconditionally.
+
+    `idle_wait_s` (a server): the leader reports work at all times (`has_unfinished`), and a step with
+    nothing to do waits that long before its broadcast, so an idle server still steps (the followers,
+    blocked in the broadcast, hear from it every `idle_wait_s`) without spinning, and a new request waits
+    at most that long."""
+
+    def __init__(self, engine: Engine, idle_wait_s: float | None = None):
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self.process_index = jax.process_index()
+        self.process_count = jax.process_count()
+        self.is_leader = self.process_index == 0
+        self.closed = False
+        self._log: list[list[Any]] = []  # leader: operations applied since the last broadcast
+        self._close = False
+        self.broadcast_bytes = 0  # payload bytes broadcast so far (without padding)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    # --- intake (leader only) -------------------------------------------------------------------------
+    def _leader_only(self, what: str) -> None:
+        if not self.is_leader:
+            raise ReplicatedEngineError(
+                f"{what} is only called on process 0 (this is process {self.process_index})"
+            )
+        if self.closed or self._close:
+            raise ReplicatedEngineError(f"{what} after close()")
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        """`Engine.add_request` here, and on every process at the next step (same id, same seed)."""
+        self._leader_only("add_request")
+        rid = self.engine.add_request(prompt_ids, params, request_id, cache_salt)
+        req = self.engine.requests[rid]
+        fields = dataclasses.asdict(dataclasses.replace(req.params, seed=req.seed))
+        fields["stop_token_ids"] = [int(t) for t in fields["stop_token_ids"]]
+        self._log.append(["add", rid, req.prompt, fields, cache_salt])
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """`Engine.abort` here, and on every process at the next step."""
+        self._leader_only("abort")
+        self.engine.abort(request_id)
+        self._log.append(["abort", request_id])
+
+    def forget(self, request_id: str) -> None:
+        """`Engine.forget` here, and on every process at the next step (keeps the request tables equal)."""
+        self._leader_only("forget")
+        self.engine.forget(request_id)
+        self._log.append(["forget", request_id])
+
+    def close(self) -> None:
+        """Tell every process to leave its loop; takes effect at the next `step` (which then runs nothing)."""
+        self._leader_only("close")
+        self._close = True
+
+    def has_unfinished(self) -> bool:
+        """Unfinished requests, or operations not yet sent (the next step sends them); always True on a
+        leader of several processes with `idle_wait_s` (it keeps the followers stepping)."""
+        if self.idle_wait_s is not None and self.process_count > 1 and not self.closed:
+            return True
+        return bool(self._log) or self.engine.has_unfinished()
+
+    # --- the lockstep -------------------------------------------------------------------------------
+    def _exchange(self) -> dict[str, Any]:
+        """The leader's log since the last step and its close flag, on every process."""
+        if self.is_leader:
+            message: dict[str, Any] = {"log": self._log, "close": self._close}
+            self._log = []
+            if self.process_count == 1:
+                return message
+        from jax.experimental import multihost_utils
+
+        empty = self.is_leader and not (message["log"] or message["close"])
+        payload = b"" if not self.is_leader or empty else json.dumps(message).encode()
+        header = np.frombuffer(np.int64(len(payload)).tobytes(), np.uint8)
+        n = int(np.asarray(multihost_utils.broadcast_one_to_all(header)).view(np.int64)[0])
+        if n == 0:
+            return {"log": [], "close": False}
+        buf = np.zeros(_bucket(n), np.uint8)
+        if self.is_leader:
+            buf[:n] = np.frombuffer(payload, np.uint8)
+        data = np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n].tobytes()
+        self.broadcast_bytes += n
+        return json.loads(data)
+
+    def _replay(self, log: list[list[Any]]) -> None:
+        """A follower applies the leader's operations in the leader's order."""
+        for op in log:
+            if op[0] == "add":
+                _, rid, prompt, fields, salt = op
+                fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
+                self.engine.add_request(prompt, SamplingParams(**fields), rid, salt)
+            elif op[0] == "abort":
+                self.engine.abort(op[1])
+            elif op[0] == "forget":
+                self.engine.forget(op[1])
+            else:
+                raise ReplicatedEngineError(f"unknown operation {op[0]!r} from process 0")
+
+    def step(self) -> list[RequestOutput]:
+        """Bring every process to the leader's requests, then one `Engine.step`. Every process must call it
+        the same number of times; after a close, returns [] and sets `closed`."""
+        if self.closed:
+            raise ReplicatedEngineError("step() after close")
+        idle = self.is_leader and not (self._log or self._close or self.engine.has_unfinished())
+        if idle and self.idle_wait_s is not None:
+            time.sleep(self.idle_wait_s)
+        message = self._exchange()
+        if not self.is_leader:
+            self._replay(message["log"])
+        if message["close"]:
+            self.closed = True
+            return []
+        return self.engine.step()
+
+    def follow(self) -> int:
+        """A follower's loop: step until the leader closes; returns the number of steps run."""
+        steps = 0
+        while not self.closed:
+            self.step()
+            steps += 1
+        return steps
+
+    def generate(
+        self, requests: Sequence[tuple[Sequence[int], SamplingParams, str | None]]
+    ) -> list[GenerateResult] | None:
+        """Serve (prompt, params, cache_salt) requests to completion on every process, then close. The leader
+        validates all first (on an invalid one it serves none, closes, and raises) and gets the results in
+        order; followers get None."""
+        if not self.is_leader:
+            self.follow()
+            return None
+        try:
+            for prompt, params, _ in requests:
+                self.engine._validate(prompt, params, None)
+        except Exception:
+            self.close()  # release the followers
+            self.step()
+            raise
+        ids = [self.add_request(p, s, cache_salt=salt) for p, s, salt in requests]
+        while self.has_unfinished():
+            self.step()
+        self.close()
+        self.step()
+        return [self.engine.result(i) for i in ids]
