@@ -69,6 +69,23 @@ def make_mesh(spec: str | None) -> Any:
     return None if mesh.devices.size == 1 else mesh
 
 
+def load_on_mesh(args: argparse.Namespace, multi: bool) -> tuple[Any, Any]:
+    """(the model of `load_model`, the `--mesh` mesh or None), its parameters sharded over the mesh;
+    several processes (`multi`) need a mesh over the devices of all of them."""
+    mesh = make_mesh(args.mesh)
+    if multi and mesh is None:
+        raise UsageError(
+            "several processes need --mesh over the devices of all of them "
+            "(e.g. --mesh data=2,expert=2,tensor=2)"
+        )
+    model = load_model(args)
+    if mesh is not None:
+        from serve.sharded import shard_model
+
+        shard_model(model, mesh)  # expert parallelism installed where the expert axis divides the experts
+    return model, mesh
+
+
 @contextlib.contextmanager
 def stdout_to_stderr() -> Iterator[None]:
     """Send file descriptor 1 to stderr for a while: gloo (the CPU collectives of several processes)
@@ -198,17 +215,7 @@ def run(args: argparse.Namespace) -> int:
         multi = multihost.initialize_from_args(args) and jax.process_count() > 1
         if multi:
             quiet.enter_context(stdout_to_stderr())
-        mesh = make_mesh(args.mesh)
-        if multi and mesh is None:
-            raise UsageError(
-                "several processes need --mesh over the devices of all of them "
-                "(e.g. --mesh data=2,expert=2,tensor=2)"
-            )
-        model = load_model(args)
-        if mesh is not None:
-            from serve.sharded import shard_model
-
-            shard_model(model, mesh)
+        model, mesh = load_on_mesh(args, multi)
         tokenizer = load_tokenizer(args.model, model.config)
         if args.prompt is not None and tokenizer is None:
             raise UsageError(

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from serve.commands.common import DTYPES, add_config_arg, add_engine_args, add_prefix_args
-from serve.commands.generate import UsageError, engine_config, load_model, make_mesh
+from serve.commands.generate import UsageError, engine_config, load_on_mesh
 
 log = logging.getLogger("jaxhybrid.serve")
 IDLE_WAIT_S = 0.05  # several processes: an idle leader steps (and wakes the followers) this often
@@ -143,18 +143,10 @@ def run(args: argparse.Namespace) -> int:
     multi = False
     try:
         multi = multihost.initialize_from_args(args) and jax.process_count() > 1
-        mesh = make_mesh(args.mesh)
-        if multi and mesh is None:
-            raise UsageError(
-                "several processes need --mesh over the devices of all of them "
-                "(e.g. --mesh data=2,expert=2,tensor=2)"
-            )
-        model = load_model(args)
+        model, mesh = load_on_mesh(args, multi)
         if mesh is not None:
-            from serve.sharded import shard_model
             from sharding.mesh import describe
 
-            shard_model(model, mesh)  # expert parallelism installed where the expert axis divides the experts
             log.info("parameters sharded over the mesh %s", describe(mesh))
         tokenizer = load_tokenizer(args.model, model.config)
         if tokenizer is None:
