@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import math
 import time
 from collections import deque
@@ -32,11 +33,29 @@ from serve.blocks import BlockAllocator
 from serve.prefix_store import Checkpoint, Lookup, PrefixStore, PrefixStoreConfig, fingerprint
 from serve.sampling import SamplingError, SamplingParams, batch_arrays, sample
 
+log = logging.getLogger("jaxhybrid.engine")
+
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+MAX_SALT_CHARS = 256  # a salt enters every block hash of its request: keep it short
 
 
 class RequestError(ValueError):
     """A request the engine cannot serve; the message names the problem. Nothing was changed."""
+
+
+def check_cache_salt(salt: object) -> None:
+    """Raise RequestError unless `salt` is None or a non-empty string of at most MAX_SALT_CHARS characters
+    that UTF-8 can encode (a lone surrogate cannot)."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise RequestError("cache_salt must be a non-empty string")
+    if len(salt) > MAX_SALT_CHARS:
+        raise RequestError(f"cache_salt must be at most {MAX_SALT_CHARS} characters, got {len(salt)}")
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError("cache_salt must be valid Unicode text (it holds a lone surrogate)") from None
 
 
 @dataclasses.dataclass
@@ -95,6 +114,7 @@ class Request:
     stored_logits: Any = None  # next-token logits restored with a full prefix hit (nothing left to prefill)
     prefix_hit_tokens: int = 0
     recomputed_tokens: int = 0
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
     @property
     def tokens(self) -> list[int]:
@@ -120,6 +140,7 @@ class Request:
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "recomputed_tokens": self.recomputed_tokens,
             "finish_reason": self.finish_reason,
+            "error": self.error,
         }
 
 
@@ -132,6 +153,8 @@ class RequestOutput:
     new_logprobs: list[float]
     finished: bool
     finish_reason: str | None
+    cached_tokens: int = 0  # prompt tokens reused from the prefix store
+    error: str | None = None  # set with finish_reason "error": the engine failed this request
 
 
 @dataclasses.dataclass
@@ -283,6 +306,7 @@ class Engine:
         self._order = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self.steps = 0
+        self._failures: dict[str, RequestOutput] = {}  # requests failed outside an output-collecting call
         self.store: PrefixStore | None = None
         if config.prefix is not None and config.prefix.enabled:
             config.prefix.validate(config.block_size)
@@ -322,6 +346,7 @@ class Engine:
         """Queue a request; raises RequestError (changing nothing) when it cannot be served."""
         params = params or SamplingParams()
         prompt = self._validate(prompt_ids, params, request_id)
+        check_cache_salt(cache_salt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**31 - 1))
         req = Request(
@@ -438,6 +463,17 @@ class Engine:
         return n
 
     def _restore(self, req: Request, found: Lookup) -> bool:
+        """See `_restore_held`; the hit's checkpoint cannot be evicted meanwhile."""
+        ck = found.checkpoint
+        if ck is not None:
+            ck.holders += 1
+        try:
+            return self._restore_held(req, found)
+        finally:
+            if ck is not None:
+                ck.holders -= 1
+
+    def _restore_held(self, req: Request, found: Lookup) -> bool:
         """Attach a hit's shared blocks and restore its checkpoint into the request's slot. A disk hit first
         loads its entry and writes the KV of the blocks the pool lacks into fresh blocks. False when `req`
         was preempted for blocks, or (still running, nothing attached) when the disk entry was unreadable."""
@@ -452,15 +488,12 @@ class Engine:
                 return False
             states, tail_kv = loaded
         else:
-            ck.holders += 1
             states = jax.tree_util.tree_map(jnp.asarray, ck.states)
             tail_kv = None if ck.tail_kv is None else jax.tree_util.tree_map(jnp.asarray, ck.tail_kv)
         tail_block = SCRATCH_BLOCK
         if found.hit % bs:
             # copy-on-write: the partial block is the request's own copy, it will write the rest of it
             if not self._ensure_blocks(req, found.hit):
-                if ck is not None:
-                    ck.holders -= 1
                 return False
             tail_block = req.blocks[-1]
         kv = (
@@ -475,9 +508,7 @@ class Engine:
         req.num_computed = found.hit
         if ck is not None and ck.logits is not None and found.hit == len(req.tokens):
             req.stored_logits = jnp.asarray(ck.logits)[None]
-        if ck is not None:
-            ck.holders -= 1
-        else:  # keep the disk hit in memory too: the next hit on it needs no disk read
+        if ck is None:  # keep the disk hit in memory too: the next hit on it needs no disk read
             entry = found.disk
             store.promote(
                 Checkpoint(
@@ -546,37 +577,98 @@ class Engine:
         return states, tail_kv
 
     def _admit(self, budget: int) -> list[tuple[Request, int]]:
+        """Admit waiting requests in order while slots, blocks and the token budget allow; their first
+        prefill chunks. A request whose admission raises fails alone."""
         jobs = []
         while self.waiting and self.free_slots and budget > 0:
             req = self.waiting[0]
-            found = self.store.lookup(req.tokens, req.cache_salt) if self.store is not None else None
-            hit = found.hit if found is not None else 0
-            n = min(req.pending - hit, self.config.prefill_chunk, budget)
-            new_blocks = math.ceil((hit + n) / self.config.block_size) - len(found.blocks if found else [])
-            evictable = (
-                sum(1 for b in self.store.held_blocks if self.allocator.refcount(b) == 1) if self.store else 0
-            )
-            if new_blocks > self.allocator.num_free + evictable:
-                break
-            self.waiting.popleft()
-            req.slot = self.free_slots.pop(0)
-            req.status, req.order = RUNNING, next(self._order)
-            self.running.append(req)
-            self._reset_slot(req.slot)
-            if found is not None and found.hit > 0 and not self._restore(req, found):
-                if req.status != RUNNING:  # preempted itself for blocks: wait for the next step
-                    break
-                found = Lookup(0, found.matched, [], None)  # unreadable disk entry: compute it all
-            if found is not None:
-                self.store.record_hit(found)
-                req.prefix_hit_tokens += found.hit
-                req.recomputed_tokens += found.recomputed
-            n = self._chunk(req, budget)
-            if req.status != RUNNING or not self._ensure_blocks(req, req.num_computed + n):
+            try:
+                admitted, n = self._admit_one(req, budget)
+            except Exception as exc:  # noqa: BLE001 - e.g. an unreadable prefix entry: this request only
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                self._fail(req, exc)
                 continue
-            jobs.append((req, n))
-            budget -= n
+            if not admitted:
+                break
+            if n is not None:
+                jobs.append((req, n))
+                budget -= n
         return jobs
+
+    def _admit_one(self, req: Request, budget: int) -> tuple[bool, int | None]:
+        """Admit the first waiting request: (False, None) when it does not fit now (admission stops), else
+        (True, its first chunk) or (True, None) when it was preempted again for blocks meanwhile."""
+        found = self.store.lookup(req.tokens, req.cache_salt) if self.store is not None else None
+        hit = found.hit if found is not None else 0
+        n = min(req.pending - hit, self.config.prefill_chunk, budget)
+        new_blocks = math.ceil((hit + n) / self.config.block_size) - len(found.blocks if found else [])
+        evictable = (
+            sum(1 for b in self.store.held_blocks if self.allocator.refcount(b) == 1) if self.store else 0
+        )
+        if new_blocks > self.allocator.num_free + evictable:
+            return False, None
+        self.waiting.popleft()
+        req.slot = self.free_slots.pop(0)
+        req.status, req.order = RUNNING, next(self._order)
+        self.running.append(req)
+        self._reset_slot(req.slot)
+        if found is not None and found.hit > 0 and not self._restore(req, found):
+            if req.status != RUNNING:  # preempted itself for blocks: wait for the next step
+                return False, None
+            found = Lookup(0, found.matched, [], None)  # unreadable disk entry: compute it all
+        if found is not None:
+            self.store.record_hit(found)
+            req.prefix_hit_tokens += found.hit
+            req.recomputed_tokens += found.recomputed
+        n = self._chunk(req, budget)
+        if req.status != RUNNING or not self._ensure_blocks(req, req.num_computed + n):
+            return True, None
+        return True, n
+
+    def _fail(self, req: Request, exc: BaseException | str, outputs: dict[str, RequestOutput] | None = None):
+        """End `req` with finish_reason "error" (its slot and blocks freed) because serving it raised; the
+        engine goes on with everyone else. The output reaches its client with the next step's outputs."""
+        if self._pools_lost():
+            raise RuntimeError("the cache pools were lost in a failed program call") from (
+                exc if isinstance(exc, BaseException) else None
+            )
+        cause = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        log.error(
+            "request %s failed: %s", req.id, cause, exc_info=exc if isinstance(exc, BaseException) else None
+        )
+        if req.status != FINISHED:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self._release(req)
+            req.status, req.finish_reason, req.finish_time = FINISHED, "error", time.perf_counter()
+            req.error = cause
+        out = RequestOutput(req.id, [], [], True, "error", req.prefix_hit_tokens, cause)
+        (self._failures if outputs is None else outputs)[req.id] = out
+
+    def _pools_lost(self) -> bool:
+        """Whether a failed program consumed (donated) the pools without returning new ones."""
+        return any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.pools))
+
+    def recover(self, reason: str) -> list[RequestOutput]:
+        """After a step that raised with no single request to blame: end every running request with an
+        error (its cached state may be half written), rebuild the pools if the failed program consumed
+        them (the prefix store then forgets its KV blocks, its checkpoints are copies and stay), and keep
+        the waiting requests. Returns the outputs that tell their clients."""
+        outputs: dict[str, RequestOutput] = {}
+        for req in list(self.running):
+            self._release(req)
+            req.status, req.finish_reason, req.finish_time = FINISHED, "error", time.perf_counter()
+            req.error = f"the engine step failed: {reason}"
+            outputs[req.id] = RequestOutput(req.id, [], [], True, "error", req.prefix_hit_tokens, req.error)
+        if self._pools_lost():
+            log.warning("rebuilding the cache pools after a failed program call")
+            if self.store is not None:
+                self.allocator.release(self.store.forget_blocks())
+            self.pools = self._init_pools(self.allocator.num_blocks)
+            if self.pool_shardings is not None:
+                self.pools = jax.device_put(self.pools, self.pool_shardings)
+        return list(outputs.values())
 
     def _checkpoint(
         self, req: Request, kind: str, save_state: bool = True, logits: jax.Array | None = None
@@ -662,24 +754,34 @@ class Engine:
         for req in sorted(self.running, key=lambda r: r.order):
             if req.status == RUNNING and req.pending == 1:
                 self._ensure_blocks(req, req.num_computed + 1)
-        decode = [r for r in self.running if r.pending == 1]
-        budget -= len(decode)
-        prefill: list[tuple[Request, int]] = []
+        budget -= sum(1 for r in self.running if r.pending == 1)  # reserved for the decode rows
+        planned: list[tuple[Request, int, int]] = []  # (request, tokens, its admission order when planned)
         for req in sorted(self.running, key=lambda r: r.order):
             if budget <= 0:
                 break
             if req.status == RUNNING and req.pending > 1:
                 n = self._chunk(req, budget)
                 if self._ensure_blocks(req, req.num_computed + n):
-                    prefill.append((req, n))
+                    planned.append((req, n, req.order))
                     budget -= n
-        prefill += self._admit(budget)
-        decode = [r for r in decode if r.status == RUNNING]
-        prefill = [(r, n) for r, n in prefill if r.status == RUNNING]
+        planned += [(r, n, r.order) for r, n in self._admit(budget)]
+        # The plan is fixed only now: a later allocation may have preempted a request planned earlier, and
+        # admission may have readmitted it (with a new order) in this same step. Such a request keeps only
+        # its newest job; the decode rows are the running requests with one token to extend and no prefill.
+        prefill = [(r, n) for r, n, order in planned if r.status == RUNNING and r.order == order]
+        chunked = {id(r) for r, _ in prefill}
+        decode = [r for r in self.running if r.pending == 1 and id(r) not in chunked]
         if decode:
             self._decode(decode, outputs)
         for req, n in prefill:
-            self._prefill(req, n, outputs)
+            if req.status != RUNNING:  # a decode row's checkpoint failed it, or preempted it
+                continue
+            try:
+                self._prefill(req, n, outputs)
+            except Exception as exc:  # noqa: BLE001 - this request only (the step fails if the pools went)
+                self._fail(req, exc, outputs)
+        outputs.update(self._failures)
+        self._failures = {}
         return list(outputs.values())
 
     # --- program calls ---------------------------------------------------------------------------
@@ -724,8 +826,11 @@ class Engine:
         for req in reqs:
             req.num_computed += 1
             req.decode_time += dt
-            self._after_compute(req)
-            self._append(req, int(ids[req.slot]), float(logps[req.slot]), outputs)
+            try:
+                self._after_compute(req)
+                self._append(req, int(ids[req.slot]), float(logps[req.slot]), outputs)
+            except Exception as exc:  # noqa: BLE001 - e.g. a checkpoint that could not be kept
+                self._fail(req, exc, outputs)
 
     def _prefill(self, req: Request, n: int, outputs: dict[str, RequestOutput]) -> None:
         if n == 0 and req.stored_logits is not None:  # full prefix hit: sample from the kept logits
@@ -774,7 +879,7 @@ class Engine:
             reason = "length"
         if reason:
             self._finish(req, reason)
-        out = outputs.setdefault(req.id, RequestOutput(req.id, [], [], False, None))
+        out = outputs.setdefault(req.id, RequestOutput(req.id, [], [], False, None, req.prefix_hit_tokens))
         out.new_token_ids.append(token)
         out.new_logprobs.append(logprob)
         out.finished, out.finish_reason = req.status == FINISHED, req.finish_reason

@@ -367,6 +367,13 @@ class PrefixStore:
                 return block
         return None
 
+    def forget_blocks(self) -> list[int]:
+        """Drop the whole KV block index (the pool was rebuilt); returns the blocks the store held."""
+        held = list(self.blocks.values())
+        self.blocks.clear()
+        self.block_hash_of.clear()
+        return held
+
     @property
     def held_blocks(self) -> list[int]:
         return list(self.blocks.values())

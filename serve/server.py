@@ -35,11 +35,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse as _StarletteJSONResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve.engine import Engine, RequestError
+from serve.engine import Engine, RequestError, check_cache_salt
 from serve.metrics import ServerMetrics
 from serve.sampling import SamplingError, SamplingParams
 
@@ -50,6 +51,23 @@ DISCONNECT_POLL_S = 0.5
 
 
 # --- errors ---------------------------------------------------------------------------------------------
+class JSONResponse(_StarletteJSONResponse):
+    """JSON with non-ASCII characters escaped: text taken from a request (a field name, a model id) may
+    hold lone surrogates, which UTF-8 cannot encode but a \\uXXXX escape can."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """A short, printable rendering of a client's value for an error message."""
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (ValueError, TypeError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class APIError(Exception):
     """An error answered as OpenAI JSON: {"error": {"message", "type", "param", "code"}}."""
 
@@ -104,20 +122,88 @@ class Sink:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
+def _claim(fut: concurrent.futures.Future) -> bool:
+    """Mark a command's future as being worked on; False when its caller already gave up (cancelled it,
+    e.g. a timed-out `/metrics` or a client that went away), so the command is skipped. A claimed future
+    can no longer be cancelled, so setting its result afterwards never raises."""
+    try:
+        return fut.set_running_or_notify_cancel()
+    except RuntimeError:  # already running or done: nobody may set it again
+        return False
+
+
+def _settle(fut: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Give a claimed future its result or error; never raises in the engine thread."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError, RuntimeError):
+        if error is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
+
+
+@dataclasses.dataclass
+class _Add:
+    prompt: list[int]
+    params: SamplingParams
+    request_id: str
+    cache_salt: str | None
+    sink: Sink
+    future: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclasses.dataclass
+class _AbortAll:
+    pass
+
+
+@dataclasses.dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class _Stop:
+    pass
+
+
 class EngineLoop:
     """Owns `engine` on one background thread. `max_waiting`: the most requests that may wait for a slot
-    (None: no limit); a submission that would exceed it fails with QueueFull."""
+    (None: no limit); a submission that would exceed it fails with QueueFull.
 
-    def __init__(self, engine: Engine, max_waiting: int | None = None):
+    Failures: a request the engine fails on its own (`finish_reason` "error") gets an error event and the
+    others go on. A step that raises is logged with its cause and ends the requests it was running (the
+    engine's `recover`); after `max_step_failures` failed steps in a row the engine is down: every request
+    gets an error and `/health` answers 503. A step running longer than `stall_timeout` seconds makes
+    `/health` answer 503 ("stalled") until it returns."""
+
+    def __init__(
+        self,
+        engine: Any,
+        max_waiting: int | None = None,
+        *,
+        stall_timeout: float = 300.0,
+        max_step_failures: int = 3,
+    ):
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
+        self.stall_timeout = stall_timeout
+        self.max_step_failures = max_step_failures
         self.failed: str | None = None
-        self._commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self.step_failures = 0  # failed steps in a row
+        self.last_error: str | None = None
+        self._commands: queue.Queue[Any] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._step_started: float | None = None  # monotonic start of the step in progress
         self._rate: deque[tuple[float, int]] = deque()
         self.generated_tokens = 0
 
@@ -131,6 +217,17 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
+    def health(self) -> str | None:
+        """None when healthy, else why not: down, stopping, or a step stalled for over `stall_timeout`."""
+        if self.failed is not None:
+            return self.failed
+        if not self.alive:
+            return "the engine is not running"
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.stall_timeout:
+            return f"stalled: the current engine step has run for {time.monotonic() - started:.0f} s"
+        return None
+
     def submit(
         self,
         prompt_ids: Sequence[int],
@@ -141,26 +238,26 @@ class EngineLoop:
     ) -> concurrent.futures.Future:
         """Queue a request; the future gives its id, or raises RequestError / QueueFull / Unavailable."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if not self.alive:
-            fut.set_exception(Unavailable("the engine is not running"))
+        if not self.alive or self.failed is not None:
+            fut.set_exception(Unavailable(self.failed or "the engine is not running"))
         else:
-            self._commands.put(("add", list(prompt_ids), params, request_id, cache_salt, sink, fut))
+            self._commands.put(_Add(list(prompt_ids), params, request_id, cache_salt, sink, fut))
         return fut
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(_Abort(request_id))
 
     def abort_all(self) -> None:
         """Cancel every queued and running request (each gets a final event with finish_reason 'abort')."""
-        self._commands.put(("abort_all",))
+        self._commands.put(_AbortAll())
 
-    def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run fn(engine) on the engine thread between steps; the future holds its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._thread is None or not self._thread.is_alive():
             fut.set_exception(Unavailable("the engine is not running"))
         else:
-            self._commands.put(("call", fn, fut))
+            self._commands.put(_Call(fn, fut))
         return fut
 
     def snapshot(self) -> concurrent.futures.Future:
@@ -171,7 +268,7 @@ class EngineLoop:
         """Abort whatever is still queued or running, flush pending saves (`Engine.flush`), end the thread."""
         if self._thread is None:
             return
-        self._commands.put(("stop",))
+        self._commands.put(_Stop())
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("the engine thread did not stop within %.0f s", timeout)
@@ -188,69 +285,100 @@ class EngineLoop:
                 except queue.Empty:
                     break
             for cmd in commands:
-                self._handle(cmd)
+                try:
+                    self._handle(cmd)
+                except Exception:  # a bug in a command must not end the loop
+                    log.exception("engine command %s failed", type(cmd).__name__)
             if self._stopping:
                 self._shutdown()
                 return
             if self.failed is None and engine.has_unfinished():
-                try:
-                    outputs = engine.step()
-                except Exception as exc:  # a bug or a device failure: fail everyone, report unhealthy
-                    log.exception("engine step failed")
-                    self.failed = f"{type(exc).__name__}: {exc}"
-                    for rid in list(self._sinks):
-                        self._sinks.pop(rid).put(Event([], [], True, "error", error=self.failed))
-                    continue
-                self._deliver(outputs)
+                self._step()
 
-    def _handle(self, cmd: tuple[Any, ...]) -> None:
-        kind = cmd[0]
+    def _step(self) -> None:
+        self._step_started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a bug or a device failure that no single request caused
+            self.step_failures += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.exception("engine step failed (%d in a row)", self.step_failures)
+            if self.step_failures >= self.max_step_failures:
+                self._go_down(f"the engine failed {self.step_failures} steps in a row: {self.last_error}")
+                return
+            try:
+                outputs = self.engine.recover(self.last_error)
+            except Exception as rexc:
+                log.exception("the engine could not recover from the failed step")
+                self._go_down(f"the engine could not recover: {type(rexc).__name__}: {rexc}")
+                return
+        else:
+            self.step_failures = 0
+        finally:
+            self._step_started = None
+        self._deliver(outputs)
+
+    def _go_down(self, reason: str) -> None:
+        """The engine is down for good: every request gets an error, new ones get 503."""
+        log.error("%s; the server answers 503 until restarted", reason)
+        self.failed = reason
+        for rid in list(self._sinks):
+            self._sinks.pop(rid).put(Event([], [], True, "error", error=reason))
+
+    def _handle(self, cmd: Any) -> None:
         engine = self.engine
-        if kind == "add":
-            _, prompt, params, rid, salt, sink, fut = cmd
-            if self._stopping or self.failed is not None:
-                fut.set_exception(Unavailable(self.failed or "the server is shutting down"))
-                return
-            if self.max_waiting is not None:
-                would_wait = len(engine.waiting) + 1 - len(engine.free_slots)
-                if would_wait > self.max_waiting:
-                    fut.set_exception(
-                        QueueFull(
-                            f"server busy: {len(engine.running)} requests running and "
-                            f"{len(engine.waiting)} waiting (at most {self.max_waiting} may wait); retry"
-                        )
-                    )
-                    return
-            try:
-                engine.add_request(prompt, params, request_id=rid, cache_salt=salt)
-            except RequestError as exc:
-                fut.set_exception(exc)
-                return
-            except Exception as exc:  # unexpected: report as a server error, keep serving
-                log.exception("add_request failed")
-                fut.set_exception(exc)
-                return
-            self._sinks[rid] = sink
-            fut.set_result(rid)
-        elif kind == "abort":
-            rid = cmd[1]
-            req = engine.requests.get(rid)
+        if isinstance(cmd, _Add):
+            self._add(cmd)
+        elif isinstance(cmd, _Abort):
+            req = engine.requests.get(cmd.request_id)
+            hit = req.prefix_hit_tokens if req is not None else 0
             if req is not None:
-                engine.abort(rid)
-            sink = self._sinks.pop(rid, None)
+                engine.abort(cmd.request_id)
+            sink = self._sinks.pop(cmd.request_id, None)
             if sink is not None:
-                sink.put(Event([], [], True, "abort", req.prefix_hit_tokens if req else 0))
-            self._forget(rid)
-        elif kind == "abort_all":
+                sink.put(Event([], [], True, "abort", hit))
+            engine.forget(cmd.request_id)
+        elif isinstance(cmd, _AbortAll):
             self._abort_all()
-        elif kind == "call":
-            _, fn, fut = cmd
+        elif isinstance(cmd, _Call):
+            if not _claim(cmd.future):
+                return
             try:
-                fut.set_result(fn(engine))
+                result = cmd.fn(engine)
             except Exception as exc:
-                fut.set_exception(exc)
-        elif kind == "stop":
+                _settle(cmd.future, error=exc)
+            else:
+                _settle(cmd.future, result)
+        elif isinstance(cmd, _Stop):
             self._stopping = True
+
+    def _add(self, cmd: _Add) -> None:
+        engine = self.engine
+        if not _claim(cmd.future):
+            return  # the client went away before its request was queued: nothing to serve
+        if self._stopping or self.failed is not None:
+            _settle(cmd.future, error=Unavailable(self.failed or "the server is shutting down"))
+            return
+        if self.max_waiting is not None:
+            would_wait = len(engine.waiting) + 1 - len(engine.free_slots)
+            if would_wait > self.max_waiting:
+                message = (
+                    f"server busy: {len(engine.running)} requests running and {len(engine.waiting)} "
+                    f"waiting (at most {self.max_waiting} may wait); retry"
+                )
+                _settle(cmd.future, error=QueueFull(message))
+                return
+        try:
+            engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, cache_salt=cmd.cache_salt)
+        except RequestError as exc:
+            _settle(cmd.future, error=exc)
+            return
+        except Exception as exc:  # unexpected: a server error for this request only, keep serving
+            log.exception("add_request failed")
+            _settle(cmd.future, error=exc)
+            return
+        self._sinks[cmd.request_id] = cmd.sink
+        _settle(cmd.future, cmd.request_id)
 
     def _deliver(self, outputs: Sequence[Any]) -> None:
         now = time.perf_counter()
@@ -261,7 +389,6 @@ class EngineLoop:
         while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
             self._rate.popleft()
         for out in outputs:
-            req = self.engine.requests.get(out.request_id)
             sink = self._sinks.get(out.request_id)
             if sink is not None:
                 sink.put(
@@ -270,17 +397,15 @@ class EngineLoop:
                         list(out.new_logprobs),
                         out.finished,
                         out.finish_reason,
-                        req.prefix_hit_tokens if req is not None else 0,
+                        out.cached_tokens,
+                        error=out.error,
                     )
                 )
             if out.finished:
                 self._sinks.pop(out.request_id, None)
-                self._forget(out.request_id)
+                self.engine.forget(out.request_id)
 
-    def _forget(self, rid: str) -> None:
-        self.engine.forget(rid)
-
-    def _snapshot(self, engine: Engine) -> dict[str, Any]:
+    def _snapshot(self, engine: Any) -> dict[str, Any]:
         now = time.perf_counter()
         recent = sum(n for t, n in self._rate if t >= now - RATE_WINDOW_S)
         memory = engine.memory()
@@ -290,7 +415,7 @@ class EngineLoop:
             "waiting": len(engine.waiting),
             "tokens_per_second": recent / RATE_WINDOW_S,
             "generated_tokens": self.generated_tokens,
-            "healthy": self.failed is None,
+            "healthy": self.health() is None,
             "ledger": engine.ledger(),
             "memory": memory,
         }
@@ -302,11 +427,14 @@ class EngineLoop:
             sink = self._sinks.pop(req.id, None)
             if sink is not None:
                 sink.put(Event([], [], True, "abort", req.prefix_hit_tokens))
-            self._forget(req.id)
+            engine.forget(req.id)
 
     def _shutdown(self) -> None:
         engine = self.engine
-        self._abort_all()
+        try:
+            self._abort_all()
+        except Exception:
+            log.exception("aborting the remaining requests failed")
         flush = getattr(engine, "flush", None)
         if callable(flush):
             try:
@@ -318,10 +446,8 @@ class EngineLoop:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if cmd[0] == "add":
-                cmd[-1].set_exception(Unavailable("the server is shutting down"))
-            elif cmd[0] == "call":
-                cmd[-1].set_exception(Unavailable("the server is shutting down"))
+            if isinstance(cmd, _Add | _Call) and _claim(cmd.future):
+                _settle(cmd.future, error=Unavailable("the server is shutting down"))
 
 
 # --- text: incremental detokenisation and stop strings --------------------------------------------------
@@ -429,6 +555,7 @@ IGNORED_OPENAI_FIELDS = {
     "parallel_tool_calls": bool,
 }
 MAX_BODY_BYTES = 16 * 2**20
+OFFLOAD_BYTES = 64 * 2**10  # bodies larger than this are decoded and tokenised off the event loop
 
 COMMON_FIELDS = {
     "model",
@@ -472,12 +599,51 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+MAX_JSON_DEPTH = 32  # a request body nests a few levels (messages -> content parts); deeper is refused
+MAX_STOP_CHARS = 1024
+
+
+def decode_body(raw: bytes) -> Any:
+    """The JSON document of a request body, or a 400 APIError: not UTF-8, not JSON, nested deeper than
+    MAX_JSON_DEPTH, or holding text UTF-8 cannot encode (lone surrogates), in a value or a field name."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise _bad(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json") from (
+            None
+        )
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, and integers of > 4300 digits
+        raise _bad(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+    stack: list[tuple[Any, int, str | None]] = [(body, 0, None)]
+    while stack:  # iterative: the document may be nested up to the parser's recursion limit
+        node, depth, field = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _bad(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", field, "invalid_json")
+        if isinstance(node, str):
+            _check_text(node, field)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                _check_text(key, field if depth else None)
+                stack.append((value, depth + 1, key if depth == 0 else field))
+        elif isinstance(node, list):
+            stack.extend((value, depth + 1, field) for value in node)
+    return body
+
+
+def _check_text(text: str, field: str | None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        where = f"'{field}'" if field is not None else "a field name"
+        raise _bad(f"{where} holds text that is not valid Unicode (a lone surrogate)", field) from None
+
+
 def _get_int(body: dict, name: str, default: int | None) -> int | None:
     v = body.get(name)
     if v is None:
         return default
     if not _is_int(v):
-        raise _bad(f"'{name}' must be an integer, got {json.dumps(v)}", name, "invalid_type")
+        raise _bad(f"'{name}' must be an integer, got {_show(v)}", name, "invalid_type")
     return v
 
 
@@ -486,7 +652,7 @@ def _get_float(body: dict, name: str, default: float) -> float:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int | float):
-        raise _bad(f"'{name}' must be a number, got {json.dumps(v)}", name, "invalid_type")
+        raise _bad(f"'{name}' must be a number, got {_show(v)}", name, "invalid_type")
     return float(v)
 
 
@@ -495,7 +661,7 @@ def _get_bool(body: dict, name: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise _bad(f"'{name}' must be true or false, got {json.dumps(v)}", name, "invalid_type")
+        raise _bad(f"'{name}' must be true or false, got {_show(v)}", name, "invalid_type")
     return v
 
 
@@ -537,7 +703,7 @@ class RequestParser:
         for name, ok in neutral.items():
             v = body.get(name)
             if v is not None and not any(v == o and type(v) is type(o) for o in ok):
-                raise _bad(f"'{name}' = {json.dumps(v)} is not supported (allowed: {ok[0]!r})", name)
+                raise _bad(f"'{name}' = {_show(v)} is not supported (allowed: {ok[0]!r})", name)
 
     def _stop(self, body: dict) -> tuple[tuple[str, ...], tuple[int, ...]]:
         stop = body.get("stop")
@@ -549,11 +715,13 @@ class RequestParser:
             if isinstance(item, str):
                 if not item:
                     raise _bad("'stop' strings must not be empty", "stop")
+                if len(item) > MAX_STOP_CHARS:
+                    raise _bad(f"'stop' strings may be at most {MAX_STOP_CHARS} characters", "stop")
                 strings.append(item)
             elif _is_int(item):
                 ids.append(item)
             else:
-                raise _bad(f"'stop' entries must be strings or token ids, got {json.dumps(item)}", "stop")
+                raise _bad(f"'stop' entries must be strings or token ids, got {_show(item)}", "stop")
         extra = body.get("stop_token_ids")
         if extra is not None:
             if not isinstance(extra, list) or not all(_is_int(t) for t in extra):
@@ -576,7 +744,10 @@ class RequestParser:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise _bad("this model has no tokenizer: send the prompt as token ids", "prompt")
-            ids = self.tokenizer.encode(prompt)
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except Exception as exc:  # noqa: BLE001 - text the tokenizer cannot take is the client's problem
+                raise _bad(f"the prompt could not be tokenized: {exc}", "prompt") from None
         elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
             ids = list(prompt)
         else:
@@ -622,6 +793,9 @@ class RequestParser:
             ids = self.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
         except TokenizerError as exc:
             raise _bad(str(exc), "messages") from None
+        except Exception as exc:  # noqa: BLE001 - the template could not render these messages
+            log.warning("the chat template failed on a request: %s: %s", type(exc).__name__, exc)
+            raise _bad(f"the conversation could not be rendered: {exc}", "messages") from None
         if not ids:
             raise _bad("the rendered conversation is empty", "messages")
         return list(ids)
@@ -684,6 +858,10 @@ class RequestParser:
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise _bad("'cache_salt' must be a non-empty string", "cache_salt", "invalid_type")
+        try:
+            check_cache_salt(salt)
+        except RequestError as exc:
+            raise _bad(str(exc), "cache_salt") from None
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=_get_float(body, "temperature", 1.0),
@@ -803,7 +981,8 @@ class Server:
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
-            fut.add_done_callback(lambda f: f.exception() is None and self.loop.abort(rid))
+            # queued after all (the engine claimed it before the cancel): abort it once it is in
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or self.loop.abort(rid))
             raise
         except RequestError as exc:
             raise _bad(str(exc), "prompt") from None
@@ -970,20 +1149,38 @@ class Server:
 
         return EventStream(events(), on_close=lambda: tr.engine_done or self.loop.abort(rid))
 
-    async def generate(self, request: Request, kind: str) -> Response:
-        t0 = time.perf_counter()
-        endpoint = request.url.path
+    async def read_body(self, request: Request) -> bytes:
+        """The body, read as it arrives and refused (413) once it passes `max_body_bytes`, whether its size
+        was declared (Content-Length) or not (a chunked upload). The rest of an oversized upload is read
+        and dropped (up to 4x the limit) so the client gets the answer instead of a reset connection."""
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self.too_large()
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise self.too_large()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise _bad(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
-        prep = self.parser.parse(body, kind)
+        chunks, size = [], 0
+        stream = request.stream()
+        async for chunk in stream:
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                async for rest in stream:
+                    size += len(rest)
+                    if size > 5 * self.max_body_bytes:
+                        break
+                raise self.too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def prepare(self, raw: bytes, kind: str) -> Prepared:
+        """Body bytes -> a validated request (APIError 400 naming the problem otherwise)."""
+        return self.parser.parse(decode_body(raw), kind)
+
+    async def generate(self, request: Request, kind: str) -> Response:
+        t0 = time.perf_counter()
+        endpoint = request.url.path
+        raw = await self.read_body(request)
+        if len(raw) > OFFLOAD_BYTES:  # decoding and tokenising a large body would stall every stream
+            prep = await asyncio.to_thread(self.prepare, raw, kind)
+        else:
+            prep = self.prepare(raw, kind)
         if prep.stream:
             return await self.run_stream(prep, endpoint, t0)
         return await self.run_blocking(prep, request, endpoint, t0)
@@ -1076,9 +1273,9 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not server.loop.alive or server.loop.failed is not None:
+        reason = server.loop.health()
+        if reason is not None:
             server.count("/health", 503)
-            reason = server.loop.failed or "the engine is not running"
             return JSONResponse(error_body(reason, "server_error", None, "unavailable"), status_code=503)
         server.count("/health", 200)
         return JSONResponse({"status": "ok", "model": model_name})
