@@ -178,8 +178,8 @@ class EngineLoop:
 
     Failures: a request the engine fails on its own (`finish_reason` "error") gets an error event and the
     others go on. A step that raises is logged with its cause and ends the requests it was running (the
-    engine's `recover`); after `max_step_failures` failed steps in a row the engine is down: every request
-    gets an error and `/health` answers 503. A step running longer than `stall_timeout` seconds makes
+    engine's `recover`); after `max_step_failures` failed steps with no request completed in between the
+    engine is down: every request gets an error and `/health` answers 503. A step running longer than `stall_timeout` seconds makes
     `/health` answer 503 ("stalled") until it returns."""
 
     def __init__(
@@ -197,7 +197,7 @@ class EngineLoop:
         self.stall_timeout = stall_timeout
         self.max_step_failures = max_step_failures
         self.failed: str | None = None
-        self.step_failures = 0  # failed steps in a row
+        self.step_failures = 0  # failed steps since a request last completed
         self.last_error: str | None = None
         self._commands: queue.Queue[Any] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
@@ -302,9 +302,11 @@ class EngineLoop:
         except Exception as exc:  # a bug or a device failure that no single request caused
             self.step_failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
-            log.exception("engine step failed (%d in a row)", self.step_failures)
+            log.exception("engine step failed (%d since a request last completed)", self.step_failures)
             if self.step_failures >= self.max_step_failures:
-                self._go_down(f"the engine failed {self.step_failures} steps in a row: {self.last_error}")
+                self._go_down(
+                    f"the engine failed {self.step_failures} steps with no request completed: {self.last_error}"
+                )
                 return
             try:
                 outputs = self.engine.recover(self.last_error)
@@ -312,10 +314,10 @@ class EngineLoop:
                 log.exception("the engine could not recover from the failed step")
                 self._go_down(f"the engine could not recover: {type(rexc).__name__}: {rexc}")
                 return
-        else:
-            self.step_failures = 0
         finally:
             self._step_started = None
+        if any(o.finished and o.finish_reason in ("stop", "length") for o in outputs):
+            self.step_failures = 0  # the engine completes requests again: earlier failures were transient
         self._deliver(outputs)
 
     def _go_down(self, reason: str) -> None:

@@ -2,6 +2,8 @@
 model, prefix store on), then the same greedy text as before; and generated bodies against the parser
 and the app (Hypothesis): every answer is 2xx or a 4xx in the OpenAI error shape."""
 
+import asyncio
+import json
 import threading
 import time
 
@@ -10,15 +12,18 @@ import httpx
 import pytest
 import uvicorn
 from flax import nnx
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from test_server import free_port
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from jaxhybrid.tokenizer import ByteTokenizer
 from serve.engine import Engine, EngineConfig
-from serve.server import create_app
+from serve.server import APIError, create_app
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
+BEFORE: list[str] = []  # the greedy texts served before any hostile request
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +39,9 @@ def live():
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", app
+    url = f"http://127.0.0.1:{port}"
+    BEFORE[:] = reference_texts(url)
+    yield url, app
     server.should_exit = True
     thread.join(30)
 
@@ -58,10 +65,111 @@ def reference_texts(url: str) -> list[str]:
 
 def test_hostile_storm_gives_no_5xx_no_dropped_connection_and_the_engine_lives(live):
     url, _ = live
-    before = reference_texts(url)
     result = hostile.send(url, hostile.storm(seed=15, n=1000), concurrency=16)
     assert result.dropped == []
     assert result.server_errors == 0, result.statuses
     assert result.bad_bodies == []
     assert sum(result.statuses.values()) == 1000
-    assert reference_texts(url) == before
+    assert reference_texts(url) == BEFORE
+
+
+# --- generated bodies (Hypothesis) -------------------------------------------------------------------------
+ANY_TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=12)  # lone surrogates too
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | ANY_TEXT
+)
+JSONISH = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(ANY_TEXT, inner, max_size=4),
+    max_leaves=12,
+)
+FIELD_VALUES = {
+    "prompt": st.one_of(ANY_TEXT, st.lists(st.integers(-5, 600), max_size=8), JSONISH),
+    "messages": st.one_of(
+        st.lists(
+            st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]), "content": ANY_TEXT})
+        ),
+        JSONISH,
+    ),
+    "max_tokens": st.one_of(st.integers(-2, 6), JSONISH),
+    "temperature": st.one_of(st.floats(-1, 3), JSONISH),
+    "top_p": st.one_of(st.floats(-0.5, 1.5), JSONISH),
+    "top_k": st.one_of(st.integers(-2, 600), JSONISH),
+    "seed": st.one_of(st.integers(-1, 2**33), JSONISH),
+    "stop": st.one_of(ANY_TEXT, st.lists(ANY_TEXT, max_size=3), JSONISH),
+    "stream": st.one_of(st.booleans(), JSONISH),
+    "cache_salt": st.one_of(ANY_TEXT, JSONISH),
+    "logprobs": st.one_of(st.booleans(), st.integers(-1, 3), JSONISH),
+    "model": st.one_of(st.just("tiny"), ANY_TEXT),
+    "ignore_eos": st.booleans(),
+}
+
+
+@st.composite
+def bodies(draw, path=None):
+    """Half of them start from a valid request for `path` (then up to two fields replaced), the rest are
+    arbitrary combinations of known and unknown fields."""
+    if path is not None and draw(st.booleans()):
+        body = {"max_tokens": draw(st.integers(1, 3)), "temperature": 0, "ignore_eos": True}
+        if path.endswith("chat/completions"):
+            body["messages"] = [{"role": "user", "content": draw(st.text(max_size=8))}]
+        else:
+            body["prompt"] = draw(st.text(min_size=1, max_size=8) | st.lists(st.integers(3, 500), min_size=1))
+        for key in draw(st.lists(st.sampled_from(sorted(FIELD_VALUES)), unique=True, max_size=2)):
+            body[key] = draw(FIELD_VALUES[key])
+        return body
+    keys = draw(st.lists(st.sampled_from(sorted(FIELD_VALUES)), unique=True, max_size=6))
+    body = {k: draw(FIELD_VALUES[k]) for k in keys}
+    if draw(st.booleans()):
+        body.update(draw(st.dictionaries(ANY_TEXT, JSONISH, max_size=2)))
+    return body
+
+
+def raw(body) -> bytes:
+    return json.dumps(body, ensure_ascii=True).encode()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.one_of(bodies(), JSONISH), kind=st.sampled_from(["completion", "chat"]))
+def test_the_parser_accepts_or_names_a_4xx_for_any_body(live, body, kind):
+    _, app = live
+    server = app.state.server
+    try:
+        prep = server.prepare(raw(body), kind)
+    except APIError as exc:
+        assert 400 <= exc.status < 500 and exc.message
+        assert set(exc.body()["error"]) == {"message", "type", "param", "code"}
+        json.dumps(exc.body(), ensure_ascii=True)  # the answer can always be written
+        return
+    assert prep.prompt_ids and all(0 <= t < 512 for t in prep.prompt_ids)
+    prep.params.validate(512)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_the_app_answers_any_body_with_2xx_or_a_shaped_4xx(live, data, path):
+    _, app = live
+    body = data.draw(bodies(path))
+    if isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool):
+        body["max_tokens"] = min(body["max_tokens"], 4)  # keep generation short
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as client:
+            return await client.post(path, content=raw(body), headers={"content-type": "application/json"})
+
+    r = asyncio.run(go())
+    event(f"status {r.status_code}")
+    assert r.status_code < 300 or 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_after_generated_bodies_the_greedy_text_is_unchanged(live):
+    """Runs after the two property tests in this module (file order): the engine still serves the same."""
+    url, _ = live
+    assert reference_texts(url) == BEFORE
