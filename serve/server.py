@@ -179,8 +179,8 @@ class EngineLoop:
     Failures: a request the engine fails on its own (`finish_reason` "error") gets an error event and the
     others go on. A step that raises is logged with its cause and ends the requests it was running (the
     engine's `recover`); after `max_step_failures` failed steps with no request completed in between the
-    engine is down: every request gets an error and `/health` answers 503. A step running longer than `stall_timeout` seconds makes
-    `/health` answer 503 ("stalled") until it returns."""
+    engine is down: every request gets an error and `/health` answers 503. A step running longer than
+    `stall_timeout` seconds makes `/health` answer 503 ("stalled") until it returns."""
 
     def __init__(
         self,
@@ -304,9 +304,8 @@ class EngineLoop:
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.exception("engine step failed (%d since a request last completed)", self.step_failures)
             if self.step_failures >= self.max_step_failures:
-                self._go_down(
-                    f"the engine failed {self.step_failures} steps with no request completed: {self.last_error}"
-                )
+                n = self.step_failures
+                self._go_down(f"the engine failed {n} steps with no request completed: {self.last_error}")
                 return
             try:
                 outputs = self.engine.recover(self.last_error)
@@ -919,11 +918,12 @@ class Server:
         max_waiting: int | None = 64,
         default_max_tokens: int = 1024,
         max_body_bytes: int = MAX_BODY_BYTES,
+        stall_timeout: float = 300.0,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.loop = EngineLoop(engine, max_waiting)
+        self.loop = EngineLoop(engine, max_waiting, stall_timeout=stall_timeout)
         self.parser = RequestParser(engine, tokenizer, model_name, default_max_tokens)
         self.metrics = ServerMetrics()
         self.decode = _decoder(tokenizer) if tokenizer is not None else None
@@ -1188,6 +1188,40 @@ class Server:
         return await self.run_blocking(prep, request, endpoint, t0)
 
 
+class ConnectionLimit:
+    """ASGI middleware: at most `limit` HTTP requests in progress (a stream counts until it ends); one more
+    is answered at once with a 503 in the OpenAI error shape. /health and /metrics are never refused, so
+    probes still see a full server."""
+
+    EXEMPT = ("/health", "/metrics")
+
+    def __init__(self, app: Any, limit: int, count: Callable[[str, int], None]):
+        if limit < 1:
+            raise ValueError(f"the connection limit must be >= 1, got {limit}")
+        self.app, self.limit, self.count = app, limit, count
+        self.active = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.EXEMPT:
+            await self.app(scope, receive, send)
+            return
+        if self.active >= self.limit:
+            self.count(scope.get("path", ""), 503)
+            body = error_body(
+                f"too many requests in progress (at most {self.limit}); retry later",
+                "server_error",
+                None,
+                "too_many_connections",
+            )
+            await JSONResponse(body, status_code=503, headers={"Retry-After": "1"})(scope, receive, send)
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
+
+
 def create_app(
     engine: Engine,
     tokenizer: Any,
@@ -1197,11 +1231,15 @@ def create_app(
     default_max_tokens: int = 1024,
     stop_timeout: float = 60.0,
     max_body_bytes: int = MAX_BODY_BYTES,
+    max_connections: int | None = 1024,
+    stall_timeout: float = 300.0,
 ) -> FastAPI:
     """The OpenAI-compatible app. The engine loop starts with the app's lifespan and stops (aborting what
     is left, flushing pending saves) when it ends. `max_waiting`: requests that may wait for a slot before
     new ones get 429 (None: unlimited). `default_max_tokens`: chat completions without max_tokens generate
-    up to this many (or what the context leaves)."""
+    up to this many (or what the context leaves). `max_connections`: HTTP requests in progress at once
+    (streams included); one more gets 503 (None: unlimited). `stall_timeout`: seconds an engine step may
+    run before /health reports the engine stalled."""
     server = Server(
         engine,
         tokenizer,
@@ -1209,6 +1247,7 @@ def create_app(
         max_waiting=max_waiting,
         default_max_tokens=default_max_tokens,
         max_body_bytes=max_body_bytes,
+        stall_timeout=stall_timeout,
     )
 
     @contextlib.asynccontextmanager
@@ -1223,6 +1262,8 @@ def create_app(
 
     app = FastAPI(title="jaxhybrid", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    if max_connections is not None:
+        app.add_middleware(ConnectionLimit, limit=max_connections, count=server.count)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

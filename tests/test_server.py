@@ -489,6 +489,10 @@ def test_jaxhybrid_serve_with_no_arguments():
         assert proc.returncode == 0, out
         assert "embedded default" in out and "shipped model" in out
         assert "Traceback" not in out
+        # quiet by default: our own few lines, no library INFO chatter (absl/Orbax, JAX, uvicorn)
+        lines = [line for line in out.splitlines() if line.strip()]
+        assert all(" INFO " not in line or " jaxhybrid." in line for line in lines), out
+        assert len(lines) <= 6, out
     finally:
         if proc.poll() is None:
             proc.kill()

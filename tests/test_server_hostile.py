@@ -173,3 +173,35 @@ def test_after_generated_bodies_the_greedy_text_is_unchanged(live):
     """Runs after the two property tests in this module (file order): the engine still serves the same."""
     url, _ = live
     assert reference_texts(url) == BEFORE
+
+
+def test_requests_over_the_connection_limit_get_a_shaped_503():
+    """A slow app behind the limit: two requests in progress, a third is refused at once; /health is not."""
+    from serve.server import ConnectionLimit
+
+    release = asyncio.Event()
+    counted = []
+
+    async def slow_app(scope, receive, send):
+        if scope["path"] == "/v1/completions":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    app = ConnectionLimit(slow_app, limit=2, count=lambda path, status: counted.append(status))
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            held = [asyncio.ensure_future(client.post("/v1/completions", content=b"{}")) for _ in range(2)]
+            await asyncio.sleep(0.05)
+            over = await client.post("/v1/completions", content=b"{}")
+            health = await client.get("/health")
+            release.set()
+            return over, health, [await h for h in held]
+
+    over, health, held = asyncio.run(go())
+    assert over.status_code == 503 and over.headers["retry-after"] == "1"
+    assert over.json()["error"]["code"] == "too_many_connections"
+    assert health.status_code == 200 and [h.status_code for h in held] == [200, 200]
+    assert counted == [503] and app.active == 0

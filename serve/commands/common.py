@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 from typing import TextIO
 
 DTYPES = ("bfloat16", "float32", "float16")
@@ -121,3 +123,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"
     )
     return e
+
+
+def setup_logging(level: str) -> None:
+    """Our own loggers (`jaxhybrid.*`) at `level`, one line per event; libraries (absl/Orbax, JAX,
+    uvicorn's access lines) at warnings, or at info with `debug`."""
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    logging.getLogger("jaxhybrid").setLevel(getattr(logging, level.upper()))
+    libraries = logging.INFO if level == "debug" else logging.WARNING
+    for name in ("absl", "jax", "orbax"):
+        logging.getLogger(name).setLevel(libraries)

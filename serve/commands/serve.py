@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from serve.commands.common import DTYPES, add_config_arg, add_engine_args, add_prefix_args
+from serve.commands.common import DTYPES, add_config_arg, add_engine_args, add_prefix_args, setup_logging
 from serve.commands.generate import UsageError, engine_config, load_on_mesh
 
 log = logging.getLogger("jaxhybrid.serve")
@@ -98,11 +98,7 @@ def serve_replicated(args: argparse.Namespace, engine: Any, tokenizer: Any) -> i
 
 def run(args: argparse.Namespace) -> int:
     """Serve a model over HTTP with an OpenAI-compatible API."""
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(args.log_level)
     for name, value in (("--slots", args.slots), ("--block-size", args.block_size)):
         if value < 1:
             print(f"error: {name} must be a positive integer, got {value}", file=sys.stderr)
@@ -112,6 +108,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.max_waiting is not None and args.max_waiting < 0:
         print(f"error: --max-waiting must be >= 0, got {args.max_waiting}", file=sys.stderr)
+        return 2
+    if args.max_connections < 1:
+        print(f"error: --max-connections must be >= 1, got {args.max_connections}", file=sys.stderr)
+        return 2
+    if not args.stall_timeout > 0:
+        print(f"error: --stall-timeout must be > 0, got {args.stall_timeout}", file=sys.stderr)
         return 2
     if args.default_max_tokens < 1:
         print(f"error: --default-max-tokens must be >= 1, got {args.default_max_tokens}", file=sys.stderr)
@@ -180,6 +182,8 @@ def serve_http(args: argparse.Namespace, engine: Any, tokenizer: Any) -> int:
         max_waiting=args.max_waiting,
         default_max_tokens=args.default_max_tokens,
         stop_timeout=args.shutdown_timeout + 60.0,
+        max_connections=args.max_connections,
+        stall_timeout=args.stall_timeout,
     )
     log.info(
         "model '%s': %d slots, block size %d, context %d tokens, prefix cache %s; listening on http://%s:%d",
@@ -196,9 +200,11 @@ def serve_http(args: argparse.Namespace, engine: Any, tokenizer: Any) -> int:
             app,
             host=args.host,
             port=args.port,
-            log_level=args.log_level,
+            log_level="debug" if args.log_level == "debug" else "warning",  # our own line says we listen
             access_log=args.access_log,
             timeout_graceful_shutdown=args.shutdown_timeout + 5.0,
+            # the app answers over-limit requests itself (JSON 503); this bounds idle connections too
+            limit_concurrency=2 * args.max_connections + 16,
         ),
         app.state.server.loop,
         args.shutdown_timeout,
@@ -246,6 +252,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1024,
         help="max_tokens of a chat request that gives none (capped by what the context leaves)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="HTTP requests in progress at once (streams count until they end); one more gets HTTP 503",
+    )
+    s.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=300.0,
+        help="seconds one engine step may run before /health answers 503 (stalled)",
     )
     s.add_argument(
         "--shutdown-timeout",
