@@ -10,6 +10,7 @@ when blocks run out.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import functools
 import itertools
@@ -115,6 +116,8 @@ class Request:
     prefix_hit_tokens: int = 0
     recomputed_tokens: int = 0
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    loading: tuple[Any, cf.Future] | None = None  # (disk entry, its read in progress) while it waits for it
+    preloaded: tuple[bytes, Any] | None = None  # (entry key, what the read gave: arrays or None)
 
     @property
     def tokens(self) -> list[int]:
@@ -300,6 +303,7 @@ class Engine:
         self.state_bytes_per_slot = kda_state_bytes(cfg, self.kv_dtype)["total"]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # waiting for their prefix to be read from disk
         self.requests: dict[str, Request] = {}
         self.free_slots = list(range(config.max_slots))
         self._ids = itertools.count()
@@ -398,12 +402,16 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.status == FINISHED:
             return
-        if req.status == WAITING:
+        if req in self.waiting:
             self.waiting.remove(req)
         self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    def active_requests(self) -> list[Request]:
+        """Every request not finished: running, waiting for a slot, or waiting for its prefix from disk."""
+        return [*self.running, *self.waiting, *(r for r in self.loading if r.status != FINISHED)]
 
     # --- scheduling ------------------------------------------------------------------------------
     def _release(self, req: Request) -> None:
@@ -535,12 +543,9 @@ class Engine:
         Returns the (states, partial block KV) as device arrays, or None (see `_restore`)."""
         store, bs = self.store, self.config.block_size
         entry = found.disk
-        entry.holders += 1
-        try:
-            data = store.disk.load(entry)
-        finally:
-            entry.holders -= 1
-        if data is None:  # dropped from the index; the request computes from scratch
+        data = req.preloaded[1] if req.preloaded is not None and req.preloaded[0] == entry.key else None
+        req.preloaded = None
+        if data is None:  # unreadable (dropped from the index): the request computes from scratch
             self.allocator.release(req.blocks)
             req.blocks = []
             return None
@@ -598,8 +603,19 @@ class Engine:
 
     def _admit_one(self, req: Request, budget: int) -> tuple[bool, int | None]:
         """Admit the first waiting request: (False, None) when it does not fit now (admission stops), else
-        (True, its first chunk) or (True, None) when it was preempted again for blocks meanwhile."""
+        (True, its first chunk), or (True, None) when it left the queue without a job (preempted again for
+        blocks, or waiting for its prefix to be read from disk)."""
         found = self.store.lookup(req.tokens, req.cache_salt) if self.store is not None else None
+        if (
+            found is not None
+            and found.disk is not None
+            and (req.preloaded is None or req.preloaded[0] != found.disk.key)
+        ):
+            # the prefix is on disk: read it in the background; the request waits, the others go on
+            self.waiting.popleft()
+            req.loading = (found.disk, self.store.disk.load_async(found.disk))
+            self.loading.append(req)
+            return True, None
         hit = found.hit if found is not None else 0
         n = min(req.pending - hit, self.config.prefill_chunk, budget)
         new_blocks = math.ceil((hit + n) / self.config.block_size) - len(found.blocks if found else [])
@@ -645,6 +661,23 @@ class Engine:
             req.error = cause
         out = RequestOutput(req.id, [], [], True, "error", req.prefix_hit_tokens, cause)
         (self._failures if outputs is None else outputs)[req.id] = out
+
+    def _poll_loads(self) -> None:
+        """Requests whose prefix finished loading from disk go back to the front of the queue (in arrival
+        order) with what was read; with nothing else to do, wait a moment for one."""
+        if not self.loading:
+            return
+        if not self.running and not self.waiting:
+            cf.wait([r.loading[1] for r in self.loading], timeout=0.05, return_when=cf.FIRST_COMPLETED)
+        done = [r for r in self.loading if r.loading[1].done()]
+        for req in sorted(done, key=lambda r: r.arrival, reverse=True):
+            self.loading.remove(req)
+            (entry, fut), req.loading = req.loading, None
+            data = self.store.disk.finish_load(entry, fut)
+            if req.status == FINISHED:  # aborted while it waited
+                continue
+            req.preloaded = (entry.key, data)
+            self.waiting.appendleft(req)
 
     def _pools_lost(self) -> bool:
         """Whether a failed program consumed (donated) the pools without returning new ones."""
@@ -749,6 +782,7 @@ class Engine:
         self.steps += 1
         if self.store is not None:
             self.store.poll_disk()  # disk saves that finished become visible to lookups now
+            self._poll_loads()
         outputs: dict[str, RequestOutput] = {}
         budget = self.max_batched_tokens
         for req in sorted(self.running, key=lambda r: r.order):
@@ -951,6 +985,7 @@ class Engine:
             out["checkpoint_bytes"]["disk"] = disk.bytes
             out["checkpoints"]["disk"] = len(disk.entries)
             out["disk_pending"] = len(disk.pending)
+            out["disk_loading"] = len(self.loading)
             out["disk_pending_bytes"] = disk.pending_bytes
             out["disk_ignored"] = len(disk.ignored)
             out["store_dir"] = str(disk.dir)

@@ -1,8 +1,9 @@
 """Disk tier of the prefix store: checkpoints persisted with Orbax, written in the background.
 
-Layout (one directory per checkpoint; `namespace` keeps models and cache layouts apart)::
+Layout (one directory per checkpoint; the namespace keeps formats, models and cache layouts apart)::
 
-    store_dir/<fingerprint-hex[:16]>-bs<block_size>-<kv dtype>/
+    store_dir/v<FORMAT>-<fingerprint-hex[:16]>-bs<block_size>-<kv dtype>/
+        .lock                                held (POSIX lock) by the one process that uses the namespace
         <checkpoint key, 64 hex>/            a committed Orbax checkpoint (PyTreeCheckpointHandler):
             _CHECKPOINT_METADATA, _METADATA, manifest.ocdbt, ocdbt.process_0/..., d/...
                 conv_<i>, state_<i>          the KDA states of KDA layer i at `position`
@@ -17,7 +18,13 @@ only directories named by a key whose manifest parses, belongs to this model, an
 exist with their recorded sizes; anything else (a crash mid-save, a truncated copy) is ignored. Arrays are
 checked against their recorded CRC32 when restored, so a damaged entry is dropped instead of served.
 A save runs on one background thread; the engine never waits for it. Its entry joins the index (becomes
-visible to lookups) only when `poll` finds it finished; `flush` waits for every save.
+visible to lookups) only when `poll` finds it finished; `flush` waits for every save. Restores run on a
+second background thread (`load_async`), so a request waiting for its prefix stalls nobody else.
+
+Long-running servers: opening the tier removes what crashed saves left (temporary and unreadable
+directories), so a crash-looping server cannot grow the directory without bound; one process at a time
+uses a namespace (a second one gets StoreLocked); when the disk is (nearly) full, writing stops with one
+warning and the store keeps serving from memory, trying again after `FULL_RETRY_S`.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import concurrent.futures.thread  # noqa: F401 - registers its exit hook before ours (see below)
 import dataclasses
+import errno
+import fcntl
 import json
+import logging
 import os
 import shutil
 import threading
@@ -38,9 +48,75 @@ from typing import Any
 
 import numpy as np
 
-FORMAT = 1
+FORMAT = 2  # 2: the namespace carries the format version
 MANIFEST = "manifest.json"
+LOCK = ".lock"
+MIN_FREE_BYTES = 64 << 20  # a save needs its own size plus this much free on the file system
+FULL_RETRY_S = 60.0  # after the disk was found full, how long to wait before writing again
 _LIVE: weakref.WeakSet[DiskTier] = weakref.WeakSet()
+_LOCKS: dict[Path, list] = {}  # namespace dir -> [open lock file, tiers of this process using it]
+_LOCKS_GUARD = threading.Lock()
+log = logging.getLogger("jaxhybrid.prefix")
+
+
+class StoreLocked(ValueError):
+    """Another process uses this prefix-store namespace."""
+
+
+class DiskFull(OSError):
+    """Too little free space for a save."""
+
+
+def namespace(fingerprint: bytes, layout: str = "") -> str:
+    """The directory name of one format + model + cache layout inside a store directory."""
+    return f"v{FORMAT}-{fingerprint.hex()[:16]}" + (f"-{layout}" if layout else "")
+
+
+def _lock(path: Path) -> None:
+    """Take the namespace's lock for this process (shared by this process's tiers)."""
+    with _LOCKS_GUARD:
+        held = _LOCKS.get(path)
+        if held is not None:
+            held[1] += 1
+            return
+        f = open(path / LOCK, "a+")  # noqa: SIM115 - kept open while the lock is held
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            owner = f.read().strip() or "unknown"
+            f.close()
+            raise StoreLocked(
+                f"the prefix store directory {path} is in use by another process (pid {owner}); "
+                "give each server its own --store-dir"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        _LOCKS[path] = [f, 1]
+
+
+def _unlock(path: Path) -> None:
+    with _LOCKS_GUARD:
+        held = _LOCKS.get(path)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] == 0:
+            del _LOCKS[path]
+            held[0].close()  # closing the file releases the POSIX lock
+
+
+def _is_full(exc: BaseException) -> bool:
+    """Whether a save failed for want of space (anywhere in its chain of causes)."""
+    while exc is not None:
+        if isinstance(exc, DiskFull) or (
+            isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        ):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _finish_saves_at_exit() -> None:
@@ -87,6 +163,12 @@ def _files(path: Path) -> dict[str, int]:
     return out
 
 
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def _remove(path: Path) -> None:
     if path.is_dir():
         (path / MANIFEST).unlink(missing_ok=True)  # invisible first, then gone
@@ -117,6 +199,8 @@ class DiskTier:
     ):
         self.dir = Path(root).resolve() / namespace
         self.dir.mkdir(parents=True, exist_ok=True)
+        _lock(self.dir)  # first: collecting leftovers below must not race another process's saves
+        self._closed = False
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.budget = budget
@@ -128,26 +212,53 @@ class DiskTier:
         self.pending: dict[bytes, tuple[cf.Future, int]] = {}  # key -> (save, device bytes it holds)
         self._jobs: list[cf.Future] = []
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk")
+        self._reader = cf.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk-read")
+        self.full_until = 0.0  # monotonic time before which no save is tried (the disk was full)
+        self._warned_full = False
         self._saver: Any = None  # Orbax checkpointers: one used only by the worker, one by the caller
         self._loader: Any = None
-        self.ignored: list[str] = []  # names in the directory that are not complete entries (at start)
+        self.ignored: list[str] = []  # names in the directory that were not complete entries (at start)
+        self.collected_bytes = 0  # bytes of those leftovers, removed at start
         self.bytes = 0  # on disk, committed entries
         _LIVE.add(self)
         self.index()
 
     # --- index -----------------------------------------------------------------------------------
     def index(self) -> None:
-        """Read the manifests of every committed entry; ignore temporary and partial directories."""
+        """Read the manifests of every committed entry; remove what is not one (temporary and partial
+        directories of crashed saves, unreadable entries), except saves this process has in flight."""
         found = []
+        busy = self._in_flight_here()
         for child in sorted(self.dir.iterdir()):
+            if child.name == LOCK or child.name in busy:
+                continue
             entry = self._read(child)
             if entry is None:
                 self.ignored.append(child.name)
+                self.collected_bytes += _size(child)
+                _remove(child)
             else:
                 found.append(entry)
+        if self.ignored:
+            self.stats["disk_collected"] = self.stats.get("disk_collected", 0) + len(self.ignored)
+            log.info(
+                "prefix store %s: removed %d leftovers of interrupted saves (%d bytes)",
+                self.dir,
+                len(self.ignored),
+                self.collected_bytes,
+            )
         for entry in sorted(found, key=lambda e: e.used):  # least recently used first
             self._add(entry)
         self.enforce_budget()
+
+    def _in_flight_here(self) -> set[str]:
+        """Directory names of saves other tiers of this process have queued in this namespace."""
+        names = set()
+        for tier in list(_LIVE):
+            if tier is not self and tier.dir == self.dir:
+                for key in tier.pending:
+                    names |= {key.hex(), key.hex() + ".orbax-checkpoint-tmp"}
+        return names
 
     def _read(self, path: Path) -> DiskEntry | None:
         name = path.name
@@ -227,9 +338,13 @@ class DiskTier:
 
     # --- saving ----------------------------------------------------------------------------------
     def wants(self, key: bytes, nbytes: int) -> bool:
-        """Whether a checkpoint should be written: not on disk or on its way, fits, queue not full."""
+        """Whether a checkpoint should be written: not on disk or on its way, fits, queue not full, and
+        the disk not recently found full."""
         if key in self.entries:
             self.entries.move_to_end(key)
+            return False
+        if time.monotonic() < self.full_until:
+            self.stats["disk_skipped"] += 1
             return False
         if key in self.pending or nbytes > self.budget:
             return False
@@ -263,9 +378,17 @@ class DiskTier:
         tmp = final.with_name(final.name + ".orbax-checkpoint-tmp")
         _remove(tmp)  # leftovers of an earlier crash, or an entry the index rejected
         _remove(final)
+        need = sum(a.nbytes for a in arrays.values()) + MIN_FREE_BYTES
+        if shutil.disk_usage(self.dir).free < need:
+            raise DiskFull(errno.ENOSPC, f"less than {need} bytes free for a save", str(self.dir))
         if self._saver is None:
             self._saver = _checkpointer()
-        self._saver.save(final, args=ocp.args.PyTreeSave(arrays))
+        try:
+            self._saver.save(final, args=ocp.args.PyTreeSave(arrays))
+        except BaseException:
+            _remove(tmp)  # a failed save leaves nothing behind
+            _remove(final)
+            raise
         files = _files(final)
         manifest = dict(
             meta,
@@ -300,6 +423,8 @@ class DiskTier:
             except Exception as exc:  # noqa: BLE001 - a failed save loses one cache entry, nothing else
                 self.stats["disk_save_errors"] += 1
                 self.stats["disk_last_error"] = f"{type(exc).__name__}: {exc}"
+                if _is_full(exc):
+                    self._disk_full(exc)
                 continue
             self._add(entry)
             self.stats["disk_saves"] += 1
@@ -312,37 +437,71 @@ class DiskTier:
             self._jobs = []
         return new
 
+    def _disk_full(self, exc: BaseException) -> None:
+        """Stop writing for FULL_RETRY_S; warn once per run (the cache keeps serving from memory)."""
+        self.full_until = time.monotonic() + FULL_RETRY_S
+        self.stats["disk_full"] = self.stats.get("disk_full", 0) + 1
+        if not self._warned_full:
+            self._warned_full = True
+            log.warning(
+                "prefix store %s: the disk is full (%s); not writing checkpoints for %.0f s at a time, "
+                "serving from memory",
+                self.dir,
+                exc,
+                FULL_RETRY_S,
+            )
+
     # --- loading ---------------------------------------------------------------------------------
     def load(self, entry: DiskEntry) -> tuple[list, np.ndarray | None, np.ndarray | None] | None:
         """(states [(conv, state) per KDA layer], kv [mla, n, block_size, latent] or None, tail or None),
-        checked against the manifest; None (and the entry dropped) when it cannot be read."""
-        import orbax.checkpoint as ocp
+        checked against the manifest; None (and the entry dropped) when it cannot be read. Blocking: the
+        engine uses `load_async` + `finish_load`."""
+        return self.finish_load(entry, self.load_async(entry))
 
+    def load_async(self, entry: DiskEntry) -> cf.Future:
+        """Start reading `entry` on the reader thread; it cannot be dropped until `finish_load`."""
+        entry.holders += 1
+        return self._reader.submit(self._read_arrays, entry)
+
+    def finish_load(self, entry: DiskEntry, fut: cf.Future) -> tuple[list, Any, Any] | None:
+        """The result of a finished `load_async` (see `load`), on the thread that owns the index."""
+        entry.holders -= 1
         try:
-            if self._loader is None:
-                self._loader = _checkpointer()
-            args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in entry.arrays}
-            tree = self._loader.restore(entry.path, args=ocp.args.PyTreeRestore(restore_args=args))
-            for name, (shape, dtype, crc) in entry.arrays.items():
-                a = tree[name]
-                if list(a.shape) != shape or a.dtype.name != dtype or _crc(a) != crc:
-                    raise ValueError(f"array '{name}' does not match its manifest")
-            states = [(tree[f"conv_{i}"], tree[f"state_{i}"]) for i in range(_count(tree, "conv_"))]
-            if (entry.position // self.block_size) != (tree["kv"].shape[1] if "kv" in tree else 0):
-                raise ValueError("the stored KV does not cover the prefix")
-            if bool(entry.position % self.block_size) != ("tail" in tree):
-                raise ValueError("the partial block's KV is missing or unexpected")
+            return fut.result()
         except Exception as exc:  # noqa: BLE001 - unreadable or damaged: drop it, recompute instead
             self.stats["disk_restore_errors"] += 1
             self.stats["disk_last_error"] = f"{type(exc).__name__}: {exc}"
-            if entry.key in self.entries:
+            if entry.key in self.entries and not entry.holders:
                 self._drop(entry)
             return None
+
+    def _read_arrays(self, entry: DiskEntry) -> tuple[list, Any, Any]:
+        import orbax.checkpoint as ocp
+
+        if self._loader is None:
+            self._loader = _checkpointer()
+        args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in entry.arrays}
+        tree = self._loader.restore(entry.path, args=ocp.args.PyTreeRestore(restore_args=args))
+        for name, (shape, dtype, crc) in entry.arrays.items():
+            a = tree[name]
+            if list(a.shape) != shape or a.dtype.name != dtype or _crc(a) != crc:
+                raise ValueError(f"array '{name}' does not match its manifest")
+        states = [(tree[f"conv_{i}"], tree[f"state_{i}"]) for i in range(_count(tree, "conv_"))]
+        if (entry.position // self.block_size) != (tree["kv"].shape[1] if "kv" in tree else 0):
+            raise ValueError("the stored KV does not cover the prefix")
+        if bool(entry.position % self.block_size) != ("tail" in tree):
+            raise ValueError("the partial block's KV is missing or unexpected")
         return states, tree.get("kv"), tree.get("tail")
 
     def close(self) -> None:
+        """Finish pending saves and reads, release the namespace's lock."""
+        if self._closed:
+            return
+        self._closed = True
         self.poll(wait=True)
         self._worker.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        _unlock(self.dir)
 
 
 def _count(tree: dict[str, Any], prefix: str) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from serve.prefix_disk import DiskEntry, DiskTier
+from serve.prefix_disk import DiskEntry, DiskTier, namespace
 
 
 @dataclasses.dataclass
@@ -41,6 +41,7 @@ class PrefixStoreConfig:
     disk_bytes: int = 16 << 30
     disk_max_pending: int = 64  # saves queued at most; a checkpoint beyond that is not written
     disk_max_pending_bytes: int = 1 << 30  # and the device bytes those queued saves may hold
+    max_tails: int = 16384  # partial blocks remembered (for how far a prompt matches), least recent dropped
 
     def validate(self, block_size: int) -> None:
         if self.checkpoint_interval < 1 or self.checkpoint_interval % block_size:
@@ -53,6 +54,8 @@ class PrefixStoreConfig:
                 raise ValueError(f"prefix store setting '{name}' must be >= 0")
         if self.disk_max_pending < 1:
             raise ValueError("prefix store setting 'disk_max_pending' must be >= 1")
+        if self.max_tails < 0:
+            raise ValueError("prefix store setting 'max_tails' must be >= 0")
         if self.store_dir is not None and Path(self.store_dir).exists() and not Path(self.store_dir).is_dir():
             raise ValueError(f"prefix store directory '{self.store_dir}' is not a directory")
 
@@ -90,6 +93,49 @@ class Lookup:
         return max(0, self.matched - self.hit)
 
 
+class TailIndex:
+    """The partial blocks (token tuples) seen after each chain hash, so a lookup knows how far a prompt
+    matches beyond its full blocks (the recompute a hit leaves). At most `limit` entries: the least
+    recently seen go first, and a block's entries go with the block (`drop`)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._order: OrderedDict[tuple[bytes, tuple[int, ...]], None] = OrderedDict()
+        self._by_hash: dict[bytes, set[tuple[int, ...]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, chain_hash: bytes, tail: tuple[int, ...]) -> None:
+        key = (chain_hash, tail)
+        if key in self._order:
+            self._order.move_to_end(key)
+            return
+        self._order[key] = None
+        self._by_hash.setdefault(chain_hash, set()).add(tail)
+        while len(self._order) > self.limit:
+            (h, t), _ = self._order.popitem(last=False)
+            self._discard(h, t)
+
+    def get(self, chain_hash: bytes) -> tuple[tuple[int, ...], ...]:
+        return tuple(self._by_hash.get(chain_hash, ()))
+
+    def drop(self, chain_hash: bytes) -> None:
+        """Forget every tail after `chain_hash` (its block left the store)."""
+        for tail in self._by_hash.pop(chain_hash, ()):
+            del self._order[(chain_hash, tail)]
+
+    def clear(self) -> None:
+        self._order.clear()
+        self._by_hash.clear()
+
+    def _discard(self, chain_hash: bytes, tail: tuple[int, ...]) -> None:
+        tails = self._by_hash[chain_hash]
+        tails.discard(tail)
+        if not tails:
+            del self._by_hash[chain_hash]
+
+
 def fingerprint(config_json: str, leaves: list[np.ndarray]) -> bytes:
     """Model identity: the config and a sample of every weight's bytes (first and last 4 KiB)."""
     h = hashlib.sha256(config_json.encode())
@@ -119,7 +165,7 @@ class PrefixStore:
         )  # full-block chain hash -> pool block (LRU order)
         self.block_hash_of: dict[int, bytes] = {}
         self.checkpoints: OrderedDict[bytes, Checkpoint] = OrderedDict()  # LRU order
-        self.tails: dict[bytes, set[tuple[int, ...]]] = {}  # chain hash -> partial tails seen after it
+        self.tails = TailIndex(config.max_tails)  # chain hash -> partial tails seen after it
         self.stats = {
             "lookups": 0,
             "hits": 0,
@@ -144,10 +190,9 @@ class PrefixStore:
         self.disk: DiskTier | None = None
         if config.store_dir is not None:
             # entries are only valid for this model and this cache layout (block size, KV dtype)
-            namespace = model_fingerprint.hex()[:16] + (f"-{layout}" if layout else "")
             self.disk = DiskTier(
                 config.store_dir,
-                namespace,
+                namespace(model_fingerprint, layout),
                 model_fingerprint,
                 block_size,
                 config.disk_bytes,
@@ -195,7 +240,7 @@ class PrefixStore:
         bs = self.block_size
         # how far the match goes: full blocks, then the longest partial tail seen after them
         matched = reach * bs
-        for tail in self.tails.get(chain[reach], ()):
+        for tail in self.tails.get(chain[reach]):
             r = len(tail)
             if tuple(tokens[reach * bs : reach * bs + r]) == tail:
                 matched = max(matched, reach * bs + r)
@@ -270,7 +315,7 @@ class PrefixStore:
         tail = tuple(tokens[nb * self.block_size : upto])
         if tail:
             chain = self.chain(tokens[: nb * self.block_size], salt)
-            self.tails.setdefault(chain[-1], set()).add(tail)
+            self.tails.add(chain[-1], tail)
 
     def key_for(self, tokens: list[int], position: int, salt: str | None) -> bytes:
         nb = position // self.block_size
@@ -296,7 +341,7 @@ class PrefixStore:
     # --- disk tier -------------------------------------------------------------------------------
     def _note_disk_tail(self, entry: DiskEntry) -> None:
         if entry.tail:
-            self.tails.setdefault(entry.base, set()).add(entry.tail)
+            self.tails.add(entry.base, entry.tail)
 
     def plan_disk_save(
         self, tokens: list[int], position: int, salt: str | None, kind: str, nbytes: int
@@ -363,6 +408,8 @@ class PrefixStore:
             if refcount(block) == 1:
                 del self.blocks[h]
                 del self.block_hash_of[block]
+                if self.disk is None or h not in self.disk.block_refs:  # a disk entry may still reach it
+                    self.tails.drop(h)
                 self.stats["evicted_blocks"] += 1
                 return block
         return None
@@ -372,6 +419,7 @@ class PrefixStore:
         held = list(self.blocks.values())
         self.blocks.clear()
         self.block_hash_of.clear()
+        self.tails.clear()
         return held
 
     @property

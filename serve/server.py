@@ -423,7 +423,7 @@ class EngineLoop:
 
     def _abort_all(self) -> None:
         engine = self.engine
-        for req in [*engine.running, *engine.waiting]:
+        for req in engine.active_requests():
             engine.abort(req.id)
             sink = self._sinks.pop(req.id, None)
             if sink is not None:

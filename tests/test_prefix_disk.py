@@ -1,9 +1,13 @@
 """Disk tier of the prefix store: restart hits, visibility after the save, crash leftovers, budgets."""
 
 import json
+import logging
 import os
 import shutil
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -15,7 +19,7 @@ from jaxhybrid.cache import kda_state_bytes
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from serve.engine import Engine, EngineConfig
-from serve.prefix_disk import MANIFEST, DiskTier
+from serve.prefix_disk import LOCK, MANIFEST, DiskTier, StoreLocked
 from serve.prefix_store import PrefixStore, PrefixStoreConfig
 from serve.sampling import SamplingParams
 
@@ -153,7 +157,8 @@ def test_crash_leftovers_are_ignored_and_everything_else_hits(model, tmp_path):
     # 30: same size, damaged bytes: passes the index, caught by the checksums when restored
     f = largest(found[30])
     raw = bytearray(f.read_bytes())
-    raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64)
+    mid = len(raw) // 2
+    raw[mid : mid + 64] = bytes(b ^ 0xFF for b in raw[mid : mid + 64])  # always a change (zeros may not be)
     f.write_bytes(bytes(raw))
     # noise: a half-written manifest under another key, an empty entry, a stray file
     bad = found[35].with_name("ab" * 32)
@@ -165,6 +170,9 @@ def test_crash_leftovers_are_ignored_and_everything_else_hits(model, tmp_path):
     b = engine(model, cfg)
     ledger = b.ledger()
     assert ledger["checkpoints"]["disk"] == 2 and ledger["disk_ignored"] == 6  # 30 and 35 indexed
+    # the leftovers are collected at open: a crash-looping server does not grow the directory
+    left = sorted(p.name for p in found[35].parent.iterdir())
+    assert left == sorted([LOCK, found[30].name, found[35].name]) and ledger["disk_collected"] == 6
     got = b.generate(extended, greedy())
     assert ids(got) == ids(engine(model, None).generate(extended, greedy()))
     assert [r.stats["prefix_hit_tokens"] for r in got] == [0, 0, 0, 0, 35]
@@ -219,9 +227,114 @@ def test_budgets_demote_then_drop_and_disk_keeps_serving(model, tmp_path):
         assert ledger["checkpoint_bytes"]["device"] <= cfg.device_bytes
         assert ledger["checkpoint_bytes"]["host"] <= cfg.host_bytes
         assert ledger["checkpoint_bytes"]["disk"] <= disk_bytes
-        on_disk = sum(p.stat().st_size for p in Path(tmp_path).rglob("*") if p.is_file())
+        on_disk = sum(p.stat().st_size for p in Path(tmp_path).rglob("*") if p.is_file() and p.name != LOCK)
         assert on_disk == ledger["checkpoint_bytes"]["disk"]  # dropped entries are gone from the disk
         chats = [c + tokens(rng, 6) for c in chats]
     ledger = eng.ledger()
     assert ledger["demotions"] > 0 and ledger["dropped_checkpoints"] > 0 and ledger["disk_dropped"] > 0
     assert ledger["disk_restores"] > 0  # dropped from memory, served from disk
+
+
+def test_a_second_process_on_the_store_directory_gets_a_clear_error(model, tmp_path):
+    cfg = one_per_prompt(tmp_path)
+    ns_dir = engine(model, cfg).store.disk.dir  # this process holds the namespace now
+    holder = (
+        "import sys, time; from serve.prefix_disk import DiskTier, StoreLocked\n"
+        "try:\n    DiskTier(sys.argv[1], sys.argv[2], b'x', 8, 1 << 20, 4, 1 << 20, {})\n"
+        "except StoreLocked as exc:\n    print('LOCKED', exc); sys.exit(3)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", holder, str(ns_dir.parent), ns_dir.name], capture_output=True, text=True
+    )
+    assert (
+        out.returncode == 3 and "in use by another process" in out.stdout and str(os.getpid()) in out.stdout
+    )
+    # and the other way round: a process holding it, then this process
+    other = tmp_path / "other"
+    hold = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from serve.prefix_disk import DiskTier\n"
+            "DiskTier(sys.argv[1], 'ns', b'x', 8, 1 << 20, 4, 1 << 20, {}); print('held', flush=True); "
+            "time.sleep(60)",
+            str(other),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert hold.stdout.readline().strip() == "held"
+        with pytest.raises(StoreLocked, match=f"pid {hold.pid}"):
+            DiskTier(other, "ns", b"x", 8, 1 << 20, 4, 1 << 20, {})
+    finally:
+        hold.kill()
+        hold.wait()
+    DiskTier(other, "ns", b"x", 8, 1 << 20, 4, 1 << 20, {}).close()  # free again once the holder died
+
+
+def test_a_full_disk_stops_writing_warns_once_and_keeps_serving(model, tmp_path, monkeypatch, caplog):
+    import serve.prefix_disk as pd
+
+    usage = shutil.disk_usage
+
+    def nearly_full(path):
+        real = usage(path)
+        return type(real)(real.total, real.total - 1000, 1000)
+
+    monkeypatch.setattr(pd.shutil, "disk_usage", nearly_full)
+    rng = np.random.default_rng(7)
+    prompts = [tokens(rng, n) for n in (19, 26)]
+    eng = engine(model, one_per_prompt(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="jaxhybrid.prefix"):
+        got = eng.generate(prompts, greedy())
+        eng.flush()
+        eng.generate([tokens(rng, 23)], greedy())  # within the retry delay: not even tried
+        eng.flush()
+    assert ids(got) == ids(engine(model, None).generate(prompts, greedy()))
+    ledger = eng.ledger()
+    assert ledger["checkpoints"]["disk"] == 0 and ledger["disk_full"] >= 1 and ledger["disk_skipped"] >= 1
+    assert len([r for r in caplog.records if "disk is full" in r.message]) == 1
+    assert [p.name for p in eng.store.disk.dir.iterdir()] == [LOCK]  # no half-written save left behind
+    hit = eng.generate([prompts[0] + [5, 6]], greedy(1))[0]  # memory still serves the prefix
+    assert hit.stats["prefix_hit_tokens"] == len(prompts[0])
+    monkeypatch.setattr(pd.shutil, "disk_usage", usage)
+    monkeypatch.setattr(eng.store.disk, "full_until", 0.0)  # the retry delay is over, space is back
+    eng.generate([tokens(rng, 21)], greedy())
+    eng.flush()
+    assert eng.ledger()["checkpoints"]["disk"] == 1
+
+
+def test_a_request_waiting_for_its_prefix_from_disk_stalls_nobody(model, tmp_path, monkeypatch):
+    rng = np.random.default_rng(8)
+    stored = tokens(rng, 29)
+    cfg = one_per_prompt(tmp_path)
+    a = engine(model, cfg)
+    a.generate([stored], greedy())
+    a.flush()
+    a.store.disk.close()  # a restart: this process lets go of the directory
+    release = threading.Event()
+    read = DiskTier._read_arrays
+
+    def slow_read(self, entry):
+        assert release.wait(60)
+        return read(self, entry)
+
+    monkeypatch.setattr(DiskTier, "_read_arrays", slow_read)
+    b = engine(model, cfg)
+    other = tokens(rng, 11)
+    waiting = b.add_request(stored + [9, 10], greedy())
+    busy = b.add_request(other, greedy(8))
+    for _ in range(12):  # the other request is served to the end while the read is blocked
+        b.step()
+    assert b.requests[busy].finish_reason == "length" and b.requests[waiting].generated == []
+    assert b.ledger()["disk_loading"] == 1
+    release.set()
+    deadline = time.monotonic() + 60
+    while b.has_unfinished():
+        assert time.monotonic() < deadline
+        b.step()
+    got = b.result(waiting)
+    assert got.stats["prefix_hit_tokens"] == len(stored)
+    ref = engine(model, None).generate([stored + [9, 10], other], [greedy(), greedy(8)])
+    assert [got.token_ids, b.result(busy).token_ids] == ids(ref)

@@ -155,3 +155,21 @@ def test_identical_prompt_is_a_full_hit(model, length):
     again = eng.generate([p], greedy())[0]
     assert first.token_ids == again.token_ids == want
     assert again.stats["prefix_hit_tokens"] == length and again.stats["prefill_tokens_computed"] == 0
+
+
+def test_remembered_tails_are_bounded_and_leave_with_their_blocks(model):
+    rng = np.random.default_rng(9)
+    eng = engine(model, PrefixStoreConfig(checkpoint_interval=1024, max_tails=5), num_blocks=12)
+    shared = rng.integers(3, 512, 2 * BS).tolist()
+    prompts = [shared + rng.integers(3, 512, int(n)).tolist() for n in rng.integers(1, BS, 12)]
+    for p in prompts:  # each leaves a partial tail after the shared blocks (and one after its own end)
+        eng.generate([p], greedy(2))
+        assert len(eng.store.tails) <= 5
+    assert len(eng.store.tails) == 5
+    # the newest tail still tells how far a prompt matches: recompute counted from it
+    again = eng.generate([prompts[-1] + [7]], greedy(1))[0]
+    assert again.stats["prefix_hit_tokens"] == len(prompts[-1])
+    # a pool too small for anything but a new long prompt: cached blocks, and their tails, are evicted
+    eng.generate([rng.integers(3, 512, 10 * BS).tolist()], greedy(1))
+    hashes = set(eng.store.blocks)
+    assert all(h in hashes or h == eng.store.root(None) for h, _ in eng.store.tails._order)
