@@ -190,6 +190,13 @@ class ReplicatedEngine:
             return []
         return self.engine.step()
 
+    def recover(self, reason: str) -> list[RequestOutput]:
+        """A failed step cannot be recovered with several processes (the lockstep is broken, a collective
+        may have failed with a peer): raise, so the server reports itself down at once."""
+        if self.process_count > 1:
+            raise ReplicatedEngineError(f"a step failed with several processes: {reason}")
+        return self.engine.recover(reason)
+
     def follow(self) -> int:
         """A follower's loop: step until the leader closes; returns the number of steps run."""
         steps = 0

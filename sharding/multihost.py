@@ -106,7 +106,31 @@ def initialize_from_args(args: argparse.Namespace) -> bool:
     )
 
 
-def shutdown() -> None:
-    """Leave the process group (no-op when `initialize` did not run)."""
-    if jax.process_count() > 1:
+def shutdown(timeout: float | None = None) -> bool:
+    """Leave the process group (no-op when `initialize` did not run). JAX's shutdown waits for every peer
+    at a barrier, so with a dead peer it would hang until the heartbeat timeout and then abort the process:
+    with `timeout`, give up after that many seconds and return False (the caller then exits anyway)."""
+    if jax.process_count() <= 1:
+        return True
+    if timeout is None:
         jax.distributed.shutdown()
+        return True
+    return run_bounded(jax.distributed.shutdown, timeout)
+
+
+def run_bounded(fn, timeout: float) -> bool:
+    """Run fn() on a daemon thread; True if it returned (or raised) within `timeout` seconds."""
+    import threading
+
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a broken process group: the caller exits either way
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="bounded-shutdown", daemon=True).start()
+    return done.wait(timeout)

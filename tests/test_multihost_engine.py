@@ -4,9 +4,11 @@ the plain single-process engine on one device, fed the same requests at the same
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -187,6 +189,76 @@ def test_generate_cli_on_two_processes(tmp_path, engine, compile_cache):
     ]
     assert got == want
     assert out1 == "" and "process 1 of 2: followed process 0" in err1
+
+
+def start_two_servers(tmp_path: Path, cache: Path, http_port: int, shutdown_timeout: float = 3.0):
+    """Two `jaxhybrid serve` processes on one mesh (process 0 serves HTTP); returns both, healthy."""
+    import httpx
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    flags = [f"--{k.replace('_', '-').replace('max-slots', 'slots')}={v}" for k, v in ENGINE.items()]
+    procs = []
+    for i in range(2):
+        cmd = [sys.executable, "-m", "serve.cli", "serve", "--config=tiny", f"--mesh={MESH}", *flags]
+        cmd += ["--no-prefix-cache", f"--port={http_port}", f"--shutdown-timeout={shutdown_timeout}"]
+        cmd += [f"--coordinator=127.0.0.1:{port}", "--num-processes=2", f"--process-id={i}"]
+        log = open(tmp_path / f"serve{i}.txt", "w")  # noqa: SIM115 - closed with the process
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + TIMEOUT_S
+    url = f"http://127.0.0.1:{http_port}"
+    while True:
+        assert all(p.poll() is None for p in procs), (tmp_path / "serve0.txt").read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the two servers did not become healthy"
+        time.sleep(0.3)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200, r.text
+    return procs, url
+
+
+@pytest.mark.slow
+def test_when_a_peer_dies_the_survivor_reports_it_and_exits(tmp_path, compile_cache):
+    """kill -9 of the follower: the leader answers 503 at once and exits within its shutdown timeout on
+    SIGTERM (instead of waiting for the dead peer); kill -9 of the leader: the follower exits too."""
+    import httpx
+
+    procs, url = start_two_servers(tmp_path, compile_cache, free_port())
+    try:
+        procs[1].kill()
+        procs[1].wait()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health", timeout=5).status_code != 503:  # the next idle step finds it
+            assert time.monotonic() < deadline, "the leader did not notice its follower died"
+            time.sleep(0.2)
+        procs[0].send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        assert procs[0].wait(timeout=60) == 1  # non-zero: it lost a peer
+        assert time.monotonic() - t0 < 3.0 + 5.0
+        assert "exiting without the distributed shutdown" in (tmp_path / "serve0.txt").read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    procs, url = start_two_servers(tmp_path, compile_cache, free_port())
+    try:
+        procs[0].kill()
+        procs[0].wait()
+        assert procs[1].wait(timeout=60) != 0  # JAX's distributed client ends a follower whose leader died
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def test_a_follower_replaying_the_log_keeps_the_leaders_engine_state():

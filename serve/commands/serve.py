@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,23 +78,45 @@ def _server_class() -> type:
 
 def serve_replicated(args: argparse.Namespace, engine: Any, tokenizer: Any) -> int:
     """Several processes: every process runs the engine in lockstep (`serve.replicated`). Process 0 serves
-    HTTP and owns the intake; the others follow until process 0 shuts down."""
+    HTTP and owns the intake; the others follow until process 0 shuts down. When a peer died, the
+    collectives and JAX's distributed shutdown would wait for it: the exit is bounded by
+    `--shutdown-timeout` instead (a follower whose leader died is ended by JAX at once)."""
     from serve.replicated import ReplicatedEngine
     from sharding import multihost
 
     rep = ReplicatedEngine(engine, idle_wait_s=IDLE_WAIT_S)
+    status, failed = 1, None
     try:
         if not rep.is_leader:
             log.info("process %d of %d: following process 0", rep.process_index, rep.process_count)
             rep.follow()
+            status = 0
             return 0
-        status = serve_http(args, rep, tokenizer)
-        if not rep.closed:  # the engine thread has stopped: tell the followers (with its last aborts)
-            rep.close()
-            rep.step()
+        status, failed = serve_http(args, rep, tokenizer)
+
+        def release_followers() -> None:
+            if not rep.closed:  # the engine thread has stopped: tell the followers (with its last aborts)
+                rep.close()
+                rep.step()
+
+        if failed is None and not multihost.run_bounded(release_followers, args.shutdown_timeout):
+            failed = "the followers did not answer"
+        if failed is not None:
+            status = status or 1
+        return status
+    except Exception as exc:  # a broken process group (a peer died): leave without waiting for it
+        failed = f"{type(exc).__name__}: {exc}"
+        log.error("process %d: the process group failed: %s", rep.process_index, failed)
+        status = 1
         return status
     finally:
-        multihost.shutdown()
+        timeout = 0.0 if failed is not None else args.shutdown_timeout
+        if not multihost.shutdown(timeout=timeout):
+            log.warning("a peer process is gone (%s): exiting without the distributed shutdown", failed)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status or 1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,11 +187,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if multi:
         return serve_replicated(args, engine, tokenizer)
-    return serve_http(args, engine, tokenizer)
+    return serve_http(args, engine, tokenizer)[0]
 
 
-def serve_http(args: argparse.Namespace, engine: Any, tokenizer: Any) -> int:
-    """Run the HTTP server on `engine` (an Engine, or a ReplicatedEngine on process 0) until shutdown."""
+def serve_http(args: argparse.Namespace, engine: Any, tokenizer: Any) -> tuple[int, str | None]:
+    """Run the HTTP server on `engine` (an Engine, or a ReplicatedEngine on process 0) until shutdown;
+    (exit status, why the engine went down or None)."""
     import uvicorn
 
     from serve.server import create_app
@@ -210,7 +234,7 @@ def serve_http(args: argparse.Namespace, engine: Any, tokenizer: Any) -> int:
         args.shutdown_timeout,
     )
     server.run()
-    return 0 if server.started else 1
+    return (0 if server.started else 1), app.state.server.loop.failed
 
 
 class _HelpFormatter(argparse.HelpFormatter):
