@@ -4,6 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jaxhybrid.cache import kda_state_bytes
 from jaxhybrid.config import load_config
@@ -173,3 +175,64 @@ def test_remembered_tails_are_bounded_and_leave_with_their_blocks(model):
     eng.generate([rng.integers(3, 512, 10 * BS).tolist()], greedy(1))
     hashes = set(eng.store.blocks)
     assert all(h in hashes or h == eng.store.root(None) for h, _ in eng.store.tails._order)
+
+
+@st.composite
+def shared_prefix_workloads(draw):
+    """Rounds of prompts over one shared system prompt: new chats, follow-up turns that extend an earlier
+    prompt, and branches that cut an earlier prompt at any (unaligned) position and continue differently."""
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    tok = lambda n: rng.integers(3, 512, n).tolist()
+    system = tok(draw(st.integers(1, 40)))
+    seen: list[list[int]] = []
+    rounds = []
+    for _ in range(draw(st.integers(2, 4))):
+        prompts = []
+        for _ in range(draw(st.integers(1, 3))):
+            kind = draw(st.sampled_from(["new", "extend", "branch"])) if seen else "new"
+            if kind == "new":
+                p = system + tok(draw(st.integers(1, 20)))
+            elif kind == "extend":
+                p = draw(st.sampled_from(seen)) + tok(draw(st.integers(1, 12)))
+            else:
+                base = draw(st.sampled_from(seen))
+                p = base[: draw(st.integers(1, len(base)))] + tok(draw(st.integers(1, 9)))
+            prompts.append(p[:200])
+        seen += prompts
+        rounds.append(prompts)
+    return rounds
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rounds=shared_prefix_workloads(),
+    interval=st.sampled_from([BS, 2 * BS]),
+    device_states=st.sampled_from([0, 1, 3, 64]),
+    host_states=st.sampled_from([0, 2, 64]),
+    num_blocks=st.sampled_from([None, 40]),
+    prompt_end=st.booleans(),
+)
+def test_store_on_equals_store_off_for_generated_workloads(
+    model, rounds, interval, device_states, host_states, num_blocks, prompt_end
+):
+    """Any shared-prefix workload, checkpoint spacing, tier budgets (down to nothing) and pool size (40
+    blocks: cached blocks are evicted): the same greedy tokens as without the store; logprobs within
+    1e-4 (a resumed prefill sums in another order)."""
+    state = kda_state_bytes(model.config, jnp.float32)["total"]
+    cfg = PrefixStoreConfig(
+        checkpoint_interval=interval,
+        prompt_end_checkpoints=prompt_end,
+        device_bytes=device_states * state,
+        host_bytes=host_states * state,
+    )
+    on, off = engine(model, cfg, num_blocks=num_blocks), engine(model, None)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
+    for prompts in rounds:
+        got, want = on.generate(prompts, params), off.generate(prompts, params)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-4)
+    ledger = on.ledger()
+    assert ledger["checkpoint_bytes"]["device"] <= cfg.device_bytes
+    assert ledger["checkpoint_bytes"]["host"] <= cfg.host_bytes
