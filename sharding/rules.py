@@ -211,7 +211,7 @@ def cache_shardings(
     KDA layers: ``{"conv": [slots, 3*H*d, K-1], "state": [slots, H, d, d]}`` (slots on (data, expert),
     heads/channels on tensor). MLA layers: ``{"pool": [num_blocks, block_size, latent]}`` (replicated, see
     the module docstring). Plain dicts because `sharding` may not import the cache types; the engine
-    wraps them (`serve.sharded.pool_shardings` builds the engine's exact pool pytree)."""
+    wraps them (`sharding.placement.pool_shardings` builds the engine's exact pool pytree)."""
     units = logical_units(cfg)
     conv_shape = (slots, 3 * cfg.kda_proj_dim, cfg.short_conv_kernel_size - 1)
     state_shape = (slots, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim)

@@ -1,7 +1,7 @@
 """One process of the multi-process engine test (tests/test_multihost_engine.py); not collected by pytest.
 
 Joins a process group on localhost, puts the `tiny` model (seed-0 weights) on a mesh over the devices
-of all processes and runs `serve.replicated.ReplicatedEngine`. Process 0 adds the requests of
+of all processes and runs `serve.engine.replicated.ReplicatedEngine`. Process 0 adds the requests of
 `--schedule` (JSON: a list of {"step", "prompt", "max_tokens"}) at the engine step each names, and
 aborts the ones with "abort_at_step"; followers only follow. Every process then writes the results its
 own engine holds (ids, tokens, finish reasons, step count) to `--out` as JSON: they must agree.
@@ -42,11 +42,11 @@ def main() -> None:
 
     from jaxhybrid.config import load_config
     from jaxhybrid.model import HybridLM
-    from serve.engine import Engine, EngineConfig
-    from serve.replicated import ReplicatedEngine, check_engine_config
-    from serve.sampling import SamplingParams
-    from serve.sharded import shard_model
+    from serve.engine.engine import Engine, EngineConfig
+    from serve.engine.replicated import ReplicatedEngine, check_engine_config
+    from serve.engine.sampling import SamplingParams
     from sharding.mesh import make_mesh
+    from sharding.placement import shard_model
 
     mesh = make_mesh(args.mesh)
     assert len({d.process_index for d in mesh.devices.reshape(-1)}) == args.num_processes

@@ -37,8 +37,8 @@ def main() -> None:
     assert multihost.initialize_from_args(args)
 
     from jaxhybrid.config import load_config
-    from serve.sharded import create_sharded_model, load_sharded_model
     from sharding.mesh import make_mesh
+    from sharding.placement import create_sharded_model, load_sharded_model
     from sharding.rules import batch_sharding, replicated
 
     mesh = make_mesh(args.mesh)

@@ -7,9 +7,9 @@ from flax import nnx
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM, pure_fn
-from serve.blocks import BlockAllocator, OutOfBlocks
-from serve.engine import Engine, EngineConfig, RequestError
-from serve.sampling import SamplingParams
+from serve.engine.blocks import BlockAllocator, OutOfBlocks
+from serve.engine.engine import Engine, EngineConfig, RequestError
+from serve.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

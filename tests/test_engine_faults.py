@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM, pure_fn
-from serve.engine import Engine, EngineConfig, RequestError
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine, EngineConfig, RequestError
+from serve.engine.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from flax import nnx
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from serve.engine import Engine, EngineConfig
-from serve.sampling import SamplingParams
-from serve.server import EngineLoop, Sink, Unavailable
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
+from serve.http.app import EngineLoop, Sink, Unavailable
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
@@ -100,7 +100,7 @@ def test_a_cancelled_call_or_submission_never_kills_the_engine_thread(running):
 def test_a_client_that_leaves_during_submission_does_not_leave_its_request_running(running):
     """The asyncio side of submit: the awaiting task is cancelled while the engine thread is busy; once the
     engine takes the submission it is aborted, so no slot stays held for a client that is gone."""
-    from serve.server import Prepared, Server
+    from serve.http.app import Prepared, Server
 
     engine, loop, col = running
     server = Server.__new__(Server)

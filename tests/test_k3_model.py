@@ -28,8 +28,8 @@ from jaxhybrid.model import HybridLM, pure_fn
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 from jaxhybrid.ops.attn_res import attn_res_mix as attn_res_mix_jax
 from jaxhybrid.ops.moe import moe_experts_blocked, moe_experts_dense, moe_experts_dropless, moe_experts_ragged
-from serve.engine import Engine, EngineConfig
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
 from sharding.expert_parallel import make_expert_parallel_fn
 from sharding.mesh import make_mesh
 

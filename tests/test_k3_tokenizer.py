@@ -22,8 +22,8 @@ from test_server import free_port
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from jaxhybrid.tokenizer import KIMI_PATTERN, K3Tokenizer, TiktokenTokenizer, TokenizerError, load_tokenizer
-from serve.engine import Engine, EngineConfig
-from serve.server import create_app
+from serve.engine.engine import Engine, EngineConfig
+from serve.http.app import create_app
 
 # K3.md
 BOS, EOS, END_OF_MSG, OPEN, CLOSE, SEP, PAD = 163584, 163585, 163586, 163587, 163588, 163589, 163839

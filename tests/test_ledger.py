@@ -10,9 +10,9 @@ from flax import nnx
 from jaxhybrid.cache import KDACache, memory_report
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from serve.engine import Engine, EngineConfig
-from serve.prefix_store import PrefixStoreConfig
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
+from serve.prefix.store import PrefixStoreConfig
 
 
 def _array_bytes(tree) -> int:

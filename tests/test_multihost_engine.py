@@ -1,6 +1,6 @@
 """The engine on two processes x 4 CPU devices (gloo, localhost) forming one 8-device mesh: every process
-runs the same engine loop, process 0 owns the intake and broadcasts it (`serve.replicated`). The oracle is
-the plain single-process engine on one device, fed the same requests at the same steps."""
+runs the same engine loop, process 0 owns the intake and broadcasts it (`serve.engine.replicated`). The
+oracle is the plain single-process engine on one device, fed the same requests at the same steps."""
 
 import json
 import os
@@ -18,8 +18,8 @@ from flax import nnx
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from serve.cli import main
-from serve.engine import Engine, EngineConfig
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 MESH = "data=2,expert=2,tensor=2"
@@ -88,7 +88,7 @@ def schedule() -> list[dict]:
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     """The single-device oracle: tiny, seed-0 weights, the same engine shape, no prefix store (as on
-    several processes, `serve.replicated.check_engine_config`)."""
+    several processes, `serve.engine.replicated.check_engine_config`)."""
     return Engine(HybridLM(load_config("tiny"), rngs=nnx.Rngs(0)), EngineConfig(**ENGINE, prefix=None))
 
 
@@ -264,7 +264,7 @@ def test_when_a_peer_dies_the_survivor_reports_it_and_exits(tmp_path, compile_ca
 def test_a_follower_replaying_the_log_keeps_the_leaders_engine_state():
     """In one process: a second engine fed only the leader's broadcast messages (adds with the seed the
     leader resolved, aborts, forgets) takes the leader's decisions step by step, sampled requests too."""
-    from serve.replicated import ReplicatedEngine
+    from serve.engine.replicated import ReplicatedEngine
 
     engine, follower_engine = (
         Engine(HybridLM(load_config("tiny"), rngs=nnx.Rngs(0)), EngineConfig(**ENGINE, prefix=None))

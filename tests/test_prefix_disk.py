@@ -18,10 +18,10 @@ from flax import nnx
 from jaxhybrid.cache import kda_state_bytes
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from serve.engine import Engine, EngineConfig
-from serve.prefix_disk import LOCK, MANIFEST, DiskTier, StoreLocked
-from serve.prefix_store import PrefixStore, PrefixStoreConfig
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
+from serve.prefix.disk import LOCK, MANIFEST, DiskTier, StoreLocked
+from serve.prefix.store import PrefixStore, PrefixStoreConfig
 
 BS = 8
 
@@ -239,7 +239,7 @@ def test_a_second_process_on_the_store_directory_gets_a_clear_error(model, tmp_p
     cfg = one_per_prompt(tmp_path)
     ns_dir = engine(model, cfg).store.disk.dir  # this process holds the namespace now
     holder = (
-        "import sys, time; from serve.prefix_disk import DiskTier, StoreLocked\n"
+        "import sys, time; from serve.prefix.disk import DiskTier, StoreLocked\n"
         "try:\n    DiskTier(sys.argv[1], sys.argv[2], b'x', 8, 1 << 20, 4, 1 << 20, {})\n"
         "except StoreLocked as exc:\n    print('LOCKED', exc); sys.exit(3)\n"
     )
@@ -255,7 +255,7 @@ def test_a_second_process_on_the_store_directory_gets_a_clear_error(model, tmp_p
         [
             sys.executable,
             "-c",
-            "import sys, time; from serve.prefix_disk import DiskTier\n"
+            "import sys, time; from serve.prefix.disk import DiskTier\n"
             "DiskTier(sys.argv[1], 'ns', b'x', 8, 1 << 20, 4, 1 << 20, {}); print('held', flush=True); "
             "time.sleep(60)",
             str(other),
@@ -274,7 +274,7 @@ def test_a_second_process_on_the_store_directory_gets_a_clear_error(model, tmp_p
 
 
 def test_a_full_disk_stops_writing_warns_once_and_keeps_serving(model, tmp_path, monkeypatch, caplog):
-    import serve.prefix_disk as pd
+    import serve.prefix.disk as pd
 
     usage = shutil.disk_usage
 

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from jaxhybrid.cache import kda_state_bytes
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from serve.engine import Engine, EngineConfig
-from serve.prefix_store import PrefixStoreConfig
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
+from serve.prefix.store import PrefixStoreConfig
 
 BS = 8
 

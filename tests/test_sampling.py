@@ -1,4 +1,4 @@
-"""Tests for serve.sampling: greedy/top-k/top-p correctness, empirical frequencies, keys and validation."""
+"""serve.engine.sampling: greedy/top-k/top-p correctness, empirical frequencies, keys, validation."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serve.sampling import SamplingError, SamplingParams, batch_arrays, request_key, sample
+from serve.engine.sampling import SamplingError, SamplingParams, batch_arrays, request_key, sample
 
 _jsample = jax.jit(sample)
 # Frequency tolerance: 4000 draws give a per-id standard error of at most sqrt(0.25 / 4000) ~ 0.008, so 0.03

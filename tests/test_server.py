@@ -23,8 +23,8 @@ from flax import nnx
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from jaxhybrid.tokenizer import ByteTokenizer
-from serve.engine import Engine, EngineConfig
-from serve.server import create_app
+from serve.engine.engine import Engine, EngineConfig
+from serve.http.app import create_app
 
 SLOTS = 2
 CONTEXT = 64

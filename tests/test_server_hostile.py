@@ -19,8 +19,8 @@ from test_server import free_port
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from jaxhybrid.tokenizer import ByteTokenizer
-from serve.engine import Engine, EngineConfig
-from serve.server import APIError, create_app
+from serve.engine.engine import Engine, EngineConfig
+from serve.http.app import APIError, create_app
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 BEFORE: list[str] = []  # the greedy texts served before any hostile request
@@ -177,7 +177,7 @@ def test_after_generated_bodies_the_greedy_text_is_unchanged(live):
 
 def test_requests_over_the_connection_limit_get_a_shaped_503():
     """A slow app behind the limit: two requests in progress, a third is refused at once; /health is not."""
-    from serve.server import ConnectionLimit
+    from serve.http.app import ConnectionLimit
 
     release = asyncio.Event()
     counted = []

@@ -8,10 +8,10 @@ from flax import nnx
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from serve.engine import Engine, EngineConfig
-from serve.sampling import SamplingParams
-from serve.sharded import shard_model
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
 from sharding.mesh import mesh_from_flag
+from sharding.placement import shard_model
 
 ENGINE = EngineConfig(max_slots=8, block_size=8, prefill_chunk=32, max_model_len=128)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""serve.sharded: parameters created in their shardings; sharded forward (TP/EP/DP) equals the unsharded
+"""sharding.placement: parameters created in their shardings; sharded forward (TP/EP/DP) equals the unsharded
 one; the cached forward on sharded engine pools; Orbax save on one mesh, restore onto another."""
 
 import json
@@ -19,15 +19,15 @@ from jax.sharding import PartitionSpec
 from jaxhybrid.cache import KDACache, PagedMLACache
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from serve.sharded import (
+from sharding.checkpoint import save_state
+from sharding.mesh import make_mesh
+from sharding.placement import (
     abstract_model,
     create_sharded_model,
     load_sharded_model,
     pool_shardings,
     shard_model,
 )
-from sharding.checkpoint import save_state
-from sharding.mesh import make_mesh
 from sharding.rules import batch_sharding, state_shardings
 
 TOL = 1e-5  # fp32 relative error, max|a-b| / max|b|

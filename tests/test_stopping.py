@@ -13,9 +13,9 @@ from flax import nnx
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from jaxhybrid.tokenizer import ByteTokenizer
-from serve.engine import Engine, EngineConfig
-from serve.sampling import SamplingParams
-from serve.server import Event, Tracker, create_app
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
+from serve.http.app import Event, Tracker, create_app
 
 TOK = ByteTokenizer(512)
 CHAT = [{"role": "user", "content": "hi"}]

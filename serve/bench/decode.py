@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from serve.bench.common import add_out_arg, decode_step, emit, environment
-from serve.commands.common import print_table
+from serve.cli.common import print_table
 
 
 def kda_only(cfg):
@@ -31,7 +31,7 @@ def measure(cfg, contexts: list[int], batch: int, repeats: int, dtype: str, bloc
     from flax import nnx
 
     from jaxhybrid.model import HybridLM
-    from serve.engine import Engine, EngineConfig
+    from serve.engine.engine import Engine, EngineConfig
 
     longest = max(contexts)
     model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(dtype))

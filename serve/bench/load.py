@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from serve.bench.common import add_out_arg, emit, environment
-from serve.commands.common import DTYPES, fmt_bytes, print_table
+from serve.cli.common import DTYPES, fmt_bytes, print_table
 
 SLACK_BYTES = 300 * 2**20
 FACTOR = 1.25

@@ -1,7 +1,7 @@
 """`jaxhybrid bench mesh`: per-device parameter bytes and decode tokens/s for several mesh shapes.
 
 Simulate devices on a CPU with XLA_FLAGS=--xla_force_host_platform_device_count=8 (set before start).
-Each mesh shards the same model (`serve.sharded.shard_model`, expert parallelism where the expert axis
+Each mesh shards the same model (`sharding.placement.shard_model`, expert parallelism where the expert axis
 divides the experts), builds an engine on it, and times its decode step over all slots at `--context`.
 """
 
@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from serve.bench.common import add_out_arg, decode_step, emit, environment
-from serve.commands.common import print_table
+from serve.cli.common import print_table
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,9 +25,9 @@ def run(args: argparse.Namespace) -> int:
 
     from jaxhybrid.config import load_config
     from jaxhybrid.model import HybridLM
-    from serve.engine import Engine, EngineConfig
-    from serve.sharded import shard_model
+    from serve.engine.engine import Engine, EngineConfig
     from sharding.mesh import describe, mesh_from_flag
+    from sharding.placement import shard_model
 
     cfg = load_config(args.config)
     specs = [s.strip() for s in args.meshes.split(";") if s.strip()]

@@ -16,11 +16,11 @@ import sys
 import numpy as np
 
 from serve.bench.common import add_out_arg, compile_watch, emit, environment
-from serve.commands.common import print_table
+from serve.cli.common import print_table
 
 
 def replay(engine, args: argparse.Namespace, vocab: int) -> dict:
-    from serve.sampling import SamplingParams
+    from serve.engine.sampling import SamplingParams
 
     rng = np.random.default_rng(args.seed)
     tok = lambda n: rng.integers(3, vocab, n).tolist()
@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
     from jaxhybrid.config import load_config
     from jaxhybrid.model import HybridLM
-    from serve.engine import Engine, EngineConfig
-    from serve.prefix_store import PrefixStoreConfig
+    from serve.engine.engine import Engine, EngineConfig
+    from serve.prefix.store import PrefixStoreConfig
 
     cfg = load_config(args.config)
     model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from serve.bench.common import add_out_arg, emit, environment
-from serve.commands.common import print_table
+from serve.cli.common import print_table
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,9 +25,9 @@ def run(args: argparse.Namespace) -> int:
 
     from jaxhybrid.config import load_config
     from jaxhybrid.model import HybridLM
-    from serve.engine import Engine, EngineConfig
-    from serve.prefix_store import PrefixStoreConfig
-    from serve.sampling import SamplingParams
+    from serve.engine.engine import Engine, EngineConfig
+    from serve.engine.sampling import SamplingParams
+    from serve.prefix.store import PrefixStoreConfig
 
     cfg = load_config(args.config)
     model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))

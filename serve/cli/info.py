@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Any
 
-from serve.commands.common import DTYPES, add_config_arg, fmt_bytes, fmt_count
+from serve.cli.common import DTYPES, add_config_arg, fmt_bytes, fmt_count
 
 BUFFER_ITEMSIZE = 4  # the model's buffers (the router's score-correction bias) are fp32
 

@@ -22,7 +22,7 @@ inputs:
 Every other attribute is the wrapped engine's, so a `ReplicatedEngine` stands in for an `Engine` in
 callers that only add, abort, forget and step (the CLI, the HTTP server's engine loop). Sampling is
 identical on all processes: a request's token depends only on its logits (replicated by the engine's
-programs), its seed and its step (`serve.sampling.request_key`).
+programs), its seed and its step (`serve.engine.sampling.request_key`).
 
 Not replicated: the prefix store. Its fingerprint and its host tier read arrays whole on the host (a
 process holds only its shards), and its disk tier finishes saves asynchronously, so a checkpoint would
@@ -41,8 +41,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from serve.engine import Engine, EngineConfig, GenerateResult, RequestOutput
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine, EngineConfig, GenerateResult, RequestOutput
+from serve.engine.sampling import SamplingParams
 
 
 class ReplicatedEngineError(RuntimeError):

@@ -40,9 +40,9 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve.engine import Engine, RequestError, check_cache_salt
-from serve.metrics import ServerMetrics
-from serve.sampling import SamplingError, SamplingParams
+from serve.engine.engine import Engine, RequestError, check_cache_salt
+from serve.engine.sampling import SamplingError, SamplingParams
+from serve.http.metrics import ServerMetrics
 
 log = logging.getLogger("jaxhybrid.server")
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from serve.commands.common import DTYPES, add_config_arg, add_engine_args, add_prefix_args, prefix_config
+from serve.cli.common import DTYPES, add_config_arg, add_engine_args, add_prefix_args, prefix_config
 
 REQUEST_FIELDS = ("prompt_ids", "cache_salt")
 SAMPLING_FIELDS = (
@@ -80,7 +80,7 @@ def load_on_mesh(args: argparse.Namespace, multi: bool) -> tuple[Any, Any]:
         )
     model = load_model(args)
     if mesh is not None:
-        from serve.sharded import shard_model
+        from sharding.placement import shard_model
 
         shard_model(model, mesh)  # expert parallelism installed where the expert axis divides the experts
     return model, mesh
@@ -103,10 +103,10 @@ def stdout_to_stderr() -> Iterator[None]:
 
 def run_replicated(args: argparse.Namespace, model: Any, mesh: Any, tokenizer: Any) -> list[Any] | None:
     """Several processes (`--coordinator/--num-processes/--process-id`): every process runs the engine on
-    the same requests in lockstep (`serve.replicated`); process 0 reads the prompts and gets the results,
-    the others follow, print one summary line to stderr and return None."""
-    from serve.engine import Engine
-    from serve.replicated import ReplicatedEngine, check_engine_config
+    the same requests in lockstep (`serve.engine.replicated`); process 0 reads the prompts and gets the
+    results, the others follow, print one summary line to stderr and return None."""
+    from serve.engine.engine import Engine
+    from serve.engine.replicated import ReplicatedEngine, check_engine_config
 
     rep = ReplicatedEngine(Engine(model, check_engine_config(engine_config(args)), mesh=mesh))
     if not rep.is_leader:
@@ -126,7 +126,7 @@ def run_replicated(args: argparse.Namespace, model: Any, mesh: Any, tokenizer: A
 
 
 def engine_config(args: argparse.Namespace) -> Any:
-    from serve.engine import EngineConfig
+    from serve.engine.engine import EngineConfig
 
     return EngineConfig(
         max_slots=args.slots,
@@ -142,7 +142,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 
 def sampling_from(args: argparse.Namespace, overrides: dict[str, Any], where: str) -> Any:
-    from serve.sampling import SamplingParams
+    from serve.engine.sampling import SamplingParams
 
     unknown = sorted(set(overrides) - set(SAMPLING_FIELDS))
     if unknown:
@@ -205,8 +205,8 @@ def run(args: argparse.Namespace) -> int:
 
     from jaxhybrid.config import ConfigError
     from jaxhybrid.tokenizer import load_tokenizer
-    from serve.engine import Engine, RequestError
-    from serve.sampling import SamplingError
+    from serve.engine.engine import Engine, RequestError
+    from serve.engine.sampling import SamplingError
     from sharding import multihost
 
     multi = False

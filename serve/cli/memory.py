@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from serve.commands.common import DTYPES, add_config_arg, fmt_bytes
+from serve.cli.common import DTYPES, add_config_arg, fmt_bytes
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ whose KV blocks are present and that ends at a checkpoint.
 Tiers: checkpoint states live on the device until the device budget is exceeded, then are demoted to
 host memory (numpy), then dropped (LRU in each tier). Cached KV blocks live in the engine's pool and
 are evicted (LRU, only those no running request holds) when the pool runs out. With `store_dir` set,
-every checkpoint is also written through to disk (`serve.prefix_disk`: Orbax, in the background) with
+every checkpoint is also written through to disk (`serve.prefix.disk`: Orbax, in the background) with
 the KV of its whole prefix, so it still hits after it left memory, its blocks left the pool, or the
 engine restarted; the disk tier has its own budget (LRU).
 """
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from serve.prefix_disk import DiskEntry, DiskTier, namespace
+from serve.prefix.disk import DiskEntry, DiskTier, namespace
 
 
 @dataclasses.dataclass

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from serve.commands.common import DTYPES, add_config_arg, add_engine_args, add_prefix_args, setup_logging
-from serve.commands.generate import UsageError, engine_config, load_on_mesh
+from serve.cli.common import DTYPES, add_config_arg, add_engine_args, add_prefix_args, setup_logging
+from serve.cli.generate import UsageError, engine_config, load_on_mesh
 
 log = logging.getLogger("jaxhybrid.serve")
 IDLE_WAIT_S = 0.05  # several processes: an idle leader steps (and wakes the followers) this often
@@ -77,11 +77,11 @@ def _server_class() -> type:
 
 
 def serve_replicated(args: argparse.Namespace, engine: Any, tokenizer: Any) -> int:
-    """Several processes: every process runs the engine in lockstep (`serve.replicated`). Process 0 serves
-    HTTP and owns the intake; the others follow until process 0 shuts down. When a peer died, the
+    """Several processes: every process runs the engine in lockstep (`serve.engine.replicated`). Process 0
+    serves HTTP and owns the intake; the others follow until process 0 shuts down. When a peer died, the
     collectives and JAX's distributed shutdown would wait for it: the exit is bounded by
     `--shutdown-timeout` instead (a follower whose leader died is ended by JAX at once)."""
-    from serve.replicated import ReplicatedEngine
+    from serve.engine.replicated import ReplicatedEngine
     from sharding import multihost
 
     rep = ReplicatedEngine(engine, idle_wait_s=IDLE_WAIT_S)
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
 
     from jaxhybrid.config import ConfigError
     from jaxhybrid.tokenizer import TokenizerError, load_tokenizer
-    from serve.engine import Engine
+    from serve.engine.engine import Engine
     from sharding import multihost
 
     if not args.model and not args.config:
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
             log.warning("no tokenizer for this model: only token-id prompts on /v1/completions will work")
         cfg = engine_config(args)
         if multi:
-            from serve.replicated import check_engine_config
+            from serve.engine.replicated import check_engine_config
 
             cfg = check_engine_config(cfg)
         engine = Engine(model, cfg, mesh=mesh)
@@ -195,7 +195,7 @@ def serve_http(args: argparse.Namespace, engine: Any, tokenizer: Any) -> tuple[i
     (exit status, why the engine went down or None)."""
     import uvicorn
 
-    from serve.server import create_app
+    from serve.http.app import create_app
 
     cfg = engine.config
     name = model_name(args)

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from serve.commands.common import add_config_arg
+from serve.cli.common import add_config_arg
 
 
 def run(args: argparse.Namespace) -> int:

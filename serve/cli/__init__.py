@@ -1,4 +1,4 @@
-"""The `jaxhybrid` command line: one entry point, one module per subcommand in `serve/commands/`."""
+"""The `jaxhybrid` command line: one entry point, one module per subcommand in this package."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from serve.commands import bench, convert, generate, info, memory, serve, train
+from serve.cli import bench, convert, generate, info, memory, serve, train
 
 COMMANDS = (info, generate, bench, convert, memory, serve, train)
 

@@ -85,7 +85,7 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
 
 
 def prefix_config(args: argparse.Namespace):  # -> PrefixStoreConfig | None
-    from serve.prefix_store import PrefixStoreConfig
+    from serve.prefix.store import PrefixStoreConfig
 
     if args.no_prefix_cache:
         if args.store_dir:

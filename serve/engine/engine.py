@@ -30,9 +30,9 @@ from flax import nnx
 from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, PagedMLACache, kda_state_bytes, kda_zero_state
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import HybridLM
-from serve.blocks import BlockAllocator
-from serve.prefix_store import Checkpoint, Lookup, PrefixStore, PrefixStoreConfig, fingerprint
-from serve.sampling import SamplingError, SamplingParams, batch_arrays, sample
+from serve.engine.blocks import BlockAllocator
+from serve.engine.sampling import SamplingError, SamplingParams, batch_arrays, sample
+from serve.prefix.store import Checkpoint, Lookup, PrefixStore, PrefixStoreConfig, fingerprint
 
 log = logging.getLogger("jaxhybrid.engine")
 
@@ -261,7 +261,7 @@ class Engine:
     `abort` for incremental use (the HTTP server)."""
 
     def __init__(self, model: HybridLM, config: EngineConfig | None = None, mesh: Any = None):
-        """`mesh`: a device mesh the model's parameters are already sharded over (`serve.sharded`); the
+        """`mesh`: a device mesh the model's parameters are already sharded over (`sharding.placement`); the
         cache pools are then laid out on it too (KDA heads on `tensor`, slots on `data`/`expert`)."""
         self.model_config: ModelConfig = model.config
         self.mesh = mesh
@@ -291,7 +291,7 @@ class Engine:
         graphdef, self.params = nnx.split(model)
         self.pool_shardings = None
         if mesh is not None:
-            from serve.sharded import pool_shardings
+            from sharding.placement import pool_shardings
 
             self.pool_shardings = pool_shardings(
                 cfg, mesh, slots=config.max_slots, num_blocks=num_blocks, block_size=config.block_size
