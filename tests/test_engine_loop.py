@@ -125,14 +125,14 @@ def test_a_client_that_leaves_during_submission_does_not_leave_its_request_runni
 
 def test_a_request_that_fails_fails_alone(running, model, monkeypatch):
     engine, loop, col = running
-    lookup = engine.store.lookup
+    match = engine.store.match
 
     def broken(tokens, salt):
         if salt == "poison":
             raise OSError("injected: the prefix store failed for this request")
-        return lookup(tokens, salt)
+        return match(tokens, salt)
 
-    monkeypatch.setattr(engine.store, "lookup", broken)
+    monkeypatch.setattr(engine.store, "match", broken)
     prompts = {"a": [5, 6, 7, 8], "b": [9, 10, 11], "c": [12, 13, 14, 15, 16]}
     hold(loop, 0.2)  # all three join one step
     for rid, prompt in prompts.items():
@@ -152,22 +152,22 @@ def test_a_request_that_fails_fails_alone(running, model, monkeypatch):
 
 def test_failing_steps_end_their_requests_then_the_engine_goes_down(running, monkeypatch):
     engine, loop, col = running
-    real = engine.run_program
+    real = engine.runner.run_program
 
     def flaky(tokens, *args):
         if tokens.shape[1] == 1:  # the decode program (all slots): no single request to blame
             raise RuntimeError("injected device failure")
         return real(tokens, *args)
 
-    monkeypatch.setattr(engine, "run_program", flaky)
+    monkeypatch.setattr(engine.runner, "run_program", flaky)
     assert loop.submit([5, 6, 7], GREEDY, "x", None, col.sink("x")).result(10) == "x"
     ev = col.events("x")[-1]
     assert ev.finish_reason == "error" and "injected device failure" in ev.error
     assert loop.health() is None and loop.step_failures == 1  # one failed step: contained
-    monkeypatch.setattr(engine, "run_program", real)
+    monkeypatch.setattr(engine.runner, "run_program", real)
     assert loop.submit([5, 6, 7], GREEDY, "y", None, col.sink("y")).result(10) == "y"
     assert col.events("y")[-1].finish_reason == "length" and loop.step_failures == 0
-    monkeypatch.setattr(engine, "run_program", flaky)
+    monkeypatch.setattr(engine.runner, "run_program", flaky)
     for i in range(loop.max_step_failures):
         rid = f"z{i}"
         assert loop.submit([5, 6, 7], GREEDY, rid, None, col.sink(rid)).result(10) == rid

@@ -21,8 +21,8 @@ def _array_bytes(tree) -> int:
 
 def _pool_bytes(engine: Engine) -> tuple[int, int]:
     """(bytes of one KV block over all MLA layers, bytes of one slot's KDA states), from the pool arrays."""
-    kv_pools = [p for p in engine.pools if not isinstance(p, KDACache)]
-    state_pools = [p for p in engine.pools if isinstance(p, KDACache)]
+    kv_pools = [p for p in engine.runner.pools if not isinstance(p, KDACache)]
+    state_pools = [p for p in engine.runner.pools if isinstance(p, KDACache)]
     block_bytes = sum(p.nbytes for p in kv_pools) // kv_pools[0].shape[0]
     slot_bytes = sum(p.conv.nbytes + p.state.nbytes for p in state_pools) // engine.config.max_slots
     return block_bytes, slot_bytes
@@ -52,7 +52,7 @@ def test_live_ledger_matches_the_analytic_report():
     assert req.num_computed == context and req.status == "running"  # prefilled, first token sampled
 
     block_bytes, slot_bytes = _pool_bytes(engine)  # what the engine's arrays really take
-    checkpoints = list(engine.store.checkpoints.values())
+    checkpoints = list(engine.store.checkpoints)
     held = sum(
         _array_bytes(ck.states) + (0 if ck.tail_kv is None else _array_bytes(ck.tail_kv))
         for ck in checkpoints

@@ -198,10 +198,14 @@ def test_other_models_and_layouts_never_match(model, tmp_path):
     got = b.generate([prompt + [7, 8]], greedy())[0]
     assert got.stats["prefix_hit_tokens"] == 0
     assert got.token_ids == engine(other, None).generate([prompt + [7, 8]], greedy())[0].token_ids
-    fp, bb = a.store.fingerprint, a.block_bytes
+    shape = dict(block_size=BS, block_bytes=a.block_bytes, state_bytes=a.state_bytes_per_slot)
+
+    def store(layout):
+        return PrefixStore(cfg, **shape, fingerprint=a.store.fingerprint, allocator=a.allocator, layout=layout)
+
     for layout in ("bs8-bfloat16", "bs16-float32"):  # another KV dtype or block size: another namespace
-        assert not PrefixStore(cfg, BS, fp, bb, layout).disk.entries
-    assert len(PrefixStore(cfg, BS, fp, bb, "bs8-float32").disk.entries) == 1
+        assert not store(layout).disk.entries
+    assert len(store("bs8-float32").disk.entries) == 1
 
 
 def test_budgets_demote_then_drop_and_disk_keeps_serving(model, tmp_path):
@@ -240,7 +244,7 @@ def test_a_second_process_on_the_store_directory_gets_a_clear_error(model, tmp_p
     ns_dir = engine(model, cfg).store.disk.dir  # this process holds the namespace now
     holder = (
         "import sys, time; from serve.prefix.disk import DiskTier, StoreLocked\n"
-        "try:\n    DiskTier(sys.argv[1], sys.argv[2], b'x', 8, 1 << 20, 4, 1 << 20, {})\n"
+        "try:\n    DiskTier(sys.argv[1], sys.argv[2], b'x', 8, 1 << 20, 4, 1 << 20)\n"
         "except StoreLocked as exc:\n    print('LOCKED', exc); sys.exit(3)\n"
     )
     out = subprocess.run(
@@ -256,7 +260,7 @@ def test_a_second_process_on_the_store_directory_gets_a_clear_error(model, tmp_p
             sys.executable,
             "-c",
             "import sys, time; from serve.prefix.disk import DiskTier\n"
-            "DiskTier(sys.argv[1], 'ns', b'x', 8, 1 << 20, 4, 1 << 20, {}); print('held', flush=True); "
+            "DiskTier(sys.argv[1], 'ns', b'x', 8, 1 << 20, 4, 1 << 20); print('held', flush=True); "
             "time.sleep(60)",
             str(other),
         ],
@@ -266,11 +270,11 @@ def test_a_second_process_on_the_store_directory_gets_a_clear_error(model, tmp_p
     try:
         assert hold.stdout.readline().strip() == "held"
         with pytest.raises(StoreLocked, match=f"pid {hold.pid}"):
-            DiskTier(other, "ns", b"x", 8, 1 << 20, 4, 1 << 20, {})
+            DiskTier(other, "ns", b"x", 8, 1 << 20, 4, 1 << 20)
     finally:
         hold.kill()
         hold.wait()
-    DiskTier(other, "ns", b"x", 8, 1 << 20, 4, 1 << 20, {}).close()  # free again once the holder died
+    DiskTier(other, "ns", b"x", 8, 1 << 20, 4, 1 << 20).close()  # free again once the holder died
 
 
 def test_a_full_disk_stops_writing_warns_once_and_keeps_serving(model, tmp_path, monkeypatch, caplog):

@@ -173,8 +173,8 @@ def test_remembered_tails_are_bounded_and_leave_with_their_blocks(model):
     assert again.stats["prefix_hit_tokens"] == len(prompts[-1])
     # a pool too small for anything but a new long prompt: cached blocks, and their tails, are evicted
     eng.generate([rng.integers(3, 512, 10 * BS).tolist()], greedy(1))
-    hashes = set(eng.store.blocks)
-    assert all(h in hashes or h == eng.store.root(None) for h, _ in eng.store.tails._order)
+    hashes = set(eng.store.blocks.hashes())
+    assert all(h in hashes or h == eng.store.hasher.root(None) for h, _ in eng.store.tails.keys())
 
 
 @st.composite

@@ -44,10 +44,10 @@ def test_sharded_engine_gives_the_single_device_tokens(spec, single_device_token
     eng = Engine(model, ENGINE, mesh=mesh)
     assert [r.token_ids for r in eng.generate(prompts(), GREEDY)] == single_device_tokens
     # the pools stay in their shardings through the donated program
-    for pool, want in zip(eng.pools, eng.pool_shardings, strict=True):
+    for pool, want in zip(eng.runner.pools, eng.runner.pool_shardings, strict=True):
         for leaf, sharding in zip(jax.tree.leaves(pool), jax.tree.leaves(want), strict=True):
             assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
-    state = eng.pools[0].state  # [slots, heads, d, d]
+    state = eng.runner.pools[0].state  # [slots, heads, d, d]
     shard_rows = state.addressable_shards[0].data.shape[0]
     assert shard_rows == 8 // (mesh.shape["data"] * mesh.shape["expert"])  # slots split over data x expert
     experts = model.model.layers[1].block_sparse_moe.experts.w1[

@@ -83,7 +83,7 @@ def decode_step(engine: Any, batch: int, context: int, blocks_per_seq: int) -> C
     import numpy as np
 
     nblocks = -(-(context + 1) // engine.config.block_size)
-    width = next(w for w in engine.table_buckets if w >= nblocks)
+    width = engine.shape.table_width(nblocks)
     tables = np.zeros((batch, width), np.int32)
     for b in range(batch):
         tables[b, :nblocks] = 1 + b * blocks_per_seq + np.arange(nblocks)
@@ -92,7 +92,7 @@ def decode_step(engine: Any, batch: int, context: int, blocks_per_seq: int) -> C
 
     def step() -> float:
         t0 = time.perf_counter()
-        engine.run_program(tokens, slots, tables, start, valid).block_until_ready()
+        engine.runner.run_program(tokens, slots, tables, start, valid).block_until_ready()
         return time.perf_counter() - t0
 
     return step

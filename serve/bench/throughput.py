@@ -195,11 +195,11 @@ def measure(
 
     def prefill(length: int) -> Callable[[], None]:
         nblocks = math.ceil(length / block_size)
-        table = np.zeros((1, next(w for w in engine.table_buckets if w >= nblocks)), np.int32)
+        table = np.zeros((1, engine.shape.table_width(nblocks)), np.int32)
         table[0, :nblocks] = 1 + np.arange(nblocks)
         tokens = (np.arange(length, dtype=np.int32) % (cfg.vocab_size - 3) + 3)[None]
         zero, valid = np.zeros((1,), np.int32), np.full((1,), length, np.int32)
-        return lambda: engine.run_program(tokens, zero, table, zero, valid).block_until_ready()
+        return lambda: engine.runner.run_program(tokens, zero, table, zero, valid).block_until_ready()
 
     prefill_rows = []
     for length in prompt_lengths:

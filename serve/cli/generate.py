@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
             requests = collect_requests(args, tokenizer)
             engine = Engine(model, engine_config(args), mesh=mesh)
             for prompt, params, _ in requests:  # validate every line before serving any
-                engine._validate(prompt, params, None)
+                engine.validate(prompt, params)
             ids = [engine.add_request(prompt, params, cache_salt=salt) for prompt, params, salt in requests]
             while engine.has_unfinished():
                 engine.step()

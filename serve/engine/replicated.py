@@ -19,10 +19,10 @@ inputs:
   engines to the leader's state; then every process runs `Engine.step`.
 * The leader consumes the outputs; followers run `follow()` (step until the leader closes).
 
-Every other attribute is the wrapped engine's, so a `ReplicatedEngine` stands in for an `Engine` in
-callers that only add, abort, forget and step (the CLI, the HTTP server's engine loop). Sampling is
-identical on all processes: a request's token depends only on its logits (replicated by the engine's
-programs), its seed and its step (`serve.engine.sampling.request_key`).
+It implements `serve.engine.engine.EngineAPI`, so it stands in for an `Engine` in the CLI and the HTTP
+server's engine loop; what is not replicated (results, ledgers, validation) reads the local engine.
+Sampling is identical on all processes: a request's token depends only on its logits (replicated by the
+engine's programs), its seed and its step (`serve.engine.sampling.request_key`).
 
 Not replicated: the prefix store. Its fingerprint and its host tier read arrays whole on the host (a
 process holds only its shards), and its disk tier finishes saves asynchronously, so a checkpoint would
@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from serve.engine.engine import Engine, EngineConfig, GenerateResult, RequestOutput
+from serve.engine.requests import QueueState
 from serve.engine.sampling import SamplingParams
 
 
@@ -85,8 +86,39 @@ class ReplicatedEngine:
         self._close = False
         self.broadcast_bytes = 0  # payload bytes broadcast so far (without padding)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
+    # --- EngineAPI: what is not replicated reads the local engine ----------------------------------------
+    @property
+    def model_config(self) -> Any:
+        return self.engine.model_config
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self.engine.validate(prompt_ids, params)
+
+    def active_requests(self) -> list[Any]:
+        return self.engine.active_requests()
+
+    def queue_state(self) -> QueueState:
+        return self.engine.queue_state()
+
+    def result(self, request_id: str) -> GenerateResult:
+        return self.engine.result(request_id)
+
+    def flush(self) -> None:
+        self.engine.flush()
+
+    def ledger(self) -> dict[str, Any]:
+        return self.engine.ledger()
+
+    def memory(self) -> dict[str, Any]:
+        return self.engine.memory()
 
     # --- intake (leader only) -------------------------------------------------------------------------
     def _leader_only(self, what: str) -> None:
@@ -216,7 +248,7 @@ class ReplicatedEngine:
             return None
         try:
             for prompt, params, _ in requests:
-                self.engine._validate(prompt, params, None)
+                self.engine.validate(prompt, params)
         except Exception:
             self.close()  # release the followers
             self.step()

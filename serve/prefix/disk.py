@@ -48,6 +48,8 @@ from typing import Any
 
 import numpy as np
 
+from serve.prefix.stats import DiskStats
+
 FORMAT = 2  # 2: the namespace carries the format version
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -195,7 +197,7 @@ class DiskTier:
         budget: int,
         max_pending: int,
         max_pending_bytes: int,
-        stats: dict[str, Any],
+        stats: DiskStats | None = None,
     ):
         self.dir = Path(root).resolve() / namespace
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +208,7 @@ class DiskTier:
         self.budget = budget
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
-        self.stats = stats
+        self.stats = stats if stats is not None else DiskStats()
         self.entries: OrderedDict[bytes, DiskEntry] = OrderedDict()  # LRU order
         self.block_refs: dict[bytes, int] = {}  # full-block chain hash -> entries holding its KV
         self.pending: dict[bytes, tuple[cf.Future, int]] = {}  # key -> (save, device bytes it holds)
@@ -240,7 +242,7 @@ class DiskTier:
             else:
                 found.append(entry)
         if self.ignored:
-            self.stats["disk_collected"] = self.stats.get("disk_collected", 0) + len(self.ignored)
+            self.stats.collected += len(self.ignored)
             log.info(
                 "prefix store %s: removed %d leftovers of interrupted saves (%d bytes)",
                 self.dir,
@@ -327,7 +329,7 @@ class DiskTier:
                 continue
             used -= entry.disk_bytes
             self._drop(entry)
-            self.stats["disk_dropped"] += 1
+            self.stats.dropped += 1
 
     def touch(self, entry: DiskEntry) -> None:
         self.entries.move_to_end(entry.key)
@@ -344,12 +346,12 @@ class DiskTier:
             self.entries.move_to_end(key)
             return False
         if time.monotonic() < self.full_until:
-            self.stats["disk_skipped"] += 1
+            self.stats.skipped += 1
             return False
         if key in self.pending or nbytes > self.budget:
             return False
         if len(self.pending) >= self.max_pending or self.pending_bytes + nbytes > self.max_pending_bytes:
-            self.stats["disk_skipped"] += 1
+            self.stats.skipped += 1
             return False
         return True
 
@@ -421,14 +423,14 @@ class DiskTier:
             try:
                 entry, dt = fut.result()
             except Exception as exc:  # noqa: BLE001 - a failed save loses one cache entry, nothing else
-                self.stats["disk_save_errors"] += 1
-                self.stats["disk_last_error"] = f"{type(exc).__name__}: {exc}"
+                self.stats.save_errors += 1
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
                 if _is_full(exc):
                     self._disk_full(exc)
                 continue
             self._add(entry)
-            self.stats["disk_saves"] += 1
-            self.stats["disk_save_time_s"] += dt
+            self.stats.saves += 1
+            self.stats.save_time_s += dt
             new.append(entry)
         if new:
             self.enforce_budget()
@@ -440,7 +442,7 @@ class DiskTier:
     def _disk_full(self, exc: BaseException) -> None:
         """Stop writing for FULL_RETRY_S; warn once per run (the cache keeps serving from memory)."""
         self.full_until = time.monotonic() + FULL_RETRY_S
-        self.stats["disk_full"] = self.stats.get("disk_full", 0) + 1
+        self.stats.full += 1
         if not self._warned_full:
             self._warned_full = True
             log.warning(
@@ -469,8 +471,8 @@ class DiskTier:
         try:
             return fut.result()
         except Exception as exc:  # noqa: BLE001 - unreadable or damaged: drop it, recompute instead
-            self.stats["disk_restore_errors"] += 1
-            self.stats["disk_last_error"] = f"{type(exc).__name__}: {exc}"
+            self.stats.restore_errors += 1
+            self.stats.last_error = f"{type(exc).__name__}: {exc}"
             if entry.key in self.entries and not entry.holders:
                 self._drop(entry)
             return None

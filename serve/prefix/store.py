@@ -2,31 +2,37 @@
 
 MLA layers: full KV blocks are indexed by a chained hash of their tokens and shared by reference count.
 KDA layers: a state is valid only at the exact position it was taken, so the store keeps state
-checkpoints at every multiple of `checkpoint_interval` tokens and (switchable) at the end of every
-prompt and every finished sequence. A checkpoint that does not end on a block boundary keeps a copy
-of its partial last block's KV, so short and unaligned prompts hit too. A hit is the longest prefix
-whose KV blocks are present and that ends at a checkpoint.
+checkpoints at every multiple of `checkpoint_interval` tokens and (switchable) at the end of every prompt
+and every finished sequence. A checkpoint that does not end on a block boundary keeps a copy of its
+partial last block's KV, so short and unaligned prompts hit too. A hit is the longest prefix whose KV
+blocks are present and that ends at a checkpoint.
 
-Tiers: checkpoint states live on the device until the device budget is exceeded, then are demoted to
-host memory (numpy), then dropped (LRU in each tier). Cached KV blocks live in the engine's pool and
-are evicted (LRU, only those no running request holds) when the pool runs out. With `store_dir` set,
-every checkpoint is also written through to disk (`serve.prefix.disk`: Orbax, in the background) with
-the KV of its whole prefix, so it still hits after it left memory, its blocks left the pool, or the
-engine restarted; the disk tier has its own budget (LRU).
+Tiers: checkpoints live on the device until its budget is exceeded, then in host memory, then are dropped
+(`serve.prefix.checkpoints`, in an eviction policy's order). Cached KV blocks live in the engine's pool and
+are evicted (LRU, only those no running request holds) when the pool runs out. With `store_dir`, every
+checkpoint is also written through to disk with the KV of its whole prefix (`serve.prefix.disk`).
+
+The engine talks to the store through these methods only: `match`, `start_load` / `load_ready` /
+`finish_load` (a disk hit is read in the background), `attach` / `attached` / `detach` (a hit given to a
+request), `chunk_limit`, `on_computed` / `on_finished` (checkpoints and block indexing), `evict_one` /
+`evictable`, `poll`, `ledger`, `forget_blocks`, `close`. The data it keeps comes from a CheckpointSource
+(the runner): the store decides, the source copies.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
-import hashlib
 import time
-from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import numpy as np
-
+from jaxhybrid.cache import SCRATCH_BLOCK
+from serve.prefix.checkpoints import Checkpoint, CheckpointTiers, Tier
 from serve.prefix.disk import DiskEntry, DiskTier, namespace
+from serve.prefix.index import BlockIndex, ChainHasher, TailIndex
+from serve.prefix.policies import POLICIES, make_policy
+from serve.prefix.stats import LookupStats, MemoryStats, flatten
 
 
 @dataclasses.dataclass
@@ -42,6 +48,7 @@ class PrefixStoreConfig:
     disk_max_pending: int = 64  # saves queued at most; a checkpoint beyond that is not written
     disk_max_pending_bytes: int = 1 << 30  # and the device bytes those queued saves may hold
     max_tails: int = 16384  # partial blocks remembered (for how far a prompt matches), least recent dropped
+    eviction: str = "lru"  # the memory tiers' eviction policy (serve.prefix.policies)
 
     def validate(self, block_size: int) -> None:
         if self.checkpoint_interval < 1 or self.checkpoint_interval % block_size:
@@ -49,43 +56,51 @@ class PrefixStoreConfig:
                 f"checkpoint_interval ({self.checkpoint_interval}) must be a positive multiple of "
                 f"the block size ({block_size})"
             )
-        for name in ("device_bytes", "host_bytes", "disk_bytes", "disk_max_pending_bytes"):
+        for name in ("device_bytes", "host_bytes", "disk_bytes", "disk_max_pending_bytes", "max_tails"):
             if getattr(self, name) < 0:
                 raise ValueError(f"prefix store setting '{name}' must be >= 0")
         if self.disk_max_pending < 1:
             raise ValueError("prefix store setting 'disk_max_pending' must be >= 1")
-        if self.max_tails < 0:
-            raise ValueError("prefix store setting 'max_tails' must be >= 0")
+        if self.eviction not in POLICIES:
+            raise ValueError(f"unknown eviction policy {self.eviction!r} (known: {', '.join(POLICIES)})")
         if self.store_dir is not None and Path(self.store_dir).exists() and not Path(self.store_dir).is_dir():
             raise ValueError(f"prefix store directory '{self.store_dir}' is not a directory")
 
 
+class Sequence_(Protocol):
+    """What the store reads of a request."""
+
+    prompt: list[int]
+    num_computed: int
+    blocks: list[int]
+    slot: int | None
+    cache_salt: str | None
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+
+class CheckpointSource(Protocol):
+    """Where the store's copies come from (the engine's runner)."""
+
+    def take(self, slot: int, block: int) -> tuple[Any, Any]: ...
+
+    def gather(self, blocks: list[int]) -> Any: ...
+
+    def gathered_bytes(self, blocks: int) -> int: ...
+
+    def to_host(self, tree: Any) -> Any: ...
+
+
 @dataclasses.dataclass
-class Checkpoint:
-    """KDA states after `position` tokens (+ the partial last block's KV when position % block_size)."""
-
-    key: bytes
-    position: int
-    states: Any  # per KDA layer (conv, state): device arrays, or numpy on the host tier
-    tail_kv: Any  # per MLA layer [block_size, latent] (first position % block_size rows valid), or None
-    nbytes: int
-    tier: str  # "device" | "host"
-    kind: str  # "interval" | "prompt_end" | "sequence_end"
-    holders: int = 0  # running requests restoring from it right now (never evicted while > 0)
-    logits: Any = (
-        None  # [vocab] next-token logits at `position` (prompt ends): an identical prompt hits fully
-    )
-
-
-@dataclasses.dataclass
-class Lookup:
-    """A prompt match: reuse `hit` tokens (blocks + checkpoint), recompute the rest of `matched`. A disk
-    hit has `disk` set instead of `checkpoint`; `blocks` are then the leading blocks already in the pool."""
+class Hit:
+    """A prompt match: reuse `hit` tokens (blocks + checkpoint), recompute the rest of `matched`. A disk hit
+    has `disk` set instead of `checkpoint`; `blocks` are then the leading blocks already in the pool."""
 
     hit: int
     matched: int
     blocks: list[int]
-    checkpoint: Checkpoint | None
+    checkpoint: Checkpoint | None = None
     disk: DiskEntry | None = None
 
     @property
@@ -93,157 +108,86 @@ class Lookup:
         return max(0, self.matched - self.hit)
 
 
-class TailIndex:
-    """The partial blocks (token tuples) seen after each chain hash, so a lookup knows how far a prompt
-    matches beyond its full blocks (the recompute a hit leaves). At most `limit` entries: the least
-    recently seen go first, and a block's entries go with the block (`drop`)."""
+@dataclasses.dataclass
+class Load:
+    """A disk hit being read in the background."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._order: OrderedDict[tuple[bytes, tuple[int, ...]], None] = OrderedDict()
-        self._by_hash: dict[bytes, set[tuple[int, ...]]] = {}
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def add(self, chain_hash: bytes, tail: tuple[int, ...]) -> None:
-        key = (chain_hash, tail)
-        if key in self._order:
-            self._order.move_to_end(key)
-            return
-        self._order[key] = None
-        self._by_hash.setdefault(chain_hash, set()).add(tail)
-        while len(self._order) > self.limit:
-            (h, t), _ = self._order.popitem(last=False)
-            self._discard(h, t)
-
-    def get(self, chain_hash: bytes) -> tuple[tuple[int, ...], ...]:
-        return tuple(self._by_hash.get(chain_hash, ()))
-
-    def drop(self, chain_hash: bytes) -> None:
-        """Forget every tail after `chain_hash` (its block left the store)."""
-        for tail in self._by_hash.pop(chain_hash, ()):
-            del self._order[(chain_hash, tail)]
-
-    def clear(self) -> None:
-        self._order.clear()
-        self._by_hash.clear()
-
-    def _discard(self, chain_hash: bytes, tail: tuple[int, ...]) -> None:
-        tails = self._by_hash[chain_hash]
-        tails.discard(tail)
-        if not tails:
-            del self._by_hash[chain_hash]
+    hit: Hit
+    future: Any
+    data: Any = None  # (states, kv of the full blocks, tail kv) once read, or None if unreadable
 
 
-def fingerprint(config_json: str, leaves: list[np.ndarray]) -> bytes:
-    """Model identity: the config and a sample of every weight's bytes (first and last 4 KiB)."""
-    h = hashlib.sha256(config_json.encode())
-    for leaf in leaves:
-        raw = np.ascontiguousarray(leaf).view(np.uint8).reshape(-1)
-        h.update(
-            str(leaf.shape).encode() + str(leaf.dtype).encode() + raw[:4096].tobytes() + raw[-4096:].tobytes()
-        )
-    return h.digest()
+@dataclasses.dataclass
+class Attachment:
+    """A hit given to a request: `layout` per full block of the prefix (a shared pool block, or None where
+    the request needs a fresh block filled with `fill_kv[:, j]`), and what goes into its slot."""
+
+    hit: Hit
+    layout: list[int | None]
+    states: Any
+    tail_kv: Any
+    logits: Any = None
+    fill_kv: Any = None  # per MLA layer [full blocks, block_size, latent] from disk
 
 
 class PrefixStore:
     def __init__(
         self,
         config: PrefixStoreConfig,
+        *,
         block_size: int,
-        model_fingerprint: bytes,
         block_bytes: int,
+        state_bytes: int,
+        fingerprint: bytes,
+        allocator: Any,
         layout: str = "",
     ):
-        self.config = config
-        self.block_size = block_size
-        self.fingerprint = model_fingerprint
-        self.block_bytes = block_bytes
-        self.blocks: OrderedDict[bytes, int] = (
-            OrderedDict()
-        )  # full-block chain hash -> pool block (LRU order)
-        self.block_hash_of: dict[int, bytes] = {}
-        self.checkpoints: OrderedDict[bytes, Checkpoint] = OrderedDict()  # LRU order
-        self.tails = TailIndex(config.max_tails)  # chain hash -> partial tails seen after it
-        self.stats = {
-            "lookups": 0,
-            "hits": 0,
-            "hit_tokens": 0,
-            "recomputed_tokens": 0,
-            "saves": 0,
-            "save_time_s": 0.0,
-            "restores": 0,
-            "restore_time_s": 0.0,
-            "demotions": 0,
-            "dropped_checkpoints": 0,
-            "evicted_blocks": 0,
-            "disk_saves": 0,
-            "disk_save_time_s": 0.0,
-            "disk_restores": 0,
-            "disk_restore_time_s": 0.0,
-            "disk_dropped": 0,
-            "disk_skipped": 0,
-            "disk_save_errors": 0,
-            "disk_restore_errors": 0,
-        }
+        config.validate(block_size)
+        self.config, self.block_size = config, block_size
+        self.block_bytes, self.state_bytes = block_bytes, state_bytes
+        self.fingerprint = fingerprint
+        self.hasher = ChainHasher(fingerprint, block_size)
+        self.blocks = BlockIndex(allocator)
+        self.tails = TailIndex(config.max_tails)
+        self.lookups, self.memory_stats = LookupStats(), MemoryStats()
+        self.checkpoints = CheckpointTiers(
+            config.device_bytes, config.host_bytes, make_policy(config.eviction), self.memory_stats
+        )
         self.disk: DiskTier | None = None
-        if config.store_dir is not None:
-            # entries are only valid for this model and this cache layout (block size, KV dtype)
+        if config.store_dir is not None:  # entries are valid only for this model and cache layout
             self.disk = DiskTier(
                 config.store_dir,
-                namespace(model_fingerprint, layout),
-                model_fingerprint,
+                namespace(fingerprint, layout),
+                fingerprint,
                 block_size,
                 config.disk_bytes,
                 config.disk_max_pending,
                 config.disk_max_pending_bytes,
-                self.stats,
             )
             for entry in self.disk.entries.values():
                 self._note_disk_tail(entry)
 
-    # --- hashing ---------------------------------------------------------------------------------
-    def root(self, salt: str | None) -> bytes:
-        return hashlib.sha256(self.fingerprint + b"salt:" + (salt or "").encode()).digest()
-
-    def chain(self, tokens: list[int], salt: str | None) -> list[bytes]:
-        """h_0 = root; h_i = sha256(h_{i-1} || fingerprint || salt || tokens of block i), full blocks only."""
-        out = [self.root(salt)]
-        salt_b = (salt or "").encode()
-        for i in range(len(tokens) // self.block_size):
-            block = np.asarray(tokens[i * self.block_size : (i + 1) * self.block_size], np.int64).tobytes()
-            out.append(hashlib.sha256(out[-1] + self.fingerprint + salt_b + block).digest())
-        return out
-
-    @staticmethod
-    def checkpoint_key(chain_hash: bytes, tail: tuple[int, ...]) -> bytes:
-        return hashlib.sha256(chain_hash + b"tail:" + np.asarray(tail, np.int64).tobytes()).digest()
-
-    # --- lookup ----------------------------------------------------------------------------------
-    def lookup(self, tokens: list[int], salt: str | None) -> Lookup:
+    # --- matching --------------------------------------------------------------------------------------
+    def match(self, tokens: list[int], salt: str | None) -> Hit:
         """Longest reusable prefix of `tokens`: all of them when a checkpoint at their end kept its next-token
         logits, else at most len - 1 (one token is left to produce logits)."""
-        self.stats["lookups"] += 1
-        limit = len(tokens) - 1
-        chain = self.chain(tokens, salt)
-        disk = self.disk
+        self.lookups.lookups += 1
+        limit, bs, disk = len(tokens) - 1, self.block_size, self.disk
+        chain = self.hasher.chain(tokens, salt)
         nb = 0  # full blocks in the pool
         while nb + 1 < len(chain) and chain[nb + 1] in self.blocks:
             nb += 1
         reach = nb  # full blocks in the pool or inside a disk entry
-        if disk is not None:
-            while reach + 1 < len(chain) and (
-                chain[reach + 1] in self.blocks or chain[reach + 1] in disk.block_refs
-            ):
-                reach += 1
-        bs = self.block_size
-        # how far the match goes: full blocks, then the longest partial tail seen after them
-        matched = reach * bs
+        while (
+            disk is not None
+            and reach + 1 < len(chain)
+            and (chain[reach + 1] in self.blocks or chain[reach + 1] in disk.block_refs)
+        ):
+            reach += 1
+        matched = reach * bs  # how far the match goes: full blocks, then the longest partial tail seen
         for tail in self.tails.get(chain[reach]):
-            r = len(tail)
-            if tuple(tokens[reach * bs : reach * bs + r]) == tail:
-                matched = max(matched, reach * bs + r)
+            if tuple(tokens[reach * bs : reach * bs + len(tail)]) == tail:
+                matched = max(matched, reach * bs + len(tail))
         matched = min(matched, limit)
         best: tuple[int, Checkpoint | DiskEntry] | None = None
         end_blocks = len(tokens) // bs
@@ -251,110 +195,174 @@ class PrefixStore:
             end_blocks <= nb
         ):  # an identical earlier prompt whose checkpoint kept its logits: nothing to compute
             ck = self.checkpoints.get(
-                self.checkpoint_key(chain[end_blocks], tuple(tokens[end_blocks * bs :]))
+                self.hasher.checkpoint_key(chain[end_blocks], tokens[end_blocks * bs :])
             )
             if ck is not None and ck.logits is not None:
-                best = (len(tokens), ck)
-                matched = len(tokens)
+                best, matched = (len(tokens), ck), len(tokens)
         for i in range(reach, -1, -1):
             if best is not None:
                 break
-            base = i * bs
-            if base > limit:
+            if i * bs > limit:
                 continue
-            for r in range(min(bs - 1, limit - base), -1, -1):
-                key = self.checkpoint_key(chain[i], tuple(tokens[base : base + r]))
+            for r in range(min(bs - 1, limit - i * bs), -1, -1):
+                key = self.hasher.checkpoint_key(chain[i], tokens[i * bs : i * bs + r])
                 # a checkpoint in memory needs its blocks in the pool; a disk entry carries its own
                 ck = self.checkpoints.get(key) if i <= nb else None
                 if ck is None and disk is not None:
                     ck = disk.entries.get(key)
                 if ck is not None:
-                    best = (base + r, ck)
+                    best = (i * bs + r, ck)
                     break
-            if best is not None:
-                break
         if best is None:
-            return Lookup(0, matched, [], None)
+            return Hit(0, matched, [])
         pos, ck = best
-        in_pool = min(nb, pos // bs)
-        blocks = [self.blocks[chain[j]] for j in range(1, in_pool + 1)]
-        for j in range(in_pool, 0, -1):  # deepest first, so LRU eviction trims chains from their ends
-            self.blocks.move_to_end(chain[j])
+        used = chain[1 : min(nb, pos // bs) + 1]
+        self.blocks.touch(used)
+        blocks = [self.blocks.get(h) for h in used]
         if isinstance(ck, DiskEntry):
-            return Lookup(pos, max(matched, pos), blocks, None, disk=ck)
-        self.checkpoints.move_to_end(ck.key)
-        return Lookup(pos, max(matched, pos), blocks, ck)
+            return Hit(pos, max(matched, pos), blocks, disk=ck)
+        self.checkpoints.used(ck.key)
+        return Hit(pos, max(matched, pos), blocks, checkpoint=ck)
 
-    def record_hit(self, found: Lookup) -> None:
-        if found.hit > 0:
-            self.stats["hits"] += 1
-        self.stats["hit_tokens"] += found.hit
-        self.stats["recomputed_tokens"] += found.recomputed
+    def start_load(self, hit: Hit) -> Load:
+        """Read a disk hit in the background (`load_ready`, then `finish_load` on the owning thread)."""
+        return Load(hit, self.disk.load_async(hit.disk))
 
-    # --- inserting -------------------------------------------------------------------------------
-    def register_blocks(self, tokens: list[int], blocks: list[int], upto: int, salt: str | None) -> list[int]:
-        """Index the full blocks covering tokens[:upto]; returns the pool blocks the store newly holds."""
-        chain = self.chain(tokens[:upto], salt)
-        newly = []
-        for i in range(len(chain) - 1, 0, -1):  # deepest first: LRU eviction trims chains from their ends
-            h = chain[i]
-            if h in self.blocks:
-                self.blocks.move_to_end(h)
-                continue
-            block = blocks[i - 1]
-            if block in self.block_hash_of:  # already indexed under its own hash
-                continue
-            self.blocks[h] = block
-            self.block_hash_of[block] = h
-            newly.append(block)
-        return newly
+    @staticmethod
+    def load_ready(load: Load) -> bool:
+        return load.future.done()
 
-    def record_tail(self, tokens: list[int], upto: int, salt: str | None) -> None:
-        """Remember the partial block after the last full block of tokens[:upto] (tokens only)."""
-        nb = upto // self.block_size
-        tail = tuple(tokens[nb * self.block_size : upto])
+    @staticmethod
+    def wait_loads(loads: list[Load], timeout: float) -> None:
+        """Wait up to `timeout` seconds for one of `loads` to finish."""
+        cf.wait([x.future for x in loads], timeout=timeout, return_when=cf.FIRST_COMPLETED)
+
+    def finish_load(self, load: Load) -> Load:
+        """The read's result in `load.data` (None: unreadable, the entry was dropped)."""
+        load.data = self.disk.finish_load(load.hit.disk, load.future)
+        return load
+
+    # --- giving a hit to a request -------------------------------------------------------------------
+    def attach(self, hit: Hit, load: Load | None = None) -> Attachment | None:
+        """Hold the hit for a request: share its pool blocks (allocator references the request releases),
+        pin its checkpoint; None when a disk hit's read failed (compute from scratch)."""
+        alloc = self.blocks.allocator
+        alloc.share(hit.blocks)
+        if hit.disk is None:
+            ck = hit.checkpoint
+            ck.holders += 1
+            return Attachment(hit, list(hit.blocks), ck.states, ck.tail_kv, ck.logits)
+        if load is None or load.data is None or load.hit.disk is not hit.disk:
+            alloc.release(hit.blocks)
+            return None
+        states, kv_full, tail = load.data
+        layout: list[int | None] = list(hit.blocks)
+        for h in hit.disk.block_hashes[len(layout) : hit.hit // self.block_size]:
+            block = self.blocks.get(h)  # indexed by another sequence meanwhile: share it
+            if block is not None:
+                alloc.share([block])
+            layout.append(block)
+        return Attachment(hit, layout, states, tail, None, kv_full)
+
+    def attached(self, seq: Sequence_, att: Attachment, source: CheckpointSource, t0: float) -> None:
+        """The request holds the prefix now (its blocks filled, its slot restored): index a disk prefix's
+        blocks, keep the disk hit in memory (host tier: it was read into host memory) for the next hit,
+        count the restore."""
+        hit = att.hit
+        if hit.disk is not None:
+            entry, n = hit.disk, hit.hit // self.block_size
+            self.blocks.register(entry.block_hashes[:n], seq.blocks[:n])
+            nbytes = self.state_bytes + (self.block_bytes if att.tail_kv is not None else 0)
+            ck = Checkpoint(entry.key, entry.position, att.states, att.tail_kv, nbytes, Tier.HOST, entry.kind)
+            self.checkpoints.add(ck, count=False)
+            self.checkpoints.enforce(source.to_host)
+            self.disk.touch(entry)
+            self.disk.stats.restores += 1
+            self.disk.stats.restore_time_s += time.perf_counter() - t0
+        self.memory_stats.restores += 1
+        self.memory_stats.restore_time_s += time.perf_counter() - t0
+        self.lookups.hits += 1
+        self.lookups.hit_tokens += hit.hit
+        self.lookups.recomputed_tokens += hit.recomputed
+        self.detach(att)
+
+    def detach(self, att: Attachment) -> None:
+        """Unpin the hit's checkpoint (after `attached`, or when the request gave the hit up)."""
+        if att.hit.checkpoint is not None and att.hit.checkpoint.holders > 0:
+            att.hit.checkpoint.holders -= 1
+
+    def missed(self, hit: Hit) -> None:
+        """Count a lookup that reuses nothing (but may have matched tokens that get recomputed)."""
+        self.lookups.recomputed_tokens += hit.recomputed
+
+    # --- checkpoints ------------------------------------------------------------------------------------
+    def chunk_limit(self, position: int) -> int:
+        """Tokens a prefill from `position` may compute before the next interval checkpoint position."""
+        interval = self.config.checkpoint_interval
+        return (position // interval + 1) * interval - position
+
+    def on_computed(self, seq: Sequence_, source: CheckpointSource, logits: Any = None) -> None:
+        """After `seq` computed up to seq.num_computed: checkpoints due there (interval multiples and the
+        prompt end, where the next-token `logits` are kept so an identical prompt needs no prefill)."""
+        at_prompt_end = self.config.prompt_end_checkpoints and seq.num_computed == len(seq.prompt)
+        keep = logits if at_prompt_end else None
+        if seq.num_computed % self.config.checkpoint_interval == 0:
+            self._checkpoint(seq, source, "interval", logits=keep)
+        elif at_prompt_end:
+            self._checkpoint(seq, source, "prompt_end", logits=keep)
+
+    def on_finished(self, seq: Sequence_, source: CheckpointSource) -> None:
+        """A sequence ended normally: index its blocks, and keep its end state (sequence-end checkpoints)."""
+        self._checkpoint(seq, source, "sequence_end", save_state=self.config.sequence_end_checkpoints)
+
+    def _checkpoint(
+        self, seq: Sequence_, source: CheckpointSource, kind: str, save_state: bool = True, logits: Any = None
+    ) -> None:
+        pos, bs = seq.num_computed, self.block_size
+        if pos == 0:
+            return
+        tokens = seq.tokens
+        key, chain = self.hasher.key_for(tokens, pos, seq.cache_salt)
+        self.blocks.register(chain[1:], seq.blocks[: len(chain) - 1])
+        tail = tuple(tokens[(pos // bs) * bs : pos])
         if tail:
-            chain = self.chain(tokens[: nb * self.block_size], salt)
             self.tails.add(chain[-1], tail)
-
-    def key_for(self, tokens: list[int], position: int, salt: str | None) -> bytes:
-        nb = position // self.block_size
-        chain = self.chain(tokens[: nb * self.block_size], salt)
-        return self.checkpoint_key(chain[-1], tuple(tokens[nb * self.block_size : position]))
-
-    def add_checkpoint(self, ck: Checkpoint) -> None:
-        old = self.checkpoints.pop(ck.key, None)
-        if old is not None and old.holders:
-            self.checkpoints[ck.key] = old  # keep the one in use
+        if not save_state:
             return
-        self.checkpoints[ck.key] = ck
-        self.stats["saves"] += 1
-
-    def promote(self, ck: Checkpoint) -> None:
-        """Bring a checkpoint restored from disk into memory (not counted as a save)."""
-        old = self.checkpoints.get(ck.key)
-        if old is not None and old.holders:
+        existing = self.checkpoints.get(key)
+        if existing is not None:
+            self.checkpoints.used(key)
+            if logits is not None and existing.logits is None:
+                existing.logits = logits
             return
-        self.checkpoints[ck.key] = ck
-        self.checkpoints.move_to_end(ck.key)
+        t0 = time.perf_counter()
+        partial = pos % bs != 0
+        states, kv = source.take(seq.slot, seq.blocks[pos // bs] if partial else SCRATCH_BLOCK)
+        nbytes = self.state_bytes + (self.block_bytes if partial else 0)
+        ck = Checkpoint(key, pos, states, kv if partial else None, nbytes, Tier.DEVICE, kind, logits=logits)
+        self.checkpoints.add(ck)
+        self.checkpoints.enforce(source.to_host)
+        num_full = pos // bs
+        meta = self._plan_disk_save(chain, tail, key, pos, kind, nbytes + num_full * self.block_bytes)
+        if meta is not None:  # write-through: the disk entry holds the KV of the whole prefix
+            kv_full, held = None, nbytes  # held: device bytes the queued save keeps alive
+            if num_full:
+                kv_full = source.gather(seq.blocks[:num_full])
+                held += source.gathered_bytes(num_full)
+            self.disk.submit(meta, (states, kv_full, num_full, kv if partial else None), held)
+        self.memory_stats.save_time_s += time.perf_counter() - t0
 
-    # --- disk tier -------------------------------------------------------------------------------
+    # --- disk tier ---------------------------------------------------------------------------------------
     def _note_disk_tail(self, entry: DiskEntry) -> None:
         if entry.tail:
             self.tails.add(entry.base, entry.tail)
 
-    def plan_disk_save(
-        self, tokens: list[int], position: int, salt: str | None, kind: str, nbytes: int
+    def _plan_disk_save(
+        self, chain: list[bytes], tail: tuple[int, ...], key: bytes, position: int, kind: str, nbytes: int
     ) -> dict[str, Any] | None:
-        """Metadata of the disk entry for the checkpoint at `position` of `tokens`, or None when it is not
-        to be written (no disk tier, already on disk or on its way, over the budget, queue full)."""
-        if self.disk is None:
-            return None
-        nb = position // self.block_size
-        chain = self.chain(tokens[: nb * self.block_size], salt)
-        tail = [int(t) for t in tokens[nb * self.block_size : position]]
-        key = self.checkpoint_key(chain[-1], tuple(tail))
-        if not self.disk.wants(key, nbytes):
+        """The disk entry's metadata, or None when it is not to be written (no disk tier, already on disk
+        or on its way, over the budget, queue full, disk full)."""
+        if self.disk is None or not self.disk.wants(key, nbytes):
             return None
         return {
             "key": key.hex(),
@@ -364,67 +372,63 @@ class PrefixStore:
             "kind": kind,
             "base": chain[-1].hex(),
             "block_hashes": [h.hex() for h in chain[1:]],
-            "tail": tail,
+            "tail": [int(t) for t in tail],
             "created": time.time(),
         }
 
-    def submit_disk_save(self, meta: dict[str, Any], payload: Any, device_bytes: int) -> None:
-        """Write a planned entry in the background. `payload` = (states, kv of the full blocks, number of
-        full blocks, partial block's KV or None), device arrays the caller no longer changes."""
-        self.disk.submit(meta, payload, device_bytes)
-
-    def poll_disk(self, wait: bool = False) -> None:
+    def poll(self, wait: bool = False) -> None:
         """Make finished disk saves visible to lookups (waiting for all of them with `wait`)."""
-        if self.disk is None:
-            return
-        for entry in self.disk.poll(wait=wait):
-            self._note_disk_tail(entry)
+        if self.disk is not None:
+            for entry in self.disk.poll(wait=wait):
+                self._note_disk_tail(entry)
 
-    def tier_bytes(self, tier: str) -> int:
-        return sum(c.nbytes for c in self.checkpoints.values() if c.tier == tier)
+    # --- KV blocks --------------------------------------------------------------------------------------
+    def evictable(self) -> int:
+        """Cached blocks only the store holds (what `evict_one` can free)."""
+        return self.blocks.evictable()
 
-    def enforce_budgets(self, to_host: Any) -> None:
-        """Demote LRU device checkpoints to the host while over the device budget, then drop LRU host ones."""
-        for tier, budget in (("device", self.config.device_bytes), ("host", self.config.host_bytes)):
-            used = self.tier_bytes(tier)
-            for ck in list(self.checkpoints.values()):
-                if used <= budget:
-                    break
-                if ck.tier != tier or ck.holders:
-                    continue
-                used -= ck.nbytes
-                if tier == "device" and ck.nbytes <= self.config.host_bytes:
-                    ck.states, ck.tail_kv = to_host(ck.states), to_host(ck.tail_kv)
-                    ck.logits = None if ck.logits is None else to_host(ck.logits)
-                    ck.tier = "host"
-                    self.stats["demotions"] += 1
-                else:
-                    del self.checkpoints[ck.key]
-                    self.stats["dropped_checkpoints"] += 1
+    def evict_one(self) -> bool:
+        """Free the least recently used cached block no request holds; False when there is none."""
+        h = self.blocks.evict_one()
+        if h is None:
+            return False
+        self.memory_stats.evicted_blocks += 1
+        if self.disk is None or h not in self.disk.block_refs:  # a disk entry may still reach it
+            self.tails.drop(h)
+        return True
 
-    def evictable_block(self, refcount: Any) -> int | None:
-        """The least recently used cached block that only the store holds, removed from the index."""
-        for h, block in self.blocks.items():
-            if refcount(block) == 1:
-                del self.blocks[h]
-                del self.block_hash_of[block]
-                if self.disk is None or h not in self.disk.block_refs:  # a disk entry may still reach it
-                    self.tails.drop(h)
-                self.stats["evicted_blocks"] += 1
-                return block
-        return None
-
-    def forget_blocks(self) -> list[int]:
-        """Drop the whole KV block index (the pool was rebuilt); returns the blocks the store held."""
-        held = list(self.blocks.values())
-        self.blocks.clear()
-        self.block_hash_of.clear()
+    def forget_blocks(self) -> None:
+        """Drop every cached block (the pool was rebuilt); checkpoints are copies and stay."""
+        self.blocks.forget_all()
         self.tails.clear()
-        return held
 
     @property
     def held_blocks(self) -> list[int]:
-        return list(self.blocks.values())
+        return self.blocks.held()
 
-    def now(self) -> float:
-        return time.perf_counter()
+    # --- accounts ---------------------------------------------------------------------------------------
+    def ledger(self, live_blocks: set[int]) -> dict[str, Any]:
+        """Bytes per tier, counts, and what reuse saved or cost (blocks in `live_blocks` count as live)."""
+        cached = [b for b in self.held_blocks if b not in live_blocks]
+        out: dict[str, Any] = {
+            "cached_kv_blocks": len(cached),
+            "cached_kv_bytes": len(cached) * self.block_bytes,
+            "checkpoint_bytes": {t: self.checkpoints.bytes(t) for t in (Tier.DEVICE, Tier.HOST)},
+            "checkpoints": {t: self.checkpoints.count(t) for t in (Tier.DEVICE, Tier.HOST)},
+            "checkpoint_interval": self.config.checkpoint_interval,
+        }
+        out["checkpoint_bytes"]["disk"] = out["checkpoints"]["disk"] = 0
+        out.update(flatten(self.lookups, self.memory_stats, None if self.disk is None else self.disk.stats))
+        disk = self.disk
+        if disk is not None:  # bytes of the committed entries (states + KV of their prefixes + files)
+            out["checkpoint_bytes"]["disk"] = disk.bytes
+            out["checkpoints"]["disk"] = len(disk.entries)
+            out["disk_pending"] = len(disk.pending)
+            out["disk_pending_bytes"] = disk.pending_bytes
+            out["disk_ignored"] = len(disk.ignored)
+            out["store_dir"] = str(disk.dir)
+        return out
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()

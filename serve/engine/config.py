@@ -1,0 +1,110 @@
+"""Engine settings (`EngineConfig`, what a user chooses) and the shape they resolve to for a model
+(`EngineShape`: pool sizes, byte counts, the static program shapes), shared by scheduler and runner."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from jaxhybrid.cache import kda_state_bytes
+from jaxhybrid.config import ModelConfig
+from serve.prefix.store import PrefixStoreConfig
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Engine shape. Either `num_blocks` or `kv_memory_bytes` sizes the KV pool (default: room for every
+    slot at `max_model_len`)."""
+
+    max_slots: int = 4
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_bytes: int | None = None
+    prefill_chunk: int = 128
+    max_model_len: int | None = None
+    max_batched_tokens: int | None = None
+    kv_dtype: str = "float32"
+    seed: int = 0
+    prefix: PrefixStoreConfig | None = dataclasses.field(default_factory=PrefixStoreConfig)
+
+    def validate(self) -> None:
+        for name in ("max_slots", "block_size", "prefill_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"engine setting '{name}' must be a positive integer, got {value!r}")
+        for name in ("num_blocks", "kv_memory_bytes", "max_model_len", "max_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(
+                    f"engine setting '{name}' must be a positive integer or unset, got {value!r}"
+                )
+        if self.num_blocks is not None and self.kv_memory_bytes is not None:
+            raise ValueError("set either num_blocks or kv_memory_bytes, not both")
+
+
+def prefill_buckets(prefill_chunk: int, smallest: int = 16) -> tuple[int, ...]:
+    """Static prefill lengths: powers of two from `smallest` up to, and including, `prefill_chunk`."""
+    sizes = [s for s in (2**i for i in range(4, 31)) if smallest <= s < prefill_chunk]
+    return (*sizes, prefill_chunk)
+
+
+def table_buckets(max_blocks: int) -> tuple[int, ...]:
+    """Static block-table widths: powers of two below `max_blocks`, then `max_blocks` itself."""
+    return (*(w for w in (2**i for i in range(31)) if w < max_blocks), max_blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineShape:
+    """What an EngineConfig means for one model: every size the scheduler and the runner share."""
+
+    slots: int
+    block_size: int
+    num_blocks: int
+    prefill_chunk: int
+    max_model_len: int
+    max_batched_tokens: int
+    kv_dtype: jnp.dtype
+    block_bytes: int  # latent KV of one block over all MLA layers
+    state_bytes: int  # KDA states of one slot over all KDA layers
+    buckets: tuple[int, ...]  # prefill program lengths
+    table_buckets: tuple[int, ...]  # block-table widths: a step reads what its longest sequence holds
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
+
+    def table_width(self, blocks: int) -> int:
+        return next(w for w in self.table_buckets if w >= blocks)
+
+    @classmethod
+    def resolve(cls, config: EngineConfig, model: ModelConfig) -> EngineShape:
+        config.validate()
+        max_model_len = config.max_model_len or min(model.max_position_embeddings, 4096)
+        kv_dtype = jnp.dtype(config.kv_dtype)
+        block_bytes = config.block_size * model.latent_dim * kv_dtype.itemsize * model.num_mla_layers
+        per_seq = math.ceil(max_model_len / config.block_size)
+        if config.num_blocks is not None:
+            num_blocks = config.num_blocks
+        elif config.kv_memory_bytes is not None:
+            num_blocks = config.kv_memory_bytes // max(block_bytes, 1)
+        else:
+            num_blocks = config.max_slots * per_seq + 1
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV budget gives {num_blocks} blocks of {block_bytes} bytes; need at least 2"
+            )
+        return cls(
+            slots=config.max_slots,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            prefill_chunk=config.prefill_chunk,
+            max_model_len=max_model_len,
+            max_batched_tokens=config.max_batched_tokens or (config.prefill_chunk + config.max_slots),
+            kv_dtype=kv_dtype,
+            block_bytes=block_bytes,
+            state_bytes=kda_state_bytes(model, kv_dtype)["total"],
+            buckets=prefill_buckets(config.prefill_chunk),
+            table_buckets=table_buckets(per_seq),
+        )

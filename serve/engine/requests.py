@@ -1,0 +1,139 @@
+"""A request's life in the engine: its typed state, what one step produced for it, its final result, and the
+checks a request must pass before it is queued."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from serve.engine.sampling import SamplingParams
+
+MAX_SALT_CHARS = 256  # a salt enters every block hash of its request: keep it short
+
+
+class RequestStatus(enum.StrEnum):
+    WAITING = "waiting"  # queued for a slot (or for its prefix to be read from disk)
+    RUNNING = "running"  # holds a slot and blocks
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # a stop token (or EOS)
+    LENGTH = "length"  # max_tokens or the context
+    ABORT = "abort"  # cancelled (client gone, shutdown)
+    ERROR = "error"  # the engine failed while serving it
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; the message names the problem. Nothing was changed."""
+
+
+def check_cache_salt(salt: object) -> None:
+    """Raise RequestError unless `salt` is None or a non-empty string of at most MAX_SALT_CHARS characters
+    that UTF-8 can encode (a lone surrogate cannot)."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise RequestError("cache_salt must be a non-empty string")
+    if len(salt) > MAX_SALT_CHARS:
+        raise RequestError(f"cache_salt must be at most {MAX_SALT_CHARS} characters, got {len(salt)}")
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError("cache_salt must be valid Unicode text (it holds a lone surrogate)") from None
+
+
+@dataclasses.dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: float
+    cache_salt: str | None = None
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    order: int = -1  # admission order (newer = larger); a readmitted request gets a new one
+    finish_reason: FinishReason | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    prefill_tokens: int = 0
+    preemptions: int = 0
+    stored_logits: Any = None  # next-token logits restored with a full prefix hit (nothing left to prefill)
+    prefix_hit_tokens: int = 0
+    recomputed_tokens: int = 0
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
+    load: Any = None  # the prefix store's read of this request's prefix from disk, while it waits for it
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose KV/state is not in the cache yet."""
+        return len(self.prompt) + len(self.generated) - self.num_computed
+
+    @property
+    def running(self) -> bool:
+        return self.status is RequestStatus.RUNNING
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": len(self.prompt),
+            "generated_tokens": len(self.generated),
+            "prefill_tokens_computed": self.prefill_tokens,
+            "prefill_time_s": self.prefill_time,
+            "decode_time_s": self.decode_time,
+            "time_to_first_token_s": None
+            if self.first_token_time is None
+            else self.first_token_time - self.arrival,
+            "total_time_s": None if self.finish_time is None else self.finish_time - self.arrival,
+            "preemptions": self.preemptions,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "finish_reason": None if self.finish_reason is None else str(self.finish_reason),
+            "error": self.error,
+        }
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one engine step produced for one request (the streaming unit)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: FinishReason | None
+    cached_tokens: int = 0  # prompt tokens reused from the prefix store
+    error: str | None = None  # set with finish_reason "error": the engine failed this request
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+    stats: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueState:
+    """How busy the engine is (what admission control looks at)."""
+
+    running: int
+    waiting: int
+    free_slots: int

@@ -1,0 +1,264 @@
+"""The runner: the cache pools, the compiled programs and their shardings. It executes what the scheduler
+planned (slot resets, prefix restores, the decode batch, prefill chunks) and gives the prefix store the
+copies it keeps (`take`, `gather`); it decides nothing.
+
+Pools: per KDA layer a state pool indexed by slot, per MLA layer a paged latent pool addressed through
+block tables. Programs are compiled once per static shape: one decode step over all slots and one prefill
+program per bucketed chunk length, each per block-table width bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, PagedMLACache, kda_zero_state
+from jaxhybrid.model import HybridLM
+from serve.engine.config import EngineShape
+from serve.engine.requests import Request
+from serve.engine.sampling import batch_arrays, sample
+
+
+@dataclasses.dataclass
+class Restore:
+    """Device copies that put a prefix hit into a request's slot before it runs: the checkpoint's KDA
+    states, its partial block's KV (into `tail_block`, or nothing), and for a hit read from disk the KV
+    of the full blocks the pool lacked (`fill_blocks` [n] <- `fill_kv` per MLA layer [n, block, latent])."""
+
+    slot: int
+    states: Any
+    tail_block: int = SCRATCH_BLOCK
+    tail_kv: Any = None
+    fill_blocks: list[int] = dataclasses.field(default_factory=list)
+    fill_kv: Any = None
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(graphdef: Any, layer_types: tuple[str, ...], pool_shardings: Any = None) -> tuple[Any, Any]:
+    """(run, sample) jitted once per model structure (and pool layout on a mesh); `run` donates the pools,
+    and on a mesh keeps them in their shardings."""
+
+    def run(params, pools, tokens, slot_ids, block_tables, start, num_valid):
+        model = nnx.merge(graphdef, params)
+        cache = tuple(
+            KDACache(conv=pool.conv[slot_ids], state=pool.state[slot_ids])
+            if kind == "kda"
+            else PagedMLACache(pool=pool, block_table=block_tables, length=start)
+            for kind, pool in zip(layer_types, pools, strict=True)
+        )
+        logits, new = model.forward_cached(tokens, cache, num_valid)
+        new_pools = tuple(
+            KDACache(
+                conv=pool.conv.at[slot_ids].set(c.conv.astype(pool.conv.dtype)),
+                state=pool.state.at[slot_ids].set(c.state.astype(pool.state.dtype)),
+            )
+            if kind == "kda"
+            else c.pool
+            for kind, pool, c in zip(layer_types, pools, new, strict=True)
+        )
+        last = jnp.maximum(num_valid - 1, 0)[:, None, None]
+        return jnp.take_along_axis(logits, last, axis=1)[:, 0].astype(jnp.float32), new_pools
+
+    if pool_shardings is None:
+        return jax.jit(run, donate_argnums=(1,)), jax.jit(sample)
+    # Logits and sampled ids replicated: every process reads them (a mesh may span several processes).
+    replicated = jax.sharding.NamedSharding(
+        jax.tree.leaves(pool_shardings)[0].mesh, jax.sharding.PartitionSpec()
+    )
+    return (
+        jax.jit(run, donate_argnums=(1,), out_shardings=(replicated, pool_shardings)),
+        jax.jit(sample, out_shardings=replicated),
+    )
+
+
+@jax.jit
+def _take(pools: tuple[Any, ...], slot: jax.Array, block: jax.Array) -> tuple[Any, Any]:
+    """Copies of one slot's KDA states and one block's latent KV (a checkpoint's content)."""
+    states = tuple((p.conv[slot], p.state[slot]) for p in pools if isinstance(p, KDACache))
+    kv = tuple(p[block] for p in pools if not isinstance(p, KDACache))
+    return states, kv
+
+
+@jax.jit
+def _gather(pools: tuple[Any, ...], blocks: jax.Array) -> tuple[Any, ...]:
+    """Copies of the latent KV of `blocks` [n], per MLA layer [n, block_size, latent] (a disk entry)."""
+    return tuple(p[blocks] for p in pools if not isinstance(p, KDACache))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _put_blocks(pools: tuple[Any, ...], blocks: jax.Array, kv: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Write per MLA layer [n, block_size, latent] KV into `blocks` [n] (a prefix loaded from disk)."""
+    kv_it = iter(kv)
+    return tuple(p if isinstance(p, KDACache) else p.at[blocks].set(next(kv_it)) for p in pools)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _put(
+    pools: tuple[Any, ...], slot: jax.Array, states: tuple[Any, ...], block: jax.Array, kv: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """Restore a checkpoint: its states into `slot`, its partial block's KV into `block`."""
+    states_it, kv_it, out = iter(states), iter(kv), []
+    for p in pools:
+        if isinstance(p, KDACache):
+            conv, state = next(states_it)
+            out.append(KDACache(conv=p.conv.at[slot].set(conv), state=p.state.at[slot].set(state)))
+        else:
+            out.append(p.at[block].set(next(kv_it)))
+    return tuple(out)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _zero_slot(pools: tuple[Any, ...], slot: jax.Array) -> tuple[Any, ...]:
+    return tuple(
+        KDACache(conv=p.conv.at[slot].set(0), state=p.state.at[slot].set(0)) if isinstance(p, KDACache) else p
+        for p in pools
+    )
+
+
+class Runner:
+    """Pools + programs for one model and one EngineShape (on `mesh` when given: the pools are laid out by
+    `sharding.placement.pool_shardings` and the programs keep them there)."""
+
+    def __init__(self, model: HybridLM, shape: EngineShape, mesh: Any = None):
+        self.shape = shape
+        self.model_config = cfg = model.config
+        graphdef, self.params = nnx.split(model)
+        self.pool_shardings = None
+        if mesh is not None:
+            from sharding.placement import pool_shardings
+
+            self.pool_shardings = pool_shardings(
+                cfg, mesh, slots=shape.slots, num_blocks=shape.num_blocks, block_size=shape.block_size
+            )
+        self._run, self._sample = _programs(graphdef, cfg.layer_types, self.pool_shardings)
+        self.pools = self._new_pools()
+
+    def _new_pools(self) -> tuple[Any, ...]:
+        cfg, shape = self.model_config, self.shape
+        pools = tuple(
+            kda_zero_state(cfg, shape.slots, shape.kv_dtype)
+            if kind == "kda"
+            else jnp.zeros((shape.num_blocks, shape.block_size, cfg.latent_dim), shape.kv_dtype)
+            for kind in cfg.layer_types
+        )
+        return pools if self.pool_shardings is None else jax.device_put(pools, self.pool_shardings)
+
+    # --- what the scheduler planned ------------------------------------------------------------------
+    def reset_slot(self, slot: int) -> None:
+        """Zero a slot's KDA state so a newly admitted request starts from the empty state."""
+        self.pools = _zero_slot(self.pools, jnp.int32(slot))
+
+    def restore(self, r: Restore) -> None:
+        cfg, shape = self.model_config, self.shape
+        if r.fill_blocks:
+            width = shape.table_width(len(r.fill_blocks))
+            ids = np.full((width,), SCRATCH_BLOCK, np.int32)
+            ids[: len(r.fill_blocks)] = r.fill_blocks
+            rows = np.zeros((r.fill_kv.shape[0], width, *r.fill_kv.shape[2:]), r.fill_kv.dtype)
+            rows[:, : len(r.fill_blocks)] = r.fill_kv
+            self.pools = _put_blocks(self.pools, jnp.asarray(ids), tuple(jnp.asarray(x) for x in rows))
+        kv = r.tail_kv
+        if kv is None:
+            kv = tuple(
+                jnp.zeros((shape.block_size, cfg.latent_dim), shape.kv_dtype)
+                for _ in range(cfg.num_mla_layers)
+            )
+        states = jax.tree_util.tree_map(jnp.asarray, r.states)
+        kv = jax.tree_util.tree_map(jnp.asarray, kv)
+        self.pools = _put(self.pools, jnp.int32(r.slot), states, jnp.int32(r.tail_block), kv)
+
+    def run_program(
+        self,
+        tokens: np.ndarray,
+        slot_ids: np.ndarray,
+        tables: np.ndarray,
+        start: np.ndarray,
+        valid: np.ndarray,
+    ) -> jax.Array:
+        """Run `tokens` [B, T] for slots `slot_ids` (block tables [B, W], positions from `start`, `valid` real
+        tokens per row); updates the pools, returns the logits after each row's last real token."""
+        logits, self.pools = self._run(
+            self.params,
+            self.pools,
+            jnp.asarray(tokens, jnp.int32),
+            jnp.asarray(slot_ids, jnp.int32),
+            jnp.asarray(tables, jnp.int32),
+            jnp.asarray(start, jnp.int32),
+            jnp.asarray(valid, jnp.int32),
+        )
+        return logits
+
+    def _table(self, req: Request, width: int) -> np.ndarray:
+        row = np.full((width,), SCRATCH_BLOCK, np.int32)
+        row[: len(req.blocks)] = req.blocks
+        return row
+
+    def decode(self, reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+        """One decode step over every slot (rows of `reqs` at their slots, the rest idle); the sampled id
+        and its logprob per slot."""
+        slots = self.shape.slots
+        tokens = np.zeros((slots, 1), np.int32)
+        width = self.shape.table_width(max(len(r.blocks) for r in reqs))
+        tables = np.full((slots, width), SCRATCH_BLOCK, np.int32)
+        start = np.zeros((slots,), np.int32)
+        valid = np.zeros((slots,), np.int32)
+        by_slot: list[Request | None] = [None] * slots
+        for req in reqs:
+            s = req.slot
+            tokens[s, 0] = req.tokens[req.num_computed]
+            tables[s] = self._table(req, width)
+            start[s], valid[s], by_slot[s] = req.num_computed, 1, req
+        logits = self.run_program(tokens, np.arange(slots, dtype=np.int32), tables, start, valid)
+        return self.sample(logits, by_slot)
+
+    def prefill(self, req: Request, n: int) -> jax.Array:
+        """The next `n` tokens of `req` from its computed position; the logits [1, V] after the last one."""
+        bucket = next(b for b in self.shape.buckets if b >= n)
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :n] = req.tokens[req.num_computed : req.num_computed + n]
+        table = self._table(req, self.shape.table_width(len(req.blocks)))[None]
+        return self.run_program(
+            tokens, np.asarray([req.slot]), table, np.asarray([req.num_computed]), np.asarray([n])
+        )
+
+    def sample(self, logits: jax.Array, rows: list[Request | None]) -> tuple[np.ndarray, np.ndarray]:
+        params = [None if r is None else r.params for r in rows]
+        seeds = [0 if r is None else r.seed for r in rows]
+        steps = [0 if r is None else len(r.generated) for r in rows]
+        temperature, top_k, top_p, keys = batch_arrays(params, seeds, steps)
+        ids, logps = self._sample(logits, temperature, top_k, top_p, keys)
+        return np.asarray(ids), np.asarray(logps)
+
+    # --- copies the prefix store keeps (its CheckpointSource) ---------------------------------------
+    def take(self, slot: int, block: int) -> tuple[Any, Any]:
+        """(KDA states of `slot`, latent KV of `block`) as new device arrays."""
+        return _take(self.pools, jnp.int32(slot), jnp.int32(block))
+
+    def gather(self, blocks: list[int]) -> tuple[Any, ...]:
+        """Per MLA layer the KV of `blocks` (rows beyond len(blocks) are padding up to a table width)."""
+        ids = np.full((self.shape.table_width(len(blocks)),), SCRATCH_BLOCK, np.int32)
+        ids[: len(blocks)] = blocks
+        return _gather(self.pools, jnp.asarray(ids))
+
+    def gathered_bytes(self, blocks: int) -> int:
+        """Device bytes one `gather` of `blocks` blocks holds (with its padding)."""
+        return self.shape.table_width(blocks) * self.shape.block_bytes
+
+    @staticmethod
+    def to_host(tree: Any) -> Any:
+        return jax.tree_util.tree_map(np.asarray, tree)
+
+    # --- failures --------------------------------------------------------------------------------------
+    def pools_lost(self) -> bool:
+        """Whether a failed program consumed (donated) the pools without returning new ones."""
+        return any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.pools))
+
+    def rebuild(self) -> None:
+        """New, empty pools (after `pools_lost`)."""
+        self.pools = self._new_pools()

@@ -1,0 +1,278 @@
+"""The scheduler: host code only. From the queues, the free slots and blocks (and the prefix store's
+matches) it plans one engine step: admissions (with the prefix restores they need), decode rows, prefill
+chunks, and the preemptions that made room. It runs no model; the runner executes the plan.
+
+Policy: requests are admitted in arrival order while a slot, the blocks for their first chunk and the
+token budget allow (a request whose prefix is on disk waits for it in the background and lets the next
+one go first). Every running request with one token to extend is decoded; prefill chunks (continuing ones
+in admission order first, then the newly admitted) share the rest of the budget and end on checkpoint
+positions. When blocks run out, cached blocks only the store holds are evicted first, then the newest
+running request is preempted (recomputed from its tokens when it is readmitted). The plan is fixed only
+once admission is done: a request preempted meanwhile keeps no job, one readmitted keeps only its newest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from collections import deque
+from typing import Any
+
+from jaxhybrid.cache import SCRATCH_BLOCK
+from serve.engine.blocks import BlockAllocator
+from serve.engine.config import EngineShape
+from serve.engine.requests import FinishReason, QueueState, Request, RequestStatus
+from serve.engine.runner import Restore
+from serve.prefix.store import Attachment, Hit, PrefixStore
+
+
+@dataclasses.dataclass
+class Admission:
+    """A request admitted this step: the device work before it runs (zero its slot, or restore a hit)."""
+
+    request: Request
+    order: int
+    restore: Restore | None = None  # None: start from the empty state
+    attachment: Attachment | None = None
+
+
+@dataclasses.dataclass
+class PrefillJob:
+    request: Request
+    tokens: int
+
+
+@dataclasses.dataclass
+class StepPlan:
+    admissions: list[Admission] = dataclasses.field(default_factory=list)
+    decode: list[Request] = dataclasses.field(default_factory=list)
+    prefill: list[PrefillJob] = dataclasses.field(default_factory=list)
+    preempted: list[Request] = dataclasses.field(default_factory=list)
+    failed: list[tuple[Request, BaseException]] = dataclasses.field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, shape: EngineShape, allocator: BlockAllocator, store: PrefixStore | None = None):
+        self.shape, self.allocator, self.store = shape, allocator, store
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.loading: list[Request] = []  # waiting for their prefix to be read from disk
+        self.free_slots = list(range(shape.slots))
+        self._order = itertools.count()
+        self._plan: StepPlan | None = None
+
+    # --- queues -----------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.loading)
+
+    def active(self) -> list[Request]:
+        return [*self.running, *self.waiting, *(r for r in self.loading if not r.finished)]
+
+    def queue_state(self) -> QueueState:
+        return QueueState(len(self.running), len(self.waiting), len(self.free_slots))
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End `req` (from any state): its slot and blocks are freed."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, time.perf_counter()
+
+    # --- one step ---------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = self._plan = StepPlan()
+        self._poll_loads()
+        budget = self.shape.max_batched_tokens
+        by_order = sorted(self.running, key=lambda r: r.order)
+        for req in by_order:
+            if req.running and req.pending == 1:
+                self._ensure_blocks(req, req.num_computed + 1)
+        budget -= sum(1 for r in self.running if r.pending == 1)  # reserved for the decode rows
+        planned: list[tuple[Request, int, int]] = []  # (request, tokens, its admission order when planned)
+        for req in by_order:
+            if budget <= 0:
+                break
+            if req.running and req.pending > 1:
+                n = self._chunk(req, budget)
+                if self._ensure_blocks(req, req.num_computed + n):
+                    planned.append((req, n, req.order))
+                    budget -= n
+        self._admit(budget, planned)
+        plan.prefill = [PrefillJob(r, n) for r, n, order in planned if r.running and r.order == order]
+        chunked = {id(j.request) for j in plan.prefill}
+        plan.decode = [r for r in self.running if r.pending == 1 and id(r) not in chunked]
+        kept = []
+        for adm in plan.admissions:
+            if adm.request.running and adm.request.order == adm.order:
+                kept.append(adm)
+            elif adm.attachment is not None:  # preempted again before it ran
+                self.store.detach(adm.attachment)
+        plan.admissions = kept
+        self._plan = None
+        return plan
+
+    def _admit(self, budget: int, planned: list[tuple[Request, int, int]]) -> None:
+        while self.waiting and self.free_slots and budget > 0:
+            req = self.waiting[0]
+            try:
+                admitted, n = self._admit_one(req, budget)
+            except Exception as exc:  # noqa: BLE001 - e.g. an unreadable prefix: this request only
+                self.finish(req, FinishReason.ERROR)
+                self._plan.failed.append((req, exc))
+                continue
+            if not admitted:
+                break
+            if n is not None:
+                planned.append((req, n, req.order))
+                budget -= n
+
+    def _admit_one(self, req: Request, budget: int) -> tuple[bool, int | None]:
+        """Admit the first waiting request: (False, None) when it does not fit now (admission stops), else
+        (True, its first chunk), or (True, None) when it left the queue without a job (preempted again for
+        blocks, or waiting for its prefix to be read from disk)."""
+        store, bs = self.store, self.shape.block_size
+        hit = store.match(req.tokens, req.cache_salt) if store is not None else None
+        load = req.load
+        if hit is not None and hit.disk is not None and (load is None or load.hit.disk is not hit.disk):
+            self.waiting.popleft()  # the prefix is on disk: read it in the background, the others go on
+            req.load = store.start_load(hit)
+            self.loading.append(req)
+            return True, None
+        reuse = hit.hit if hit is not None else 0
+        n = min(req.pending - reuse, self.shape.prefill_chunk, budget)
+        shared = len(hit.blocks) if hit is not None else 0
+        evictable = store.evictable() if store is not None else 0
+        if math.ceil((reuse + n) / bs) - shared > self.allocator.num_free + evictable:
+            return False, None
+        self.waiting.popleft()
+        req.slot = self.free_slots.pop(0)
+        req.status, req.order = RequestStatus.RUNNING, next(self._order)
+        req.load = None
+        self.running.append(req)
+        adm = Admission(req, req.order)
+        self._plan.admissions.append(adm)
+        att = store.attach(hit, load) if hit is not None and hit.hit > 0 else None
+        if att is not None:
+            adm.restore = self._give_prefix(req, att)
+            if adm.restore is None:  # preempted itself for blocks: wait for the next step
+                store.detach(att)
+                return False, None
+            adm.attachment = att
+            req.prefix_hit_tokens += hit.hit
+        elif hit is not None:
+            hit = Hit(0, hit.matched, [])  # nothing reused (a disk entry that could not be read, too)
+            store.missed(hit)
+        if hit is not None:
+            req.recomputed_tokens += hit.recomputed
+        n = self._chunk(req, budget)
+        if not req.running or not self._ensure_blocks(req, req.num_computed + n):
+            return True, None
+        return True, n
+
+    def _give_prefix(self, req: Request, att: Attachment) -> Restore | None:
+        """The request's blocks for a hit: its shared blocks, fresh ones where a disk prefix's block is not
+        in the pool, and its own copy of a partial last block; the Restore that fills them. None when it
+        was preempted for blocks."""
+        bs, hit, layout = self.shape.block_size, att.hit, list(att.layout)
+        fresh = [j for j, b in enumerate(layout) if b is None]
+        req.blocks = [b for b in layout if b is not None]
+        if fresh:
+            if not self._ensure_blocks(req, (len(req.blocks) + len(fresh)) * bs):
+                return None
+            for j, block in zip(fresh, req.blocks[len(req.blocks) - len(fresh) :], strict=True):
+                layout[j] = block
+            req.blocks = layout
+        tail_block = SCRATCH_BLOCK
+        if hit.hit % bs:  # copy-on-write: the partial block is the request's own, it writes the rest of it
+            if not self._ensure_blocks(req, hit.hit):
+                return None
+            tail_block = req.blocks[-1]
+        req.num_computed = hit.hit
+        if att.logits is not None and hit.hit == len(req.tokens):
+            req.stored_logits = att.logits[None]
+        return Restore(
+            slot=req.slot,
+            states=att.states,
+            tail_block=tail_block,
+            tail_kv=att.tail_kv,
+            fill_blocks=[layout[j] for j in fresh],
+            fill_kv=att.fill_kv[:, fresh] if fresh else None,
+        )
+
+    def _poll_loads(self) -> None:
+        """Requests whose prefix finished loading go back to the front of the queue (in arrival order);
+        with nothing else to do, wait a moment for one."""
+        if not self.loading:
+            return
+        if not self.running and not self.waiting:
+            self.store.wait_loads([r.load for r in self.loading], timeout=0.05)
+        done = [r for r in self.loading if self.store.load_ready(r.load)]
+        for req in sorted(done, key=lambda r: r.arrival, reverse=True):
+            self.loading.remove(req)
+            self.store.finish_load(req.load)
+            if req.finished:  # aborted while it waited
+                req.load = None
+                continue
+            self.waiting.appendleft(req)
+
+    # --- blocks and slots -------------------------------------------------------------------------------
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Next prefill piece: bounded by the chunk and the budget, and ending on a checkpoint position."""
+        n = min(req.pending, self.shape.prefill_chunk, budget)
+        if self.store is not None:
+            n = min(n, self.store.chunk_limit(req.num_computed))
+        return n
+
+    def _ensure_blocks(self, req: Request, upto: int) -> bool:
+        """Give `req` blocks for its first `upto` positions, evicting cached blocks, then preempting the
+        newest running requests if needed. False when `req` itself had to be preempted."""
+        need = math.ceil(upto / self.shape.block_size) - len(req.blocks)
+        while need > self.allocator.num_free:
+            if self.store is not None and self.store.evict_one():
+                continue
+            victim = max(self.running, key=lambda r: r.order)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            req.blocks += self.allocator.allocate(need)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Give back the request's slot and blocks; it is recomputed from its tokens when readmitted."""
+        self._release(req)
+        req.status, req.num_computed, req.stored_logits = RequestStatus.WAITING, 0, None
+        req.preemptions += 1
+        self.waiting.appendleft(req)
+        if self._plan is not None:
+            self._plan.preempted.append(req)
+
+    def _release(self, req: Request) -> None:
+        if req.blocks:
+            self.allocator.release(req.blocks)
+            req.blocks = []
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            req.slot = None
+        if req in self.running:
+            self.running.remove(req)
+
+    def drop_running(self) -> list[Request]:
+        """End every running request (a failed step); the waiting ones stay."""
+        ended = list(self.running)
+        for req in ended:
+            self.finish(req, FinishReason.ERROR)
+        return ended
+
+    def memory_of(self, req: Any) -> dict[str, int]:
+        return {
+            "blocks": len(req.blocks),
+            "kv_bytes": len(req.blocks) * self.shape.block_bytes,
+            "state_bytes": self.shape.state_bytes,
+            "tokens": req.num_computed,
+        }

@@ -1,0 +1,151 @@
+"""What the prefix store indexes: chained block hashes, the full KV blocks it keeps in the engine's pool
+(one allocator reference each), and the partial blocks it has seen (for how far a prompt matches)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+class ChainHasher:
+    """h_0 = sha256(fingerprint || salt); h_i = sha256(h_{i-1} || fingerprint || salt || tokens of block i).
+    A checkpoint is keyed by the chain hash of its last full block and the tokens after it."""
+
+    def __init__(self, fingerprint: bytes, block_size: int):
+        self.fingerprint, self.block_size = fingerprint, block_size
+
+    def root(self, salt: str | None) -> bytes:
+        return hashlib.sha256(self.fingerprint + b"salt:" + (salt or "").encode()).digest()
+
+    def chain(self, tokens: Sequence[int], salt: str | None) -> list[bytes]:
+        """[h_0, h_1, ...]: the root, then one hash per full block of `tokens`."""
+        out = [self.root(salt)]
+        salt_b = (salt or "").encode()
+        bs = self.block_size
+        for i in range(len(tokens) // bs):
+            block = np.asarray(tokens[i * bs : (i + 1) * bs], np.int64).tobytes()
+            out.append(hashlib.sha256(out[-1] + self.fingerprint + salt_b + block).digest())
+        return out
+
+    @staticmethod
+    def checkpoint_key(chain_hash: bytes, tail: Sequence[int]) -> bytes:
+        return hashlib.sha256(chain_hash + b"tail:" + np.asarray(tail, np.int64).tobytes()).digest()
+
+    def key_for(self, tokens: Sequence[int], position: int, salt: str | None) -> tuple[bytes, list[bytes]]:
+        """(the key of a checkpoint after tokens[:position], the chain of its full blocks)."""
+        nb = position // self.block_size
+        chain = self.chain(tokens[: nb * self.block_size], salt)
+        return self.checkpoint_key(chain[-1], tokens[nb * self.block_size : position]), chain
+
+
+class TailIndex:
+    """The partial blocks (token tuples) seen after each chain hash, so a lookup knows how far a prompt
+    matches beyond its full blocks (the recompute a hit leaves). At most `limit` entries: the least
+    recently seen go first, and a block's entries go with the block (`drop`)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._order: OrderedDict[tuple[bytes, tuple[int, ...]], None] = OrderedDict()
+        self._by_hash: dict[bytes, set[tuple[int, ...]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def keys(self) -> list[tuple[bytes, tuple[int, ...]]]:
+        return list(self._order)
+
+    def add(self, chain_hash: bytes, tail: tuple[int, ...]) -> None:
+        key = (chain_hash, tail)
+        if key in self._order:
+            self._order.move_to_end(key)
+            return
+        self._order[key] = None
+        self._by_hash.setdefault(chain_hash, set()).add(tail)
+        while len(self._order) > self.limit:
+            (h, t), _ = self._order.popitem(last=False)
+            self._discard(h, t)
+
+    def get(self, chain_hash: bytes) -> tuple[tuple[int, ...], ...]:
+        return tuple(self._by_hash.get(chain_hash, ()))
+
+    def drop(self, chain_hash: bytes) -> None:
+        """Forget every tail after `chain_hash` (its block left the store)."""
+        for tail in self._by_hash.pop(chain_hash, ()):
+            del self._order[(chain_hash, tail)]
+
+    def clear(self) -> None:
+        self._order.clear()
+        self._by_hash.clear()
+
+    def _discard(self, chain_hash: bytes, tail: tuple[int, ...]) -> None:
+        tails = self._by_hash[chain_hash]
+        tails.discard(tail)
+        if not tails:
+            del self._by_hash[chain_hash]
+
+
+class BlockIndex:
+    """Full KV blocks by chain hash, least recently used first. The store holds one allocator reference on
+    each indexed block, so a cached block outlives the request that computed it; a block only the store
+    holds can be evicted when the pool runs out."""
+
+    def __init__(self, allocator: Any):
+        self.allocator = allocator
+        self._blocks: OrderedDict[bytes, int] = OrderedDict()  # chain hash -> pool block (LRU order)
+        self._hash_of: dict[int, bytes] = {}
+
+    def __contains__(self, chain_hash: bytes) -> bool:
+        return chain_hash in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def get(self, chain_hash: bytes) -> int | None:
+        """The pool block indexed under `chain_hash` while it is still allocated."""
+        block = self._blocks.get(chain_hash)
+        return block if block is not None and self.allocator.refcount(block) > 0 else None
+
+    def hashes(self) -> list[bytes]:
+        return list(self._blocks)
+
+    def held(self) -> list[int]:
+        return list(self._blocks.values())
+
+    def touch(self, chain: Sequence[bytes]) -> None:
+        """Mark blocks used, deepest first (so LRU eviction trims chains from their ends)."""
+        for h in reversed(chain):
+            if h in self._blocks:
+                self._blocks.move_to_end(h)
+
+    def register(self, chain: Sequence[bytes], blocks: Sequence[int]) -> None:
+        """Index blocks[i] under chain[i] (deepest first), taking a reference on each newly indexed one."""
+        for h, block in reversed(list(zip(chain, blocks, strict=True))):
+            if h in self._blocks:
+                self._blocks.move_to_end(h)
+            elif block not in self._hash_of:  # a block already indexed under its own hash stays there
+                self._blocks[h] = block
+                self._hash_of[block] = h
+                self.allocator.share([block])
+
+    def evictable(self) -> int:
+        return sum(1 for b in self._blocks.values() if self.allocator.refcount(b) == 1)
+
+    def evict_one(self) -> bytes | None:
+        """Free the least recently used block only the store holds; its chain hash, or None."""
+        for h, block in self._blocks.items():
+            if self.allocator.refcount(block) == 1:
+                del self._blocks[h]
+                del self._hash_of[block]
+                self.allocator.release([block])
+                return h
+        return None
+
+    def forget_all(self) -> None:
+        """Drop the whole index and its references (the pool was rebuilt)."""
+        self.allocator.release(list(self._blocks.values()))
+        self._blocks.clear()
+        self._hash_of.clear()
