@@ -6,7 +6,7 @@ from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so `import jaxhybrid` stays light: `jaxhybrid.load_pretrained(path, dtype=..., mesh=...)`.
+    # Lazy, so `import jaxhybrid` stays light: `jaxhybrid.load_pretrained(path, dtype=..., shardings=...)`.
     if name == "load_pretrained":
         from jaxhybrid.weights import load_pretrained
 

@@ -12,22 +12,18 @@ from flax import nnx
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import Buffer, Embedding, Linear, RMSNorm
 from jaxhybrid.layers.decoder import DecoderLayer
-from jaxhybrid.model import HybridLM
+from jaxhybrid.model import HybridLM, abstract_model, path_name
 
 
-def abstract_model(cfg: ModelConfig, dtype: jnp.dtype = jnp.bfloat16) -> HybridLM:
+def _abstract(cfg: ModelConfig, dtype: jnp.dtype = jnp.bfloat16) -> HybridLM:
     """The model with ShapeDtypeStruct leaves (unimplemented fields, i.e. MTP layers, are left out)."""
-    return nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, allow_unimplemented=True))
-
-
-def _path_name(path: tuple[Any, ...]) -> str:
-    return ".".join(str(p) for p in path)
+    return abstract_model(cfg, dtype, allow_unimplemented=True)
 
 
 def named_shapes(cfg: ModelConfig, dtype: jnp.dtype = jnp.bfloat16) -> dict[str, jax.ShapeDtypeStruct]:
     """Checkpoint-style name (`model.layers.0.self_attn.q_proj.weight`) -> shape, params and buffers."""
-    state = nnx.state(abstract_model(cfg, dtype), nnx.Any(nnx.Param, Buffer))
-    return {_path_name(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+    state = nnx.state(_abstract(cfg, dtype), nnx.Any(nnx.Param, Buffer))
+    return {path_name(path): var.get_value() for path, var in nnx.to_flat_state(state)}
 
 
 class _Head(nnx.Module):

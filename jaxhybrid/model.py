@@ -151,3 +151,17 @@ def pure_fn(model: HybridLM, method: str = "__call__") -> tuple[Callable[..., An
         return getattr(nnx.merge(graphdef, state), method)(*args)
 
     return f, state
+
+
+def abstract_model(
+    cfg: ModelConfig, dtype: Any = jnp.float32, seed: int = 0, allow_unimplemented: bool = False
+) -> HybridLM:
+    """HybridLM with ShapeDtypeStruct leaves (nothing allocated): shapes, shardings and loading targets."""
+    return nnx.eval_shape(
+        lambda: HybridLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype, allow_unimplemented=allow_unimplemented)
+    )
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+    """A state path as the checkpoint-style name: `model.layers.0.self_attn.q_proj.weight`."""
+    return ".".join(str(p) for p in path)

@@ -26,15 +26,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxhybrid.cache import KDACache
 from jaxhybrid.config import ModelConfig
-from jaxhybrid.model import HybridLM, set_experts_fn
+from jaxhybrid.model import HybridLM, abstract_model, set_experts_fn
 from sharding.checkpoint import restore_state
 from sharding.expert_parallel import make_expert_parallel_fn
 from sharding.rules import LogicalRules, cache_shardings, state_shardings
-
-
-def abstract_model(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32) -> HybridLM:
-    """HybridLM with ShapeDtypeStruct leaves (nothing allocated)."""
-    return nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
 
 
 def wants_expert_parallel(cfg: ModelConfig, mesh: Mesh) -> bool:
@@ -71,7 +66,7 @@ def create_sharded_model(
     computes only its own shards (no full copy anywhere; works across processes). Values equal
     `HybridLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype)` (same random streams). `expert_parallel`: see
     `_maybe_install` (default: on when the mesh has an expert axis that divides num_experts)."""
-    abstract = abstract_model(cfg, seed, dtype)
+    abstract = abstract_model(cfg, dtype, seed)
     graphdef, _ = nnx.split(abstract)
     shardings = state_shardings(abstract, mesh, rules)
 
@@ -118,7 +113,7 @@ def load_sharded_model(
 ) -> HybridLM:
     """A model restored from an Orbax checkpoint of `sharding.checkpoint.save_state`, saved from any mesh,
     directly into its shardings on `mesh`."""
-    abstract = abstract_model(cfg, 0, dtype)
+    abstract = abstract_model(cfg, dtype)
     graphdef, _ = nnx.split(abstract)
     model = nnx.merge(graphdef, restore_state(path, abstract, mesh, rules))
     _maybe_install(model, mesh, expert_parallel)
@@ -143,4 +138,21 @@ def pool_shardings(
     return tuple(
         KDACache(conv=s["conv"], state=s["state"]) if kind == "kda" else s["pool"]
         for kind, s in zip(cfg.layer_types, per_layer, strict=True)
+    )
+
+
+def load_pretrained_on_mesh(
+    path: str | os.PathLike[str],
+    mesh: Mesh,
+    dtype: Any = None,
+    *,
+    rules: LogicalRules | None = None,
+    **kw: Any,
+) -> HybridLM:
+    """`jaxhybrid.weights.load_pretrained` with every parameter read straight into its sharding on `mesh`
+    (no full copy on any device or host)."""
+    from jaxhybrid.weights import load_pretrained
+
+    return load_pretrained(
+        path, dtype, shardings=lambda abstract: state_shardings(abstract, mesh, rules), **kw
     )

@@ -201,7 +201,8 @@ def test_other_models_and_layouts_never_match(model, tmp_path):
     shape = dict(block_size=BS, block_bytes=a.block_bytes, state_bytes=a.state_bytes_per_slot)
 
     def store(layout):
-        return PrefixStore(cfg, **shape, fingerprint=a.store.fingerprint, allocator=a.allocator, layout=layout)
+        fp = a.store.fingerprint
+        return PrefixStore(cfg, **shape, fingerprint=fp, allocator=a.allocator, layout=layout)
 
     for layout in ("bs8-bfloat16", "bs16-float32"):  # another KV dtype or block size: another namespace
         assert not store(layout).disk.entries

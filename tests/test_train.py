@@ -264,7 +264,7 @@ def test_shipped_model_is_the_default_and_beats_unigram() -> None:
     from jaxhybrid.tokenizer import HFTokenizer, load_tokenizer
     from jaxhybrid.train.data import stdlib_documents
     from jaxhybrid.train.step import next_token_loss
-    from serve.cli.generate import load_model
+    from serve.models import load_model
 
     shipped = shipped_model_dir()
     assert shipped is not None, "jaxhybrid/assets/stdlib-small is missing"

@@ -358,13 +358,14 @@ def test_load_onto_a_mesh(model, hf_dir, tmp_path, tokens, reference, logits_of,
     from jax.sharding import NamedSharding
 
     from sharding.mesh import make_mesh
+    from sharding.placement import load_pretrained_on_mesh
 
     source = hf_dir
     if fmt == "orbax":
         source = tmp_path / "orbax"
         assert cli_main(["convert", str(hf_dir), str(source), "--no-progress"]) == 0
     mesh = make_mesh("tensor=2", devices=jax.devices()[:2])
-    loaded = load_pretrained(source, mesh=mesh, progress=False)
+    loaded = load_pretrained_on_mesh(source, mesh, progress=False)
     w = loaded.model.layers[0].self_attn.q_proj.weight[...]
     assert isinstance(w.sharding, NamedSharding) and w.sharding.mesh.shape == mesh.shape
     assert len(w.sharding.device_set) == 2

@@ -1,6 +1,7 @@
 """Checkpoint I/O: load a Hugging Face Kimi Linear directory or our Orbax directory into a ready model.
 
-    model = load_pretrained("path/to/Kimi-Linear-48B-A3B-Instruct", dtype=jnp.bfloat16, mesh=mesh)
+    model = load_pretrained("path/to/Kimi-Linear-48B-A3B-Instruct", dtype=jnp.bfloat16)
+    # on a mesh: sharding.placement.load_pretrained_on_mesh(path, mesh), which passes `shardings`
     logits = model(input_ids)
 
 The model is built abstractly (`nnx.eval_shape`, nothing allocated), split into graph and state, and each
@@ -104,27 +105,25 @@ def checkpoint_format(directory: str | Path) -> str:
     raise CheckpointError(f"{directory}: neither safetensors files nor an Orbax checkpoint under params/")
 
 
-def _shardings(abstract: Any, names: list[str], mesh: jax.sharding.Mesh | None) -> dict[str, Any]:
-    if mesh is None:
+def _shardings(abstract: Any, names: list[str], shardings: Any) -> dict[str, Any]:
+    if shardings is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return dict.fromkeys(names, device)
     from flax import nnx
 
-    from sharding.rules import state_shardings  # built separately; imported only when a mesh is given
-
     out = {}
-    for path, leaf in nnx.to_flat_state(state_shardings(abstract, mesh)):
+    for path, leaf in nnx.to_flat_state(shardings(abstract)):
         out[path_name(path)] = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
     missing = sorted(set(names) - set(out))
     if missing:
-        raise ValueError(f"state_shardings gave no sharding for '{missing[0]}'")
+        raise ValueError(f"`shardings` gave no sharding for '{missing[0]}'")
     return out
 
 
 def load_pretrained(
     path: str | Path,
     dtype: Any = None,
-    mesh: jax.sharding.Mesh | None = None,
+    shardings: Any = None,
     *,
     progress: bool | None = None,
     report: dict[str, Any] | None = None,
@@ -133,16 +132,17 @@ def load_pretrained(
 
     `dtype`: the model dtype (None: the dtype the checkpoint stores its embedding in); parameters the model
     keeps in fp32 (A_log, dt_bias, the router) stay fp32, and so does every tensor the checkpoint stores in
-    fp32 while its embedding is in a narrower type (K3: conv weights, A_log, dt_bias, o_norm). `mesh`:
-    place each parameter on the sharding `sharding.rules.state_shardings` gives it (None: the default
-    device). `progress`: show a progress bar (None: only on a terminal). `report`: a dict filled with
-    `format`, `layout`, `expert_quant`, `skipped` (count), `skipped_summary` ({top-level name: count}),
-    `skipped_names` (the first 20) and `kept_fp32` (names kept fp32 by the rule above).
+    fp32 while its embedding is in a narrower type (K3: conv weights, A_log, dt_bias, o_norm).
+    `shardings`: a function from the abstract model to the nnx.State of each parameter's sharding (e.g.
+    `lambda m: sharding.rules.state_shardings(m, mesh)`); each parameter is read straight into it (None:
+    the default device). `progress`: show a progress bar (None: only on a terminal). `report`: a dict
+    filled with `format`, `layout`, `expert_quant`, `skipped` (count), `skipped_summary` ({top-level name:
+    count}), `skipped_names` (the first 20) and `kept_fp32` (names kept fp32 by the rule above).
     """
     from flax import nnx
 
     from jaxhybrid.layers.basic import Buffer
-    from jaxhybrid.model import HybridLM
+    from jaxhybrid.model import abstract_model
     from jaxhybrid.weights import hf, orbax_io
 
     directory = Path(path)
@@ -175,7 +175,7 @@ def load_pretrained(
             ", ".join(f"{k}: {v}" for k, v in summary.items()),
         )
 
-    abstract = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    abstract = abstract_model(cfg, dtype)
     graphdef, state = nnx.split(abstract)
     variables = {}
     for p, var in nnx.to_flat_state(state):
@@ -184,8 +184,8 @@ def load_pretrained(
                 f"model variable '{path_name(p)}' is a {type(var).__name__}, not a Param or Buffer"
             )
         variables[path_name(p)] = var
-    shardings = _shardings(abstract, list(variables), mesh)
-    targets = {name: (var.get_value(), shardings[name]) for name, var in variables.items()}
+    placement = _shardings(abstract, list(variables), shardings)
+    targets = {name: (var.get_value(), placement[name]) for name, var in variables.items()}
     kept_fp32 = []
     if np.dtype(stored) != np.float32:
         for name, (sds, sharding) in targets.items():

@@ -37,6 +37,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxhybrid.model import path_name  # noqa: F401 - re-exported: the checkpoint names
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 REOPEN_BYTES = 64 << 20  # reopen a shard after this many bytes so its mapped pages leave the RSS
@@ -583,10 +585,6 @@ def copy_tokenizer_files(src: Path | None, dst: Path) -> list[str]:
             shutil.copyfile(Path(src) / fname, Path(dst) / fname)
             copied.append(fname)
     return copied
-
-
-def path_name(path: tuple[Any, ...]) -> str:
-    return ".".join(str(p) for p in path)
 
 
 def named_arrays(model: Any) -> dict[str, jax.Array]:

@@ -49,19 +49,20 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _checkpointer() -> Any:
-    """Uncompressed (decoding zstd costs more CPU time than the smaller read saves on a local disk), and at
-    most RESTORE_CONCURRENT_GB of arrays in flight while restoring."""
+def checkpointer(restore_concurrent_gb: int | None = RESTORE_CONCURRENT_GB) -> Any:
+    """The Orbax checkpointer this project writes and reads with: a pytree of arrays, uncompressed
+    (decoding zstd costs more CPU time than the smaller read saves on a local disk), and at most
+    `restore_concurrent_gb` of arrays in flight while restoring."""
     import orbax.checkpoint as ocp
 
-    handler = ocp.PyTreeCheckpointHandler(use_compression=False, restore_concurrent_gb=RESTORE_CONCURRENT_GB)
+    handler = ocp.PyTreeCheckpointHandler(use_compression=False, restore_concurrent_gb=restore_concurrent_gb)
     return ocp.Checkpointer(handler)
 
 
 def stored_arrays(directory: str | Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Our name -> (shape, dtype) of every array in an Orbax checkpoint directory (metadata only)."""
     params = Path(directory) / PARAMS_DIR
-    ck = _checkpointer()
+    ck = checkpointer()
     try:
         meta = ck.metadata(params)
     except Exception as exc:  # orbax raises various types for unreadable metadata
@@ -86,7 +87,7 @@ def save_orbax(
     import orbax.checkpoint as ocp
 
     arrays = named_arrays(model)
-    ck = _checkpointer()
+    ck = checkpointer()
     try:
         ck.save((directory / PARAMS_DIR).resolve(), args=ocp.args.PyTreeSave(_nest(arrays)))
     finally:
@@ -129,7 +130,7 @@ def restore(
         for name, (sds, sharding) in targets.items()
     }
     tree = _nest(abstract)
-    ck = _checkpointer()
+    ck = checkpointer()
     try:
         restore_args = ocp.checkpoint_utils.construct_restore_args(tree)
         restored = ck.restore(params, args=ocp.args.PyTreeRestore(item=tree, restore_args=restore_args))

@@ -339,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
     except CompareError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from serve.cli.common import print_table
+    from serve.report import print_table
 
     labels = labels_for(args.files, results)
     print(f"bench {kind}: {len(results)} result(s)")

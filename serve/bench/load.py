@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from serve.bench.common import add_out_arg, emit, environment
-from serve.cli.common import DTYPES, fmt_bytes, print_table
+from serve.report import DTYPES, fmt_bytes, print_table
 
 SLACK_BYTES = 300 * 2**20
 FACTOR = 1.25
@@ -132,13 +132,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     rows = [measure(model_dir, args.dtype, args.repeats)]
     if args.orbax_dir:
-        from serve.cli import main as cli_main
+        from jaxhybrid.weights import load_pretrained, save_orbax
 
         orbax_dir = Path(args.orbax_dir)
-        if not (orbax_dir / "config.json").exists():
-            code = cli_main(["convert", str(model_dir), str(orbax_dir), "--no-progress", "--json"])
-            if code:
-                return code
+        if not (orbax_dir / "config.json").exists():  # what `jaxhybrid convert` does
+            save_orbax(load_pretrained(model_dir, progress=False), orbax_dir, tokenizer_dir=model_dir)
         rows.append(measure(orbax_dir, args.dtype, args.repeats))
     result = {"bench": "load", "dtype": args.dtype, "environment": environment(), "rows": rows}
     print_table(

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from serve.bench.common import add_out_arg, decode_step, emit, environment
-from serve.cli.common import print_table
+from serve.report import print_table
 
 
 def run(args: argparse.Namespace) -> int:

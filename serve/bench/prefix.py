@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from serve.bench.common import add_out_arg, compile_watch, emit, environment
-from serve.cli.common import print_table
+from serve.report import print_table
 
 
 def replay(engine, args: argparse.Namespace, vocab: int) -> dict:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from serve.bench.common import add_out_arg, compile_watch, decode_step, emit, environment
-from serve.cli.common import print_table
+from serve.report import print_table
 
 COUNTING = {
     "prefill_flops": "2 x (active params - embedding) per token (every matmul weight, lm_head over all T "
@@ -264,7 +264,7 @@ def _ints(text: str, flag: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     """Prefill and decode tokens/s with the achieved fraction of the measured matmul rate and bandwidth."""
     from jaxhybrid.config import ConfigError
-    from serve.cli.generate import UsageError, load_model
+    from serve.models import UsageError, load_model
 
     try:
         prompt_lengths = _ints(args.prompt_lengths, "--prompt-lengths")

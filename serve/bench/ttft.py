@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from serve.bench.common import add_out_arg, emit, environment
-from serve.cli.common import print_table
+from serve.report import print_table
 
 
 def run(args: argparse.Namespace) -> int:

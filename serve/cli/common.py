@@ -1,27 +1,10 @@
-"""Helpers shared by the subcommands: formatting and the common model arguments."""
+"""Argument groups and logging shared by the subcommands."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from typing import TextIO
-
-DTYPES = ("bfloat16", "float32", "float16")
-
-
-def fmt_count(n: int) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(n)
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def add_config_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -31,15 +14,6 @@ def add_config_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
         help="a name in configs/ (tiny, small, kimi-linear-48b-a3b, kimi-k3, ...), a YAML path, "
         "or a Hugging Face config.json / model directory",
     )
-
-
-def print_table(rows: list[dict], columns: list[str], file: TextIO | None = None) -> None:
-    """A plain aligned text table of `rows` (dicts) over `columns` (to stdout unless `file`)."""
-    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)), file=file)
-    for row in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)), file=file)
 
 
 def add_prefix_args(p: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-from serve.cli.common import DTYPES, fmt_bytes
+from serve.report import DTYPES, fmt_bytes
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from serve.cli.common import DTYPES, add_config_arg, add_engine_args, add_prefix_args, prefix_config
+from serve.cli.common import add_config_arg, add_engine_args, add_prefix_args, prefix_config
+from serve.models import UsageError, load_on_mesh
+from serve.report import DTYPES
 
 REQUEST_FIELDS = ("prompt_ids", "cache_salt")
 SAMPLING_FIELDS = (
@@ -26,64 +28,11 @@ SAMPLING_FIELDS = (
 )
 
 
-class UsageError(ValueError):
-    """Bad command-line input; printed as `error: ...` with exit status 2."""
-
-
 def parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-
-
-def load_model(args: argparse.Namespace) -> Any:
-    """The model named by --model / --config (random weights from --seed for a config). With neither, the
-    shipped model (`jaxhybrid.assets`): `args.model` is set to its directory, so its tokenizer is used."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxhybrid.assets import shipped_model_dir
-    from jaxhybrid.config import load_config
-    from jaxhybrid.model import HybridLM
-
-    if not args.model and not args.config and shipped_model_dir() is not None:
-        args.model = str(shipped_model_dir())
-    if args.model:
-        if args.config:
-            raise UsageError("give either --model DIR or --config NAME, not both")
-        from jaxhybrid.weights import load_pretrained
-
-        return load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=False)
-    cfg = load_config(args.config or "tiny")
-    return HybridLM(cfg, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype))
-
-
-def make_mesh(spec: str | None) -> Any:
-    """The `--mesh` device mesh (None when unset or one device); MeshSpecError names what does not fit."""
-    if spec is None or not spec.strip():
-        return None
-    from sharding.mesh import mesh_from_flag
-
-    mesh = mesh_from_flag(spec)
-    return None if mesh.devices.size == 1 else mesh
-
-
-def load_on_mesh(args: argparse.Namespace, multi: bool) -> tuple[Any, Any]:
-    """(the model of `load_model`, the `--mesh` mesh or None), its parameters sharded over the mesh;
-    several processes (`multi`) need a mesh over the devices of all of them."""
-    mesh = make_mesh(args.mesh)
-    if multi and mesh is None:
-        raise UsageError(
-            "several processes need --mesh over the devices of all of them "
-            "(e.g. --mesh data=2,expert=2,tensor=2)"
-        )
-    model = load_model(args)
-    if mesh is not None:
-        from sharding.placement import shard_model
-
-        shard_model(model, mesh)  # expert parallelism installed where the expert axis divides the experts
-    return model, mesh
 
 
 @contextlib.contextmanager

@@ -9,7 +9,8 @@ import json
 import sys
 from typing import Any
 
-from serve.cli.common import DTYPES, add_config_arg, fmt_bytes, fmt_count
+from serve.cli.common import add_config_arg
+from serve.report import DTYPES, fmt_bytes, fmt_count
 
 BUFFER_ITEMSIZE = 4  # the model's buffers (the router's score-correction bias) are fp32
 

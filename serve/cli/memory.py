@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from serve.cli.common import DTYPES, add_config_arg, fmt_bytes
+from serve.cli.common import add_config_arg
+from serve.report import DTYPES, fmt_bytes
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,8 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from serve.cli.common import DTYPES, add_config_arg, add_engine_args, add_prefix_args, setup_logging
-from serve.cli.generate import UsageError, engine_config, load_on_mesh
+from serve.cli.common import add_config_arg, add_engine_args, add_prefix_args, setup_logging
+from serve.cli.generate import engine_config
+from serve.models import UsageError, load_on_mesh
+from serve.report import DTYPES
 
 log = logging.getLogger("jaxhybrid.serve")
 IDLE_WAIT_S = 0.05  # several processes: an idle leader steps (and wakes the followers) this often

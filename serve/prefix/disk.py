@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxhybrid.weights.orbax_io import checkpointer
 from serve.prefix.stats import DiskStats
 
 FORMAT = 2  # 2: the namespace carries the format version
@@ -177,12 +178,6 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists():
         path.unlink(missing_ok=True)
-
-
-def _checkpointer() -> Any:
-    import orbax.checkpoint as ocp
-
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
 
 
 class DiskTier:
@@ -384,7 +379,7 @@ class DiskTier:
         if shutil.disk_usage(self.dir).free < need:
             raise DiskFull(errno.ENOSPC, f"less than {need} bytes free for a save", str(self.dir))
         if self._saver is None:
-            self._saver = _checkpointer()
+            self._saver = checkpointer(None)
         try:
             self._saver.save(final, args=ocp.args.PyTreeSave(arrays))
         except BaseException:
@@ -481,7 +476,7 @@ class DiskTier:
         import orbax.checkpoint as ocp
 
         if self._loader is None:
-            self._loader = _checkpointer()
+            self._loader = checkpointer(None)
         args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in entry.arrays}
         tree = self._loader.restore(entry.path, args=ocp.args.PyTreeRestore(restore_args=args))
         for name, (shape, dtype, crc) in entry.arrays.items():
