@@ -134,3 +134,42 @@ def run_bounded(fn, timeout: float) -> bool:
 
     threading.Thread(target=target, name="bounded-shutdown", daemon=True).start()
     return done.wait(timeout)
+
+
+class Peers:
+    """This process's place in the process group (one process: index 0 of 1), and the one collective the
+    serving stack's host logic needs: process 0's JSON-able value on every process."""
+
+    def __init__(self, index: int | None = None, count: int | None = None):
+        self.index = jax.process_index() if index is None else index
+        self.count = jax.process_count() if count is None else count
+
+    @property
+    def leader(self) -> bool:
+        return self.index == 0
+
+    @property
+    def several(self) -> bool:
+        return self.count > 1
+
+    def broadcast(self, value: object) -> object:
+        """Process 0's `value` (JSON-able) on every process; every process must call it, in the same order.
+        Sent as uint8: the length first, then (unless `value` is None: one collective only) the payload
+        padded to a power of two, so few shapes compile."""
+        if self.count == 1:
+            return value
+        import json
+
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        payload = json.dumps(value).encode() if self.leader and value is not None else b""
+        header = np.frombuffer(np.int64(len(payload)).tobytes(), np.uint8)
+        n = int(np.asarray(multihost_utils.broadcast_one_to_all(header)).view(np.int64)[0])
+        if n == 0:
+            return None
+        buf = np.zeros(max(256, 1 << (max(n, 1) - 1).bit_length()), np.uint8)
+        if self.leader:
+            buf[:n] = np.frombuffer(payload, np.uint8)
+        data = np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n].tobytes()
+        return json.loads(data)

@@ -191,6 +191,52 @@ def test_generate_cli_on_two_processes(tmp_path, engine, compile_cache):
     assert out1 == "" and "process 1 of 2: followed process 0" in err1
 
 
+@pytest.mark.slow
+def test_the_prefix_store_on_two_processes_with_a_disk_tier_survives_a_restart(
+    tmp_path, engine, compile_cache
+):
+    """2 processes x 4 devices, prefix store on with --store-dir: greedy tokens equal one process without any
+    cache; prompts that extend earlier ones hit them (partial-block prompt-end checkpoints, sharded states);
+    after both processes restart, follow-up turns resume from the disk tier."""
+    rng = np.random.default_rng(2)
+    first = [rng.integers(3, 512, n).tolist() for n in (20, 18, 22, 15)]
+    turns = [
+        first,
+        [first[0] + rng.integers(3, 512, 5).tolist(), first[1] + rng.integers(3, 512, 4).tolist()],
+    ]
+    turns.append(
+        [turns[1][0] + rng.integers(3, 512, 3).tolist(), turns[1][1] + rng.integers(3, 512, 6).tolist()]
+    )
+    flags = [f"--{k.replace('_', '-').replace('max-slots', 'slots')}={v}" for k, v in ENGINE.items()]
+    store = tmp_path / "store"
+
+    def serve(prompts, run):
+        path = tmp_path / f"prompts{run}.jsonl"
+        path.write_text("\n".join(json.dumps({"prompt_ids": p, "max_tokens": 4}) for p in prompts))
+
+        def cmd(i: int, port: int) -> list[str]:
+            return [
+                sys.executable, "-m", "serve.cli", "generate", "--config=tiny",
+                *([f"--prompts-file={path}"] if i == 0 else []),
+                "--ignore-eos", "--json", f"--mesh={MESH}", *flags, f"--store-dir={store}",
+                f"--coordinator=127.0.0.1:{port}", "--num-processes=2", f"--process-id={i}",
+            ]  # fmt: skip
+
+        (rc0, out0, err0), (rc1, _, err1) = run_two(cmd, tmp_path, compile_cache)
+        assert rc0 == 0 and rc1 == 0, (err0 + err1)[-3000:]
+        return [json.loads(x) for x in out0.splitlines()]
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = serve(turns[0] + turns[1], 0)  # 4 slots: the two follow-ups are admitted after a slot frees
+    want = [r.token_ids for r in engine.generate(turns[0] + turns[1], params)]
+    assert [g["token_ids"] for g in got] == want
+    assert [g["stats"]["prefix_hit_tokens"] for g in got[4:]] == [len(first[0]), len(first[1])]
+    assert any((store / ns).is_dir() for ns in [p.name for p in store.iterdir()])
+    got = serve(turns[2], 1)  # both processes restarted: nothing in memory
+    assert [g["token_ids"] for g in got] == [r.token_ids for r in engine.generate(turns[2], params)]
+    assert [g["stats"]["prefix_hit_tokens"] for g in got] == [len(p) for p in turns[1]]  # from disk
+
+
 def start_two_servers(tmp_path: Path, cache: Path, http_port: int, shutdown_timeout: float = 3.0):
     """Two `jaxhybrid serve` processes on one mesh (process 0 serves HTTP); returns both, healthy."""
     import httpx

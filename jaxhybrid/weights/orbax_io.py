@@ -49,14 +49,21 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def checkpointer(restore_concurrent_gb: int | None = RESTORE_CONCURRENT_GB) -> Any:
+def checkpointer(
+    restore_concurrent_gb: int | None = RESTORE_CONCURRENT_GB, processes: set[int] | None = None
+) -> Any:
     """The Orbax checkpointer this project writes and reads with: a pytree of arrays, uncompressed
     (decoding zstd costs more CPU time than the smaller read saves on a local disk), and at most
-    `restore_concurrent_gb` of arrays in flight while restoring."""
+    `restore_concurrent_gb` of arrays in flight while restoring. `processes`: the JAX processes that save
+    together; naming them makes Orbax synchronise through the distributed runtime's barriers instead of a
+    device collective, so saves may run on a background thread while the devices compute."""
     import orbax.checkpoint as ocp
 
     handler = ocp.PyTreeCheckpointHandler(use_compression=False, restore_concurrent_gb=restore_concurrent_gb)
-    return ocp.Checkpointer(handler)
+    if processes is None:
+        return ocp.Checkpointer(handler)
+    options = ocp.options.MultiprocessingOptions(primary_host=0, active_processes=set(processes))
+    return ocp.Checkpointer(handler, multiprocessing_options=options)
 
 
 def stored_arrays(directory: str | Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

@@ -60,6 +60,7 @@ def run_replicated(args: argparse.Namespace, model: Any, mesh: Any, tokenizer: A
     rep = ReplicatedEngine(Engine(model, check_engine_config(engine_config(args)), mesh=mesh))
     if not rep.is_leader:
         steps = rep.follow()
+        rep.engine.close()  # this process's part of the prefix store's pending saves
         print(
             f"process {rep.process_index} of {rep.process_count}: followed process 0 for {steps} steps",
             file=sys.stderr,
@@ -71,7 +72,10 @@ def run_replicated(args: argparse.Namespace, model: Any, mesh: Any, tokenizer: A
         rep.close()  # release the followers before reporting the error
         rep.step()
         raise
-    return rep.generate(requests)
+    try:
+        return rep.generate(requests)
+    finally:
+        rep.engine.close()
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -183,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             while engine.has_unfinished():
                 engine.step()
             results = [engine.result(i) for i in ids]
+            engine.close()  # pending prefix-store saves land on disk; the store directory is free again
     except (UsageError, ConfigError, RequestError, SamplingError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

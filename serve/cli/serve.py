@@ -92,6 +92,7 @@ def serve_replicated(args: argparse.Namespace, engine: Any, tokenizer: Any) -> i
         if not rep.is_leader:
             log.info("process %d of %d: following process 0", rep.process_index, rep.process_count)
             rep.follow()
+            rep.engine.close()  # this process's part of the prefix store's pending saves
             status = 0
             return 0
         status, failed = serve_http(args, rep, tokenizer)
@@ -100,6 +101,7 @@ def serve_replicated(args: argparse.Namespace, engine: Any, tokenizer: Any) -> i
             if not rep.closed:  # the engine thread has stopped: tell the followers (with its last aborts)
                 rep.close()
                 rep.step()
+            rep.engine.close()
 
         if failed is None and not multihost.run_bounded(release_followers, args.shutdown_timeout):
             failed = "the followers did not answer"

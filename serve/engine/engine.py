@@ -39,6 +39,7 @@ from serve.engine.sampling import SamplingError, SamplingParams
 from serve.engine.scheduler import Scheduler
 from serve.prefix.fingerprint import model_fingerprint
 from serve.prefix.store import PrefixStore
+from sharding.multihost import Peers
 
 log = logging.getLogger("jaxhybrid.engine")
 
@@ -64,7 +65,9 @@ class EngineAPI(Protocol):
 
     def forget(self, request_id: str) -> None: ...
 
-    def step(self) -> list[RequestOutput]: ...
+    def step(self, events: dict[str, Any] | None = None) -> list[RequestOutput]: ...
+
+    def observe(self) -> dict[str, Any] | None: ...
 
     def has_unfinished(self) -> bool: ...
 
@@ -97,6 +100,9 @@ class Engine:
         self.runner = Runner(model, shape, mesh)
         self.store: PrefixStore | None = None
         if config.prefix is not None and config.prefix.enabled:
+            peers = Peers()
+            if peers.several and config.prefix.store_dir is not None:
+                self.runner.init_restore_shardings()
             self.store = PrefixStore(
                 config.prefix,
                 block_size=shape.block_size,
@@ -105,6 +111,8 @@ class Engine:
                 fingerprint=model_fingerprint(model),
                 allocator=self.allocator,
                 layout=f"bs{shape.block_size}-{shape.kv_dtype.name}",
+                peers=peers,
+                restore_shardings=self.runner.restore_sharding,
             )
         self.scheduler = Scheduler(shape, self.allocator, self.store)
         self.requests: dict[str, Request] = {}
@@ -209,10 +217,21 @@ class Engine:
         return self.scheduler.queue_state()
 
     # --- one step: plan -> run -> update ------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def observe(self) -> dict[str, Any] | None:
+        """What finished in the background since the last step (disk saves, disk reads): the only input of
+        a step that depends on time. With several processes process 0 observes and sends it in the step
+        log, so every process applies the same (`step(events)`)."""
+        if self.store is None:
+            return None
+        return {"disk": self.store.observe(), "loaded": self.scheduler.observe_loads()}
+
+    def step(self, events: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply `events` (default: this process's own `observe`), then plan, run and update one step."""
         self.steps += 1
         if self.store is not None:
-            self.store.poll()  # disk saves that finished become visible to lookups now
+            events = events if events is not None else self.observe()
+            self.store.apply(events["disk"])  # disk saves that finished become visible to lookups now
+            self.scheduler.apply_loads(events["loaded"])
         plan = self.scheduler.schedule()
         outputs: dict[str, RequestOutput] = {}
         for req, exc in plan.failed:

@@ -24,10 +24,10 @@ server's engine loop; what is not replicated (results, ledgers, validation) read
 Sampling is identical on all processes: a request's token depends only on its logits (replicated by the
 engine's programs), its seed and its step (`serve.engine.sampling.request_key`).
 
-Not replicated: the prefix store. Its fingerprint and its host tier read arrays whole on the host (a
-process holds only its shards), and its disk tier finishes saves asynchronously, so a checkpoint would
-become visible to lookups at different steps on different processes. Multi-process engines run without
-it (`check_engine_config`).
+The prefix store is replicated the same way: its decisions are deterministic host code over identical
+inputs, its checkpoints stay sharded on the devices (the host tier keeps each process's shards), and what
+finishes in the background at a time of its own (disk saves and reads) is observed by the leader and
+applied by every process at the same step, from the leader's observations in the step log (`events`).
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from serve.engine.engine import Engine, EngineConfig, GenerateResult, RequestOutput
 from serve.engine.requests import QueueState
 from serve.engine.sampling import SamplingParams
+from sharding.multihost import Peers
 
 
 class ReplicatedEngineError(RuntimeError):
@@ -51,18 +51,15 @@ class ReplicatedEngineError(RuntimeError):
 
 
 def check_engine_config(config: EngineConfig) -> EngineConfig:
-    """The engine settings for a multi-process run: the prefix store is turned off (see the module doc);
-    a disk tier that was asked for explicitly is an error rather than a silent change."""
-    if jax.process_count() == 1:
-        return config
-    if config.prefix is not None and config.prefix.store_dir:
-        raise ValueError("the prefix store's disk tier (--store-dir) is not supported with several processes")
-    return dataclasses.replace(config, prefix=None)
+    """The engine settings for a multi-process run (every setting works with several processes)."""
+    return config
 
 
-def _bucket(n: int) -> int:
-    """Padded payload size: the next power of two, at least 256 bytes."""
-    return max(256, 1 << (n - 1).bit_length())
+NO_EVENTS: dict[str, Any] = {"disk": None, "loaded": []}  # nothing finished in the background
+
+
+def _disk_news(disk: dict[str, Any] | None) -> bool:
+    return disk is not None and bool(disk["saved"] or disk["failed"] or disk["full"] is not None)
 
 
 class ReplicatedEngine:
@@ -81,6 +78,7 @@ class ReplicatedEngine:
         self.process_index = jax.process_index()
         self.process_count = jax.process_count()
         self.is_leader = self.process_index == 0
+        self.peers = Peers(self.process_index, self.process_count)
         self.closed = False
         self._log: list[list[Any]] = []  # leader: operations applied since the last broadcast
         self._close = False
@@ -171,26 +169,24 @@ class ReplicatedEngine:
 
     # --- the lockstep -------------------------------------------------------------------------------
     def _exchange(self) -> dict[str, Any]:
-        """The leader's log since the last step and its close flag, on every process."""
+        """The leader's log since the last step, its close flag, and what its engine observed finishing in
+        the background (`Engine.observe`), on every process. Nothing to say costs one small collective."""
+        sent = None
         if self.is_leader:
             message: dict[str, Any] = {"log": self._log, "close": self._close}
             self._log = []
+            events = self.engine.observe()
+            if events is not None and (events["loaded"] or _disk_news(events["disk"])):
+                message["events"] = events
             if self.process_count == 1:
                 return message
-        from jax.experimental import multihost_utils
-
-        empty = self.is_leader and not (message["log"] or message["close"])
-        payload = b"" if not self.is_leader or empty else json.dumps(message).encode()
-        header = np.frombuffer(np.int64(len(payload)).tobytes(), np.uint8)
-        n = int(np.asarray(multihost_utils.broadcast_one_to_all(header)).view(np.int64)[0])
-        if n == 0:
+            if message["log"] or message["close"] or "events" in message:
+                sent = message
+        got = self.peers.broadcast(sent)
+        if got is None:
             return {"log": [], "close": False}
-        buf = np.zeros(_bucket(n), np.uint8)
-        if self.is_leader:
-            buf[:n] = np.frombuffer(payload, np.uint8)
-        data = np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n].tobytes()
-        self.broadcast_bytes += n
-        return json.loads(data)
+        self.broadcast_bytes += len(json.dumps(got))  # payload bytes (without padding), alike everywhere
+        return got
 
     def _replay(self, log: list[list[Any]]) -> None:
         """A follower applies the leader's operations in the leader's order."""
@@ -220,7 +216,7 @@ class ReplicatedEngine:
         if message["close"]:
             self.closed = True
             return []
-        return self.engine.step()
+        return self.engine.step(message.get("events", NO_EVENTS))
 
     def recover(self, reason: str) -> list[RequestOutput]:
         """A failed step cannot be recovered with several processes (the lockstep is broken, a collective

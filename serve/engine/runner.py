@@ -39,6 +39,34 @@ class Restore:
     fill_kv: Any = None
 
 
+@dataclasses.dataclass
+class HostShards:
+    """A device array moved to host memory, as this process's shards (with several processes no process
+    holds a whole array that is sharded across them): numpy per addressable device, and the sharding."""
+
+    shape: tuple[int, ...]
+    sharding: Any
+    shards: list[tuple[Any, np.ndarray]]  # (device, its shard)
+
+    @classmethod
+    def of(cls, x: jax.Array) -> HostShards:
+        return cls(x.shape, x.sharding, [(s.device, np.asarray(s.data)) for s in x.addressable_shards])
+
+    def to_device(self) -> jax.Array:
+        arrays = [jax.device_put(data, device) for device, data in self.shards]
+        return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
+
+
+def _to_host(x: Any) -> Any:
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        return HostShards.of(x)
+    return np.asarray(x)
+
+
+def _to_device(x: Any) -> Any:
+    return x.to_device() if isinstance(x, HostShards) else jnp.asarray(x)
+
+
 @functools.lru_cache(maxsize=16)
 def _programs(graphdef: Any, layer_types: tuple[str, ...], pool_shardings: Any = None) -> tuple[Any, Any]:
     """(run, sample) jitted once per model structure (and pool layout on a mesh); `run` donates the pools,
@@ -138,6 +166,7 @@ class Runner:
             )
         self._run, self._sample = _programs(graphdef, cfg.layer_types, self.pool_shardings)
         self.pools = self._new_pools()
+        self._restore_shardings: list[tuple[Any, Any]] | None = None
 
     def _new_pools(self) -> tuple[Any, ...]:
         cfg, shape = self.model_config, self.shape
@@ -157,20 +186,22 @@ class Runner:
     def restore(self, r: Restore) -> None:
         cfg, shape = self.model_config, self.shape
         if r.fill_blocks:
-            width = shape.table_width(len(r.fill_blocks))
+            n = len(r.fill_blocks)
+            width = shape.table_width(n)
             ids = np.full((width,), SCRATCH_BLOCK, np.int32)
-            ids[: len(r.fill_blocks)] = r.fill_blocks
-            rows = np.zeros((r.fill_kv.shape[0], width, *r.fill_kv.shape[2:]), r.fill_kv.dtype)
-            rows[:, : len(r.fill_blocks)] = r.fill_kv
-            self.pools = _put_blocks(self.pools, jnp.asarray(ids), tuple(jnp.asarray(x) for x in rows))
+            ids[:n] = r.fill_blocks
+            rows = jnp.pad(jnp.asarray(r.fill_kv), [(0, 0), (0, width - n)] + [(0, 0)] * (r.fill_kv.ndim - 2))
+            kv_rows = tuple(rows[i] for i in range(rows.shape[0]))
+            self.pools = _put_blocks(self.pools, jnp.asarray(ids), kv_rows)
         kv = r.tail_kv
         if kv is None:
             kv = tuple(
                 jnp.zeros((shape.block_size, cfg.latent_dim), shape.kv_dtype)
                 for _ in range(cfg.num_mla_layers)
             )
-        states = jax.tree_util.tree_map(jnp.asarray, r.states)
-        kv = jax.tree_util.tree_map(jnp.asarray, kv)
+        is_host = lambda x: isinstance(x, HostShards)  # noqa: E731
+        states = jax.tree_util.tree_map(_to_device, r.states, is_leaf=is_host)
+        kv = jax.tree_util.tree_map(_to_device, kv, is_leaf=is_host)
         self.pools = _put(self.pools, jnp.int32(r.slot), states, jnp.int32(r.tail_block), kv)
 
     def run_program(
@@ -252,7 +283,36 @@ class Runner:
 
     @staticmethod
     def to_host(tree: Any) -> Any:
-        return jax.tree_util.tree_map(np.asarray, tree)
+        """A checkpoint's arrays in host memory (this process's shards of arrays sharded across processes)."""
+        return jax.tree_util.tree_map(_to_host, tree)
+
+    @staticmethod
+    def pack(states: Any, kv_full: Any, num_full: int, tail: Any) -> dict[str, jax.Array]:
+        """A checkpoint as the named arrays of its disk entry (on the device: with several processes each
+        writes its shards): conv_i / state_i per KDA layer, kv [mla, num_full, block, latent], tail."""
+        arrays = {}
+        for i, (conv, state) in enumerate(states):
+            arrays[f"conv_{i}"], arrays[f"state_{i}"] = conv, state
+        if num_full:
+            arrays["kv"] = jnp.stack([k[:num_full] for k in kv_full])
+        if tail is not None:
+            arrays["tail"] = jnp.stack(list(tail))
+        return arrays
+
+    def init_restore_shardings(self) -> None:
+        """Learn the shardings `take` produces (one program every process runs, so call it in lockstep,
+        before any read runs in the background)."""
+        states, _ = self.take(0, SCRATCH_BLOCK)
+        self._restore_shardings = [(c.sharding, s.sharding) for c, s in states]
+
+    def restore_sharding(self, name: str, shape: tuple[int, ...], dtype: str) -> Any:
+        """Where a disk read puts array `name` on the mesh: a slot's states as `take` leaves them, the KV
+        replicated (as the pools' block axis is)."""
+        if name.startswith(("conv_", "state_")):
+            kind, i = name.split("_")
+            return self._restore_shardings[int(i)][kind == "state"]
+        mesh = jax.tree.leaves(self.pool_shardings)[0].mesh
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     # --- failures --------------------------------------------------------------------------------------
     def pools_lost(self) -> bool:

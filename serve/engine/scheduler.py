@@ -86,7 +86,6 @@ class Scheduler:
     # --- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = self._plan = StepPlan()
-        self._poll_loads()
         budget = self.shape.max_batched_tokens
         by_order = sorted(self.running, key=lambda r: r.order)
         for req in by_order:
@@ -204,17 +203,24 @@ class Scheduler:
             fill_kv=att.fill_kv[:, fresh] if fresh else None,
         )
 
-    def _poll_loads(self) -> None:
-        """Requests whose prefix finished loading go back to the front of the queue (in arrival order);
-        with nothing else to do, wait a moment for one."""
+    def observe_loads(self) -> list[list[Any]]:
+        """[request id, read ok] of every disk read that finished (on process 0, or the only process);
+        with nothing else to do, wait a moment for one first."""
         if not self.loading:
-            return
+            return []
         if not self.running and not self.waiting:
             self.store.wait_loads([r.load for r in self.loading], timeout=0.05)
-        done = [r for r in self.loading if self.store.load_ready(r.load)]
-        for req in sorted(done, key=lambda r: r.arrival, reverse=True):
+        done = sorted((r for r in self.loading if self.store.load_ready(r.load)), key=lambda r: r.arrival)
+        return [[r.id, r.load.future.exception() is None] for r in done]
+
+    def apply_loads(self, done: list[list[Any]]) -> None:
+        """Requests whose prefix was read go back to the front of the queue, in arrival order, with what
+        was read (every process follows process 0's outcome)."""
+        by_id = {r.id: r for r in self.loading}
+        for rid, ok in reversed(done):
+            req = by_id[rid]
             self.loading.remove(req)
-            self.store.finish_load(req.load)
+            self.store.finish_load(req.load, leader_ok=ok)
             if req.finished:  # aborted while it waited
                 req.load = None
                 continue

@@ -3,28 +3,27 @@
 Layout (one directory per checkpoint; the namespace keeps formats, models and cache layouts apart)::
 
     store_dir/v<FORMAT>-<fingerprint-hex[:16]>-bs<block_size>-<kv dtype>/
-        .lock                                held (POSIX lock) by the one process that uses the namespace
+        .lock                                held (POSIX lock) by the one server that uses the namespace
         <checkpoint key, 64 hex>/            a committed Orbax checkpoint (PyTreeCheckpointHandler):
-            _CHECKPOINT_METADATA, _METADATA, manifest.ocdbt, ocdbt.process_0/..., d/...
-                conv_<i>, state_<i>          the KDA states of KDA layer i at `position`
-                kv                           [mla layers, position // block_size, block_size, latent]
-                tail                         [mla layers, block_size, latent] (when position % block_size)
+            conv_<i>, state_<i>              the KDA states of KDA layer i at `position`
+            kv                               [mla layers, position // block_size, block_size, latent]
+            tail                             [mla layers, block_size, latent] (when position % block_size)
             manifest.json                    written last: metadata, every file's size, array checksums
-        <key>.orbax-checkpoint-tmp           Orbax's temporary directory of a save in progress (ignored)
+        <key>.orbax-checkpoint-tmp           Orbax's temporary directory of a save in progress
 
-Atomicity and visibility: Orbax writes into the temporary directory and renames it when the save is
-complete; `manifest.json` is then written (temporary file + rename) as the last step. The indexer accepts
-only directories named by a key whose manifest parses, belongs to this model, and lists files that all
-exist with their recorded sizes; anything else (a crash mid-save, a truncated copy) is ignored. Arrays are
-checked against their recorded CRC32 when restored, so a damaged entry is dropped instead of served.
-A save runs on one background thread; the engine never waits for it. Its entry joins the index (becomes
-visible to lookups) only when `poll` finds it finished; `flush` waits for every save. Restores run on a
-second background thread (`load_async`), so a request waiting for its prefix stalls nobody else.
+Atomicity: Orbax writes into the temporary directory and renames it when complete; `manifest.json` is
+written (temporary file + rename) last. Only directories with a valid manifest whose files all exist with
+their recorded sizes are entries; arrays are checked against their CRC32 when restored (one process), so
+a damaged entry is dropped instead of served. Opening removes what crashed saves left behind. When the disk
+is (nearly) full, writing stops with one warning and resumes after FULL_RETRY_S.
 
-Long-running servers: opening the tier removes what crashed saves left (temporary and unreadable
-directories), so a crash-looping server cannot grow the directory without bound; one process at a time
-uses a namespace (a second one gets StoreLocked); when the disk is (nearly) full, writing stops with one
-warning and the store keeps serving from memory, trying again after `FULL_RETRY_S`.
+Time: saves run on one background thread and reads on another. What finished is *observed* (`observe`:
+on process 0, or the only process) and then *applied* (`apply`) at a step boundary, so that with several
+processes every process changes its index at the same step, from process 0's observations carried in the
+step log. Several processes (JAX multi-controller): every process holds its shards of the states; each
+save is one Orbax multi-process save of the sharded arrays (every process writes its shards, process 0
+commits and writes the manifest) and each read restores every process's shards; process 0 alone takes the
+lock, collects leftovers, deletes and touches files.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ import concurrent.futures as cf
 import concurrent.futures.thread  # noqa: F401 - registers its exit hook before ours (see below)
 import dataclasses
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -41,85 +39,31 @@ import shutil
 import threading
 import time
 import weakref
-import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from jaxhybrid.weights.orbax_io import checkpointer
+from serve.prefix import files
+from serve.prefix.files import (
+    FORMAT,
+    FULL_RETRY_S,
+    LOCK,
+    MANIFEST,
+    MIN_FREE_BYTES,
+    DiskFull,
+    StoreLocked,
+    namespace,
+)
 from serve.prefix.stats import DiskStats
+from sharding.multihost import Peers
 
-FORMAT = 2  # 2: the namespace carries the format version
-MANIFEST = "manifest.json"
-LOCK = ".lock"
-MIN_FREE_BYTES = 64 << 20  # a save needs its own size plus this much free on the file system
-FULL_RETRY_S = 60.0  # after the disk was found full, how long to wait before writing again
-_LIVE: weakref.WeakSet[DiskTier] = weakref.WeakSet()
-_LOCKS: dict[Path, list] = {}  # namespace dir -> [open lock file, tiers of this process using it]
-_LOCKS_GUARD = threading.Lock()
+__all__ = ["DiskEntry", "DiskTier", "StoreLocked", "namespace", "LOCK", "MANIFEST"]
 log = logging.getLogger("jaxhybrid.prefix")
-
-
-class StoreLocked(ValueError):
-    """Another process uses this prefix-store namespace."""
-
-
-class DiskFull(OSError):
-    """Too little free space for a save."""
-
-
-def namespace(fingerprint: bytes, layout: str = "") -> str:
-    """The directory name of one format + model + cache layout inside a store directory."""
-    return f"v{FORMAT}-{fingerprint.hex()[:16]}" + (f"-{layout}" if layout else "")
-
-
-def _lock(path: Path) -> None:
-    """Take the namespace's lock for this process (shared by this process's tiers)."""
-    with _LOCKS_GUARD:
-        held = _LOCKS.get(path)
-        if held is not None:
-            held[1] += 1
-            return
-        f = open(path / LOCK, "a+")  # noqa: SIM115 - kept open while the lock is held
-        try:
-            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            owner = f.read().strip() or "unknown"
-            f.close()
-            raise StoreLocked(
-                f"the prefix store directory {path} is in use by another process (pid {owner}); "
-                "give each server its own --store-dir"
-            ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        _LOCKS[path] = [f, 1]
-
-
-def _unlock(path: Path) -> None:
-    with _LOCKS_GUARD:
-        held = _LOCKS.get(path)
-        if held is None:
-            return
-        held[1] -= 1
-        if held[1] == 0:
-            del _LOCKS[path]
-            held[0].close()  # closing the file releases the POSIX lock
-
-
-def _is_full(exc: BaseException) -> bool:
-    """Whether a save failed for want of space (anywhere in its chain of causes)."""
-    while exc is not None:
-        if isinstance(exc, DiskFull) or (
-            isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
-        ):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+_LIVE: weakref.WeakSet[DiskTier] = weakref.WeakSet()
 
 
 def _finish_saves_at_exit() -> None:
@@ -146,42 +90,14 @@ class DiskEntry:
     tail: tuple[int, ...]  # tokens after the last full block
     nbytes: int  # array bytes
     disk_bytes: int  # bytes on disk (all files)
-    arrays: dict[str, list]  # name -> [shape, dtype, crc32]
+    arrays: dict[str, list]  # name -> [shape, dtype, crc32 or None (several processes)]
     used: float = 0.0  # last use (the manifest's mtime): LRU order across restarts
     holders: int = 0
 
 
-def _crc(a: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1))
-
-
-def _files(path: Path) -> dict[str, int]:
-    out = {}
-    for root, _, names in os.walk(path):
-        for name in names:
-            full = Path(root) / name
-            rel = str(full.relative_to(path))
-            if rel != MANIFEST:
-                out[rel] = full.stat().st_size
-    return out
-
-
-def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        (path / MANIFEST).unlink(missing_ok=True)  # invisible first, then gone
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists():
-        path.unlink(missing_ok=True)
-
-
 class DiskTier:
-    """Index of the committed entries (LRU order), pending saves, and the byte budget of one namespace."""
+    """Index of the committed entries (LRU order), pending saves, and the byte budget of one namespace.
+    `restore_shardings(name, shape, dtype)`: where a read puts each array with several processes."""
 
     def __init__(
         self,
@@ -193,16 +109,18 @@ class DiskTier:
         max_pending: int,
         max_pending_bytes: int,
         stats: DiskStats | None = None,
+        peers: Peers | None = None,
+        restore_shardings: Callable[[str, tuple[int, ...], str], Any] | None = None,
     ):
+        self.peers = peers or Peers(0, 1)
         self.dir = Path(root).resolve() / namespace
         self.dir.mkdir(parents=True, exist_ok=True)
-        _lock(self.dir)  # first: collecting leftovers below must not race another process's saves
+        if self.peers.leader:
+            files.lock(self.dir)  # first: collecting leftovers must not race another server's saves
         self._closed = False
-        self.fingerprint = fingerprint
-        self.block_size = block_size
-        self.budget = budget
-        self.max_pending = max_pending
-        self.max_pending_bytes = max_pending_bytes
+        self.fingerprint, self.block_size = fingerprint, block_size
+        self.budget, self.max_pending, self.max_pending_bytes = budget, max_pending, max_pending_bytes
+        self.restore_shardings = restore_shardings
         self.stats = stats if stats is not None else DiskStats()
         self.entries: OrderedDict[bytes, DiskEntry] = OrderedDict()  # LRU order
         self.block_refs: dict[bytes, int] = {}  # full-block chain hash -> entries holding its KV
@@ -210,9 +128,10 @@ class DiskTier:
         self._jobs: list[cf.Future] = []
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk")
         self._reader = cf.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk-read")
-        self.full_until = 0.0  # monotonic time before which no save is tried (the disk was full)
+        self.full = False  # the disk was found full: no save is tried until `full_until`
+        self.full_until = 0.0
         self._warned_full = False
-        self._saver: Any = None  # Orbax checkpointers: one used only by the worker, one by the caller
+        self._saver: Any = None  # Orbax checkpointers: one used only by the worker, one by the reader
         self._loader: Any = None
         self.ignored: list[str] = []  # names in the directory that were not complete entries (at start)
         self.collected_bytes = 0  # bytes of those leftovers, removed at start
@@ -220,22 +139,28 @@ class DiskTier:
         _LIVE.add(self)
         self.index()
 
+    def _checkpointer(self) -> Any:
+        if not self.peers.several:
+            return checkpointer(None)
+        return checkpointer(None, processes=set(range(self.peers.count)))
+
     # --- index -----------------------------------------------------------------------------------
     def index(self) -> None:
-        """Read the manifests of every committed entry; remove what is not one (temporary and partial
-        directories of crashed saves, unreadable entries), except saves this process has in flight."""
+        """Read the manifests of every committed entry; process 0 removes what is not one (temporary and
+        partial directories of crashed saves, unreadable entries), except saves this process has in flight;
+        with several processes every process then indexes exactly process 0's entries."""
         found = []
         busy = self._in_flight_here()
         for child in sorted(self.dir.iterdir()):
             if child.name == LOCK or child.name in busy:
                 continue
             entry = self._read(child)
-            if entry is None:
-                self.ignored.append(child.name)
-                self.collected_bytes += _size(child)
-                _remove(child)
-            else:
+            if entry is not None:
                 found.append(entry)
+            elif self.peers.leader:
+                self.ignored.append(child.name)
+                self.collected_bytes += files.size(child)
+                files.remove(child)
         if self.ignored:
             self.stats.collected += len(self.ignored)
             log.info(
@@ -244,8 +169,13 @@ class DiskTier:
                 len(self.ignored),
                 self.collected_bytes,
             )
-        for entry in sorted(found, key=lambda e: e.used):  # least recently used first
-            self._add(entry)
+        found.sort(key=lambda e: e.used)  # least recently used first
+        order = self.peers.broadcast([e.key.hex() for e in found])
+        by_key = {e.key.hex(): e for e in found}
+        for key in order:
+            if key not in by_key:
+                raise RuntimeError(f"prefix store {self.dir}: entry {key} of process 0 is unreadable here")
+            self._add(by_key[key])
         self.enforce_budget()
 
     def _in_flight_here(self) -> set[str]:
@@ -282,9 +212,7 @@ class DiskTier:
                 tail=tuple(int(t) for t in m["tail"]),
                 nbytes=int(m["nbytes"]),
                 disk_bytes=sum(m["files"].values()) + stat.st_size,
-                arrays={
-                    k: [list(shape), str(dtype), int(crc)] for k, (shape, dtype, crc) in m["arrays"].items()
-                },
+                arrays={k: [list(shape), str(dtype), crc] for k, (shape, dtype, crc) in m["arrays"].items()},
                 used=stat.st_mtime,
             )
         except Exception:  # noqa: BLE001 - unreadable or malformed: not a (complete) entry
@@ -308,7 +236,8 @@ class DiskTier:
             self.block_refs[h] -= 1
             if not self.block_refs[h]:
                 del self.block_refs[h]
-        self._jobs.append(self._worker.submit(_remove, entry.path))
+        if self.peers.leader:
+            self._jobs.append(self._worker.submit(files.remove, entry.path))
 
     @property
     def pending_bytes(self) -> int:
@@ -328,19 +257,20 @@ class DiskTier:
 
     def touch(self, entry: DiskEntry) -> None:
         self.entries.move_to_end(entry.key)
-        try:
-            os.utime(entry.path / MANIFEST)  # the LRU order survives a restart
-        except OSError:
-            pass
+        if self.peers.leader:
+            try:
+                os.utime(entry.path / MANIFEST)  # the LRU order survives a restart
+            except OSError:
+                pass
 
     # --- saving ----------------------------------------------------------------------------------
     def wants(self, key: bytes, nbytes: int) -> bool:
         """Whether a checkpoint should be written: not on disk or on its way, fits, queue not full, and
-        the disk not recently found full."""
+        the disk not found full."""
         if key in self.entries:
             self.entries.move_to_end(key)
             return False
-        if time.monotonic() < self.full_until:
+        if self.full:
             self.stats.skipped += 1
             return False
         if key in self.pending or nbytes > self.budget:
@@ -350,49 +280,50 @@ class DiskTier:
             return False
         return True
 
-    def submit(self, meta: dict[str, Any], payload: Any, device_bytes: int) -> None:
-        """Queue a save. `payload` = (states, kv, num_full, tail): device arrays, copied to the host by the
-        worker (kv: per MLA layer [>= num_full, block_size, latent] or None; tail: per MLA layer or None)."""
+    def submit(self, meta: dict[str, Any], arrays: dict[str, Any], device_bytes: int) -> None:
+        """Queue a save of `arrays` (name -> device array the caller no longer changes)."""
         key = bytes.fromhex(meta["key"])
-        fut = self._worker.submit(self._save, meta, payload)
+        fut = self._worker.submit(self._save, meta, arrays)
         self.pending[key] = (fut, device_bytes)
         self._jobs.append(fut)
 
-    def _save(self, meta: dict[str, Any], payload: Any) -> tuple[DiskEntry, float]:
-        import jax
+    def _save(self, meta: dict[str, Any], arrays: dict[str, Any]) -> tuple[DiskEntry | None, float]:
         import orbax.checkpoint as ocp
 
         t0 = time.perf_counter()
-        states, kv, num_full, tail = jax.device_get(payload)
-        arrays: dict[str, np.ndarray] = {}
-        for i, (conv, state) in enumerate(states):
-            arrays[f"conv_{i}"], arrays[f"state_{i}"] = np.asarray(conv), np.asarray(state)
-        if num_full:
-            arrays["kv"] = np.stack([np.asarray(k)[:num_full] for k in kv])
-        if tail is not None:
-            arrays["tail"] = np.stack([np.asarray(t) for t in tail])
+        several = self.peers.several
+        if not several:  # one process: numpy on the host, with checksums
+            import jax
+
+            arrays = {k: np.asarray(v) for k, v in jax.device_get(arrays).items()}
         final = self.dir / meta["key"]
         tmp = final.with_name(final.name + ".orbax-checkpoint-tmp")
-        _remove(tmp)  # leftovers of an earlier crash, or an entry the index rejected
-        _remove(final)
-        need = sum(a.nbytes for a in arrays.values()) + MIN_FREE_BYTES
-        if shutil.disk_usage(self.dir).free < need:
-            raise DiskFull(errno.ENOSPC, f"less than {need} bytes free for a save", str(self.dir))
+        if self.peers.leader:  # the others wait at Orbax's first barrier until this is done
+            files.remove(tmp)  # leftovers of an earlier crash, or an entry the index rejected
+            files.remove(final)
+        nbytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays.values())
+        if not several and shutil.disk_usage(self.dir).free < nbytes + MIN_FREE_BYTES:
+            raise DiskFull(errno.ENOSPC, f"less than {nbytes + MIN_FREE_BYTES} bytes free", str(self.dir))
         if self._saver is None:
-            self._saver = checkpointer(None)
+            self._saver = self._checkpointer()
         try:
             self._saver.save(final, args=ocp.args.PyTreeSave(arrays))
         except BaseException:
-            _remove(tmp)  # a failed save leaves nothing behind
-            _remove(final)
+            if self.peers.leader:
+                files.remove(tmp)  # a failed save leaves nothing behind
+                files.remove(final)
             raise
-        files = _files(final)
+        if not self.peers.leader:
+            return None, time.perf_counter() - t0
         manifest = dict(
             meta,
             format=FORMAT,
-            nbytes=sum(a.nbytes for a in arrays.values()),
-            arrays={k: [list(a.shape), a.dtype.name, _crc(a)] for k, a in arrays.items()},
-            files=files,
+            nbytes=nbytes,
+            arrays={
+                k: [list(a.shape), np.dtype(a.dtype).name, None if several else files.crc(a)]
+                for k, a in arrays.items()
+            },
+            files=files.files(final),
         )
         part = final / (MANIFEST + ".tmp")
         with open(part, "w") as f:
@@ -405,51 +336,83 @@ class DiskTier:
             raise RuntimeError(f"{final}: the checkpoint just written does not read back")
         return entry, time.perf_counter() - t0
 
-    def poll(self, wait: bool = False) -> list[DiskEntry]:
-        """Make finished saves visible (all of them, waiting, with `wait`); returns the new entries."""
-        if wait:
-            cf.wait(self._jobs)
-        self._jobs = [j for j in self._jobs if not j.done()]
+    # --- what finished: observed on process 0, applied everywhere at a step boundary -------------------
+    def observe(self) -> dict[str, Any]:
+        """Saves that finished (ok or failed, and whether for want of space), and the disk's full state
+        when it changes (None: unchanged)."""
+        saved, failed = [], []
+        for key, (fut, _) in self.pending.items():
+            if fut.done():
+                exc = fut.exception()
+                if exc is None:
+                    saved.append(key.hex())
+                else:
+                    failed.append([key.hex(), f"{type(exc).__name__}: {exc}", files.is_full(exc)])
+        full = self.full
+        if self.full and time.monotonic() >= self.full_until:
+            full = False  # try again
+        if not full and self.peers.several and self.pending:  # only process 0 looks at the disk
+            full = shutil.disk_usage(self.dir).free < self.max_pending_bytes + MIN_FREE_BYTES
+        return {"saved": saved, "failed": failed, "full": None if full == self.full else full}
+
+    def apply(self, events: dict[str, Any]) -> list[DiskEntry]:
+        """Act on `observe`'s result (from process 0): new entries join the index; returns them."""
         new = []
-        for key, (fut, _) in list(self.pending.items()):
-            if not fut.done():
-                continue
-            del self.pending[key]
-            try:
-                entry, dt = fut.result()
-            except Exception as exc:  # noqa: BLE001 - a failed save loses one cache entry, nothing else
-                self.stats.save_errors += 1
-                self.stats.last_error = f"{type(exc).__name__}: {exc}"
-                if _is_full(exc):
-                    self._disk_full(exc)
-                continue
+        for key_hex in events["saved"]:
+            fut, _ = self.pending.pop(bytes.fromhex(key_hex))
+            entry, dt = fut.result()  # on another process: its own part of the same save
+            if entry is None:
+                entry = self._read(self.dir / key_hex)
+            if entry is None:
+                raise RuntimeError(
+                    f"prefix store {self.dir}: entry {key_hex} of process 0 is unreadable here"
+                )
             self._add(entry)
             self.stats.saves += 1
             self.stats.save_time_s += dt
             new.append(entry)
+        for key_hex, error, for_space in events["failed"]:
+            fut, _ = self.pending.pop(bytes.fromhex(key_hex))
+            cf.wait([fut])
+            self.stats.save_errors += 1
+            self.stats.last_error = error
+            if for_space:
+                events = {**events, "full": True}
+        if events["full"] and not self.full:
+            self._disk_full()
+        elif events["full"] is False and self.full:
+            self.full = False
+            log.info("prefix store %s: writing checkpoints again", self.dir)
         if new:
             self.enforce_budget()
+        self._jobs = [j for j in self._jobs if not j.done()]
+        return new
+
+    def poll(self, wait: bool = False) -> list[DiskEntry]:
+        """One process: observe + apply (waiting for every save first with `wait`)."""
+        if wait:
+            cf.wait(self._jobs)
+        new = self.apply(self.observe())
         if wait:
             cf.wait(self._jobs)  # removals the budget queued
             self._jobs = []
         return new
 
-    def _disk_full(self, exc: BaseException) -> None:
+    def _disk_full(self) -> None:
         """Stop writing for FULL_RETRY_S; warn once per run (the cache keeps serving from memory)."""
-        self.full_until = time.monotonic() + FULL_RETRY_S
+        self.full, self.full_until = True, time.monotonic() + FULL_RETRY_S
         self.stats.full += 1
         if not self._warned_full:
             self._warned_full = True
             log.warning(
-                "prefix store %s: the disk is full (%s); not writing checkpoints for %.0f s at a time, "
+                "prefix store %s: the disk is full; not writing checkpoints for %.0f s at a time, "
                 "serving from memory",
                 self.dir,
-                exc,
                 FULL_RETRY_S,
             )
 
     # --- loading ---------------------------------------------------------------------------------
-    def load(self, entry: DiskEntry) -> tuple[list, np.ndarray | None, np.ndarray | None] | None:
+    def load(self, entry: DiskEntry) -> tuple[list, Any, Any] | None:
         """(states [(conv, state) per KDA layer], kv [mla, n, block_size, latent] or None, tail or None),
         checked against the manifest; None (and the entry dropped) when it cannot be read. Blocking: the
         engine uses `load_async` + `finish_load`."""
@@ -460,30 +423,47 @@ class DiskTier:
         entry.holders += 1
         return self._reader.submit(self._read_arrays, entry)
 
-    def finish_load(self, entry: DiskEntry, fut: cf.Future) -> tuple[list, Any, Any] | None:
-        """The result of a finished `load_async` (see `load`), on the thread that owns the index."""
+    def finish_load(self, entry: DiskEntry, fut: cf.Future, leader_ok: bool | None = None) -> Any:
+        """The result of `load_async` (waiting for it), on the thread that owns the index. `leader_ok`:
+        whether process 0's read succeeded (several processes decide alike: if it failed, all drop)."""
         entry.holders -= 1
-        try:
+        exc = fut.exception()
+        if leader_ok is None:
+            leader_ok = exc is None
+        if leader_ok and exc is not None:
+            raise RuntimeError(f"process {self.peers.index} could not read {entry.path}: {exc}") from exc
+        if leader_ok:
             return fut.result()
-        except Exception as exc:  # noqa: BLE001 - unreadable or damaged: drop it, recompute instead
-            self.stats.restore_errors += 1
-            self.stats.last_error = f"{type(exc).__name__}: {exc}"
-            if entry.key in self.entries and not entry.holders:
-                self._drop(entry)
-            return None
+        self.stats.restore_errors += 1
+        self.stats.last_error = (
+            f"{type(exc).__name__}: {exc}" if exc is not None else "unreadable on process 0"
+        )
+        if entry.key in self.entries and not entry.holders:
+            self._drop(entry)
+        return None
 
     def _read_arrays(self, entry: DiskEntry) -> tuple[list, Any, Any]:
         import orbax.checkpoint as ocp
 
         if self._loader is None:
-            self._loader = checkpointer(None)
-        args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in entry.arrays}
+            self._loader = self._checkpointer()
+        if self.peers.several:  # every process reads its shards, into the states' shardings
+            args = {
+                k: ocp.ArrayRestoreArgs(sharding=self.restore_shardings(k, tuple(shape), dtype))
+                for k, (shape, dtype, _) in entry.arrays.items()
+            }
+        else:
+            args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in entry.arrays}
         tree = self._loader.restore(entry.path, args=ocp.args.PyTreeRestore(restore_args=args))
         for name, (shape, dtype, crc) in entry.arrays.items():
             a = tree[name]
-            if list(a.shape) != shape or a.dtype.name != dtype or _crc(a) != crc:
+            if list(a.shape) != shape or np.dtype(a.dtype).name != dtype:
                 raise ValueError(f"array '{name}' does not match its manifest")
-        states = [(tree[f"conv_{i}"], tree[f"state_{i}"]) for i in range(_count(tree, "conv_"))]
+            if crc is not None and files.crc(a) != crc:
+                raise ValueError(f"array '{name}' does not match its checksum")
+        states = [
+            (tree[f"conv_{i}"], tree[f"state_{i}"]) for i in range(sum(1 for k in tree if k[:5] == "conv_"))
+        ]
         if (entry.position // self.block_size) != (tree["kv"].shape[1] if "kv" in tree else 0):
             raise ValueError("the stored KV does not cover the prefix")
         if bool(entry.position % self.block_size) != ("tail" in tree):
@@ -495,11 +475,10 @@ class DiskTier:
         if self._closed:
             return
         self._closed = True
-        self.poll(wait=True)
+        if not self.peers.several:
+            self.poll(wait=True)
+        cf.wait(self._jobs)
         self._worker.shutdown(wait=True)
         self._reader.shutdown(wait=True)
-        _unlock(self.dir)
-
-
-def _count(tree: dict[str, Any], prefix: str) -> int:
-    return sum(1 for k in tree if k.startswith(prefix))
+        if self.peers.leader:
+            files.unlock(self.dir)

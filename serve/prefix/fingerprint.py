@@ -62,8 +62,10 @@ def weights_digest(model: nnx.Module) -> tuple[list[str], np.ndarray]:
             continue
         names.append(f"{'.'.join(map(str, path))}:{list(value.shape)}:{value.dtype.name}")
         leaves.append(value)
-    digests = [_leaf_digest(x) for x in leaves]  # dispatched together, then read: 8 bytes each
-    return names, np.stack([np.asarray(d) for d in digests]) if digests else np.zeros((0, 2), np.uint32)
+    # One leaf at a time, each finished before the next: with several processes independent programs in
+    # flight could run their cross-process reductions in different orders on different processes.
+    digests = [np.asarray(jax.block_until_ready(_leaf_digest(x))) for x in leaves]  # 8 bytes each
+    return names, np.stack(digests) if digests else np.zeros((0, 2), np.uint32)
 
 
 def model_fingerprint(model: nnx.Module) -> bytes:

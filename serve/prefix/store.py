@@ -15,7 +15,9 @@ checkpoint is also written through to disk with the KV of its whole prefix (`ser
 The engine talks to the store through these methods only: `match`, `start_load` / `load_ready` /
 `finish_load` (a disk hit is read in the background), `attach` / `attached` / `detach` (a hit given to a
 request), `chunk_limit`, `on_computed` / `on_finished` (checkpoints and block indexing), `evict_one` /
-`evictable`, `poll`, `ledger`, `forget_blocks`, `close`. The data it keeps comes from a CheckpointSource
+`evictable`, `observe` / `apply` (what finished in the background, applied at a step boundary: with
+several processes process 0 observes and every process applies the same), `poll` (both, one process),
+`ledger`, `forget_blocks`, `close`. The data it keeps comes from a CheckpointSource
 (the runner): the store decides, the source copies.
 """
 
@@ -89,6 +91,8 @@ class CheckpointSource(Protocol):
 
     def gathered_bytes(self, blocks: int) -> int: ...
 
+    def pack(self, states: Any, kv_full: Any, num_full: int, tail: Any) -> dict[str, Any]: ...
+
     def to_host(self, tree: Any) -> Any: ...
 
 
@@ -141,7 +145,11 @@ class PrefixStore:
         fingerprint: bytes,
         allocator: Any,
         layout: str = "",
+        peers: Any = None,
+        restore_shardings: Any = None,
     ):
+        """`peers` (sharding.multihost.Peers) and `restore_shardings(name, shape, dtype)`: several
+        processes (see `serve.prefix.disk`)."""
         config.validate(block_size)
         self.config, self.block_size = config, block_size
         self.block_bytes, self.state_bytes = block_bytes, state_bytes
@@ -163,6 +171,8 @@ class PrefixStore:
                 config.disk_bytes,
                 config.disk_max_pending,
                 config.disk_max_pending_bytes,
+                peers=peers,
+                restore_shardings=restore_shardings,
             )
             for entry in self.disk.entries.values():
                 self._note_disk_tail(entry)
@@ -237,9 +247,10 @@ class PrefixStore:
         """Wait up to `timeout` seconds for one of `loads` to finish."""
         cf.wait([x.future for x in loads], timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
-    def finish_load(self, load: Load) -> Load:
-        """The read's result in `load.data` (None: unreadable, the entry was dropped)."""
-        load.data = self.disk.finish_load(load.hit.disk, load.future)
+    def finish_load(self, load: Load, leader_ok: bool | None = None) -> Load:
+        """The read's result in `load.data` (None: unreadable, the entry was dropped); waits for it.
+        `leader_ok`: process 0's outcome, which every process follows."""
+        load.data = self.disk.finish_load(load.hit.disk, load.future, leader_ok)
         return load
 
     # --- giving a hit to a request -------------------------------------------------------------------
@@ -349,7 +360,8 @@ class PrefixStore:
             if num_full:
                 kv_full = source.gather(seq.blocks[:num_full])
                 held += source.gathered_bytes(num_full)
-            self.disk.submit(meta, (states, kv_full, num_full, kv if partial else None), held)
+            arrays = source.pack(states, kv_full, num_full, kv if partial else None)
+            self.disk.submit(meta, arrays, held)
         self.memory_stats.save_time_s += time.perf_counter() - t0
 
     # --- disk tier ---------------------------------------------------------------------------------------
@@ -376,8 +388,18 @@ class PrefixStore:
             "created": time.time(),
         }
 
+    def observe(self) -> dict[str, Any] | None:
+        """What finished in the background (disk saves, the disk's state); None without a disk tier."""
+        return None if self.disk is None else self.disk.observe()
+
+    def apply(self, events: dict[str, Any] | None) -> None:
+        """Make what `observe` saw (on process 0) visible to lookups."""
+        if self.disk is not None and events is not None:
+            for entry in self.disk.apply(events):
+                self._note_disk_tail(entry)
+
     def poll(self, wait: bool = False) -> None:
-        """Make finished disk saves visible to lookups (waiting for all of them with `wait`)."""
+        """One process: make finished disk saves visible (waiting for all of them with `wait`)."""
         if self.disk is not None:
             for entry in self.disk.poll(wait=wait):
                 self._note_disk_tail(entry)
