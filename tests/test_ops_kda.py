@@ -121,7 +121,7 @@ def test_kda_chunked_two_part_prefill(t1: int, t2: int) -> None:
     assert e_o < TOL and e_s < TOL
 
 
-@pytest.mark.parametrize("chunk_size", [1, 16, 50])
+@pytest.mark.parametrize("chunk_size", [1, 16, 50, 100])
 def test_kda_chunk_size_invariance(chunk_size: int) -> None:
     (q, k, v, g, beta), s0 = make_inputs(9, 100, strong=True, state=True)
     o64, s64 = chunked_jit(q, k, v, g, beta, s0)
@@ -185,6 +185,79 @@ def test_kda_gradients_chunked_match_recurrent() -> None:
     names = ("q", "k", "v", "g", "beta", "initial_state")
     errs = {n: rel_err(a, b) for n, a, b in zip(names, g_chk, g_rec, strict=True)}
     print("grad chunked/recurrent: " + ", ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in g_chk)
+    assert max(errs.values()) < GRAD_TOL, errs
+
+
+def decay_override(x: jax.Array, seed: int, level: float, frac: float) -> jax.Array:
+    """g with a fraction ``frac`` of entries replaced by ``level`` +- 1 (the rest as given)."""
+    rng = np.random.default_rng(seed)
+    hit = rng.uniform(size=x.shape) < frac
+    return jnp.where(hit, jnp.asarray(level + rng.uniform(-1.0, 1.0, size=x.shape), jnp.float32), x)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("frac", [1.0, 0.05], ids=["g30_all", "g30_sparse"])
+def test_kda_chunked_very_strong_decay(chunk_size: int, frac: float) -> None:
+    """g ~ -30 per step on (nearly) every channel over whole chunks: exp of any cumulative sum would
+    overflow or underflow, so only segment-wise exponents <= 0 survive. T is a multiple of no chunk
+    length, and the state starts non-zero."""
+    t = 150
+    (q, k, v, g, beta), s0 = make_inputs(31 + chunk_size, t, strong=True, state=True)
+    g = decay_override(g, 41 + chunk_size, -30.0, frac)
+    o_ref, s_ref = kda_oracle(q, k, v, g, beta, s0)
+    o_chk, s_chk = chunked_jit(q, k, v, g, beta, s0, chunk_size=chunk_size)
+    assert bool(jnp.all(jnp.isfinite(o_chk))) and bool(jnp.all(jnp.isfinite(s_chk)))
+    errs = [rel_err(o_chk, o_ref), rel_err(s_chk, s_ref)]
+    print(f"g~-30 frac={frac} chunk_size={chunk_size}: o={errs[0]:.2e} S={errs[1]:.2e}")
+    assert max(errs) < TOL
+
+
+@pytest.mark.parametrize("chunk_size", [32, 128])
+def test_kda_chunked_weak_decay_long_range(chunk_size: int) -> None:
+    """Nearly no decay (g in (-0.02, 0]) and one repeated key with beta near 1: every pair in a chunk
+    interacts at full strength and the triangular inverse is far from the identity."""
+    t = 200
+    (q, k, v, g, beta), s0 = make_inputs(61 + chunk_size, t, state=True)
+    rng = np.random.default_rng(chunk_size)
+    g = jnp.asarray(-rng.uniform(0.0, 0.02, size=g.shape), jnp.float32)
+    for kk, bb in ((k, beta), (jnp.broadcast_to(k[:, :1], k.shape), jnp.clip(beta, 0.9, 1.0))):
+        o_ref, s_ref = kda_oracle(q, kk, v, g, bb, s0)
+        o_chk, s_chk = chunked_jit(q, kk, v, g, bb, s0, chunk_size=chunk_size)
+        errs = [rel_err(o_chk, o_ref), rel_err(s_chk, s_ref)]
+        print(f"weak decay chunk_size={chunk_size}: o={errs[0]:.2e} S={errs[1]:.2e}")
+        assert max(errs) < TOL
+
+
+def test_kda_chunked_empty_sequence() -> None:
+    (q, k, v, g, beta), s0 = make_inputs(3, 0, state=True)
+    o, s = kda_chunked(q, k, v, g, beta, s0)
+    assert o.shape == (B, 0, H, 16)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s0))
+
+
+@pytest.mark.parametrize("chunk_size,g_level", [(64, None), (128, -30.0)], ids=["c64_strong", "c128_g30"])
+def test_kda_gradients_multi_level_chunks(chunk_size: int, g_level: float | None) -> None:
+    """Gradients through chunks with several doubling levels, strong decays, padding in the last chunk."""
+    t = 150
+    (q, k, v, g, beta), s0 = make_inputs(23, t, strong=True, state=True)
+    if g_level is not None:
+        g = decay_override(g, 24, g_level, 0.05)
+    rng = np.random.default_rng(1)
+    w_o = jnp.asarray(rng.normal(size=(B, t, H, 16)), jnp.float32)
+    w_s = jnp.asarray(rng.normal(size=(B, H, 16, 16)), jnp.float32)
+
+    def loss(fn, *args):
+        o, s = fn(*args)
+        return jnp.sum(o * w_o) + jnp.sum(s * w_s)
+
+    argnums = tuple(range(6))
+    g_rec = jax.jit(jax.grad(functools.partial(loss, kda_recurrent), argnums=argnums))(q, k, v, g, beta, s0)
+    chunked = functools.partial(kda_chunked, chunk_size=chunk_size)
+    g_chk = jax.jit(jax.grad(functools.partial(loss, chunked), argnums=argnums))(q, k, v, g, beta, s0)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    errs = {n: rel_err(a, b) for n, a, b in zip(names, g_chk, g_rec, strict=True)}
+    print(f"grad chunk_size={chunk_size}: " + ", ".join(f"{n}={e:.2e}" for n, e in errs.items()))
     assert all(np.all(np.isfinite(np.asarray(x))) for x in g_chk)
     assert max(errs.values()) < GRAD_TOL, errs
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _HI = jax.lax.Precision.HIGHEST  # keep matmuls in true fp32 on accelerators (no TF32/bf16 passes)
 
@@ -82,53 +83,85 @@ def kda_recurrent(
     return jnp.moveaxis(o, 0, 1).astype(v.dtype), s_final
 
 
-def _segment_log_decay(g: jax.Array) -> jax.Array:
-    """Pairwise in-chunk log-decay ``seg[..., i, j, c] = sum_{j < t <= i} g[..., t, c]`` (0 for i <= j).
+def _mask_sum(mask: np.ndarray, x: jax.Array) -> jax.Array:
+    """``out[..., i, :] = sum_j mask[i, j] x[..., j, :]`` for a constant 0/1 ``mask``: one matmul.
 
-    Summed directly over each segment rather than as ``cum_i - cum_j``: with g as low as about
-    -20 per step the cumulative sums reach -1000s and their difference would lose ~1e-4 absolute
-    precision, which is a ~1e-4 relative error on exp(seg) for nearby pairs. The entries are
-    all <= 0, so exp never overflows. g: [..., C, dk] -> [..., C, C, dk].
+    Used for every running sum of log-decays. All entries of x are <= 0, so these direct sums
+    have relative error ~eps however long they run; no sum here is ever formed as the difference
+    of two longer ones (with g down to about -20 per step, cumulative sums reach -1000s, and
+    ``cum_i - cum_j`` would lose ~1e-4 absolute precision on a small exponent).
     """
-    c = g.shape[-2]
-    t_idx = jnp.arange(c)
-    after_j = t_idx[:, None] > t_idx[None, :]  # [t, j]: t > j
-    masked = jnp.where(after_j[:, :, None], g[..., :, None, :], 0.0)  # [..., t, j, dk]
-    return jnp.cumsum(masked, axis=-3)  # running sum over t gives [..., i, j, dk]
+    return jnp.einsum("ij,...jd->...id", jnp.asarray(mask, x.dtype), x, precision=_HI)
+
+
+def _chunk_matrices(q: jax.Array, k: jax.Array, g: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The two [..., C, C] matrices of a chunk, by recursive doubling over blocks; C a power of two.
+
+    With b the in-chunk cumulative log-decay (``b_i - b_j = sum_{j < t <= i} g_t``) returns
+    ``P_ij = q_i^T diag(exp(b_i - b_j)) k_j`` for j <= i (0 above) and ``T = (I + A)^{-1}`` with
+    ``A_ij = beta_i k_i^T diag(exp(b_i - b_j)) k_j`` for j < i (unit lower triangular).
+
+    Start from 1 x 1 diagonal blocks (``P_ii = q_i . k_i``, ``T_ii = 1``) and repeatedly join
+    neighbouring blocks of length m. The joined block's new lower-left part has i in the right
+    half and j in the left one, and its decay factors through their boundary as
+    ``exp(sum over [start of right half, i]) * exp(sum over (j, end of left half])``: both
+    exponents are direct sums of log-decays <= 0, so nothing overflows and underflow is the
+    right limit, and the part is a plain matmul of decay-scaled rows of q (for P) and k (for A)
+    with decay-scaled rows of k. The inverse joins the same way:
+    ``[[T0, 0], [A21, T1]]``-blocks give ``[[T0, 0], [-T1 A21 T0, T1]]``. log2(C) rounds of
+    batched matmuls in all: no [C, C, dk] decay tensor, and no triangular-solve kernel (the
+    XLA:CPU LAPACK ``trsm`` call was seen to deadlock a 2-thread intra-op pool when the forward
+    and backward solves ran at once).
+    """
+    *lead, c, dk = q.shape
+    lead = tuple(lead)
+    p_blk = jnp.sum(q * k, axis=-1)[..., :, None, None]  # [..., C, 1, 1]: blocks of length m = 1
+    t_blk = jnp.ones_like(p_blk)
+    m = 1
+    while m < c:
+        nb = c // (2 * m)
+        gh, kh, qh = (x.reshape(lead + (nb, 2, m, dk)) for x in (g, k, q))
+        e_row = jnp.exp(_mask_sum(np.tri(m, dtype=bool), gh[..., 1, :, :]))  # [start of right half, i]
+        e_col = jnp.exp(_mask_sum(~np.tri(m, dtype=bool), gh[..., 0, :, :]))  # (j, end of left half]
+        rows = jnp.stack([qh[..., 1, :, :] * e_row, kh[..., 1, :, :] * e_row], axis=-3)  # [..., nb, 2, m, dk]
+        cross = jnp.einsum("...pxid,...pjd->...pxij", rows, kh[..., 0, :, :] * e_col, precision=_HI)
+        a21 = beta.reshape(lead + (nb, 2, m))[..., 1, :, None] * cross[..., 1, :, :]
+        p0, p1 = jnp.unstack(p_blk.reshape(lead + (nb, 2, m, m)), axis=-3)
+        t0, t1 = jnp.unstack(t_blk.reshape(lead + (nb, 2, m, m)), axis=-3)
+        t21 = -jnp.matmul(t1, jnp.matmul(a21, t0, precision=_HI), precision=_HI)
+        p_blk = _join(p0, cross[..., 0, :, :], p1)
+        t_blk = _join(t0, t21, t1)
+        m *= 2
+    return p_blk[..., 0, :, :], t_blk[..., 0, :, :]
+
+
+def _join(top_left: jax.Array, bottom_left: jax.Array, bottom_right: jax.Array) -> jax.Array:
+    """``[[top_left, 0], [bottom_left, bottom_right]]`` from three [..., m, m] blocks."""
+    top = jnp.concatenate([top_left, jnp.zeros_like(top_left)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([bottom_left, bottom_right], axis=-1)], axis=-2)
 
 
 def _chunk_step(s0: jax.Array, chunk: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
     """Advance the state over one chunk and return its outputs.
 
-    s0: [B, H, dk, dv]; chunk arrays are [B, H, C, d] (beta [B, H, C]). Writing the state after
-    token i as ``S_i = diag(exp(cum_i)) S0 + sum_{j<=i} diag(exp(seg_ij)) k_j u_j^T``, the write
-    vectors u solve the unit-lower-triangular system ``(I + A) U = beta * (V - (K*exp(cum)) S0)``
-    with ``A_ij = beta_i k_i^T diag(exp(seg_ij)) k_j`` for j < i.
+    s0: [B, H, dk, dv]; chunk arrays are [B, H, C, d] (beta [B, H, C]), C a power of two.
+    Writing the state after token i as ``S_i = diag(exp(b_i)) S0 + sum_{j<=i} diag(exp(b_i - b_j))
+    k_j u_j^T`` (b the in-chunk cumulative log-decay), the write vectors u solve the
+    unit-lower-triangular system ``(I + A) U = beta * (V - (K*exp(b)) S0)``; with P and
+    T = (I + A)^{-1} from :func:`_chunk_matrices` everything else is plain matmuls.
     """
     q, k, v, g, beta = chunk
-    c = q.shape[-2]
-    seg = _segment_log_decay(g)  # [B, H, C, C, dk]
-    cum = jnp.cumsum(g, axis=-2)  # decay from the chunk start, [B, H, C, dk]
-    incl = jnp.tril(jnp.ones((c, c), dtype=bool))  # j <= i
-    strict = jnp.tril(jnp.ones((c, c), dtype=bool), k=-1)  # j < i
-    dec = jnp.where(incl[:, :, None], jnp.exp(seg), 0.0)
-
-    kk = jnp.einsum("bhic,bhijc,bhjc->bhij", k, dec, k, precision=_HI)
-    qk = jnp.einsum("bhic,bhijc,bhjc->bhij", q, dec, k, precision=_HI)  # causal incl. diagonal
-    a = jnp.where(strict, beta[..., :, None] * kk, 0.0)
-
-    e_cum = jnp.exp(cum)
+    p, t_inv = _chunk_matrices(q, k, g, beta)
+    tri = np.tri(q.shape[-2], dtype=bool)
+    e_cum = jnp.exp(_mask_sum(tri, g))  # decay from the chunk start through token i
+    e_end = jnp.exp(_mask_sum(~tri, g))  # decay after token j to the chunk end
+    e_all = jnp.exp(jnp.sum(g, axis=-2))  # the whole chunk
     rhs = beta[..., None] * (v - jnp.einsum("bhic,bhcv->bhiv", k * e_cum, s0, precision=_HI))
-    eye = jnp.eye(c, dtype=a.dtype)
-    u = jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)
-
+    u = jnp.einsum("bhij,bhjv->bhiv", t_inv, rhs, precision=_HI)
     o = jnp.einsum("bhic,bhcv->bhiv", q * e_cum, s0, precision=_HI) + jnp.einsum(
-        "bhij,bhjv->bhiv", qk, u, precision=_HI
+        "bhij,bhjv->bhiv", p, u, precision=_HI
     )
-    k_to_end = k * jnp.exp(seg[..., -1, :, :])  # decay from token j to the chunk end
-    s1 = jnp.exp(cum[..., -1, :])[..., :, None] * s0 + jnp.einsum(
-        "bhjc,bhjv->bhcv", k_to_end, u, precision=_HI
-    )
+    s1 = e_all[..., :, None] * s0 + jnp.einsum("bhjc,bhjv->bhcv", k * e_end, u, precision=_HI)
     return s1, o
 
 
@@ -143,12 +176,13 @@ def kda_chunked(
 ) -> tuple[jax.Array, jax.Array]:
     """KDA in chunkwise-parallel form (prefill); same contract as :func:`kda_recurrent`.
 
-    T is zero-padded (q, k, v, beta and g = 0, so padding leaves the state unchanged) up to a
-    multiple of the chunk length ``min(chunk_size, T)``. Inside a chunk all interactions are
-    computed at once from pairwise segment log-decays and the delta-rule dependency is resolved
-    with a unit-lower-triangular solve (the WY/UT transform); ``lax.scan`` carries the state
-    across chunks. The per-chunk step is rematerialised under autodiff so the backward pass does
-    not keep one [C, C, dk] decay tensor per chunk alive.
+    The chunk length C is the largest power of two <= ``chunk_size``, or the smallest one >= T
+    when T is shorter; T is zero-padded (q, k, v, beta and g = 0, so padding leaves the state
+    unchanged) up to a multiple of C. Inside a chunk every interaction is a matmul of
+    decay-scaled queries and keys, built and inverted by recursive doubling (the WY/UT
+    transform, :func:`_chunk_matrices`); ``lax.scan`` carries the state across chunks. The
+    per-chunk step is rematerialised under autodiff so the backward pass keeps only each chunk's
+    inputs alive.
     """
     _check_shapes(q, k, v, g, beta, initial_state)
     if chunk_size < 1:
@@ -158,7 +192,7 @@ def kda_chunked(
     s0 = _init_state(initial_state, b, h, dk, dv)
     if t == 0:
         return jnp.zeros((b, 0, h, dv), v.dtype), s0
-    c = min(chunk_size, t)
+    c = min(1 << (chunk_size.bit_length() - 1), 1 << (t - 1).bit_length())  # a power of two
     n = -(-t // c)
     pad = n * c - t
     f32 = jnp.float32
