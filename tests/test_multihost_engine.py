@@ -196,8 +196,9 @@ def test_the_prefix_store_on_two_processes_with_a_disk_tier_survives_a_restart(
     tmp_path, engine, compile_cache
 ):
     """2 processes x 4 devices, prefix store on with --store-dir: greedy tokens equal one process without any
-    cache; prompts that extend earlier ones hit them (partial-block prompt-end checkpoints, sharded states);
-    after both processes restart, follow-up turns resume from the disk tier."""
+    cache; prompts that extend earlier ones hit them (partial-block prompt-end checkpoints of sharded states,
+    kept in the host tier as each process's shards); after both processes restart, follow-up turns resume
+    from the disk tier."""
     rng = np.random.default_rng(2)
     first = [rng.integers(3, 512, n).tolist() for n in (20, 18, 22, 15)]
     turns = [
@@ -219,6 +220,7 @@ def test_the_prefix_store_on_two_processes_with_a_disk_tier_survives_a_restart(
                 sys.executable, "-m", "serve.cli", "generate", "--config=tiny",
                 *([f"--prompts-file={path}"] if i == 0 else []),
                 "--ignore-eos", "--json", f"--mesh={MESH}", *flags, f"--store-dir={store}",
+                "--device-cache-mb=0",  # every checkpoint goes to the host tier: each process's shards
                 f"--coordinator=127.0.0.1:{port}", "--num-processes=2", f"--process-id={i}",
             ]  # fmt: skip
 
