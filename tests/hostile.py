@@ -19,31 +19,11 @@ from collections.abc import Iterator
 
 import httpx
 
+from serve.http.parsing import CHAT_FIELDS, COMPLETION_FIELDS
+
 PATHS = ("/v1/completions", "/v1/chat/completions")
 SURROGATES = ("\ud800", "\udfff", "a\udc80b", "\ud83d")
-FIELDS = (
-    "model",
-    "prompt",
-    "messages",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "n",
-    "logprobs",
-    "ignore_eos",
-    "cache_salt",
-    "stream",
-    "stream_options",
-    "return_token_ids",
-    "user",
-    "metadata",
-    "logit_bias",
-    "max_completion_tokens",
-)
+FIELDS = tuple(sorted(COMPLETION_FIELDS | CHAT_FIELDS))  # every field the endpoints know
 
 
 @dataclasses.dataclass

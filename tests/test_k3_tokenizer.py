@@ -17,7 +17,7 @@ import pytest
 import tiktoken
 import uvicorn
 from flax import nnx
-from test_server import free_port
+from servers import free_port
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM

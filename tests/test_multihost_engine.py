@@ -5,7 +5,6 @@ oracle is the plain single-process engine on one device, fed the same requests a
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flax import nnx
+from servers import free_port, wait_healthy
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
@@ -28,12 +28,6 @@ MESH = "data=2,expert=2,tensor=2"
 # several blocks on a mesh is covered by tests/test_sharded_engine.py.
 ENGINE = {"max_slots": 4, "block_size": 64, "prefill_chunk": 16, "max_model_len": 64}
 TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -257,17 +251,13 @@ def start_two_servers(tmp_path: Path, cache: Path, http_port: int, shutdown_time
         cmd += [f"--coordinator=127.0.0.1:{port}", "--num-processes=2", f"--process-id={i}"]
         log = open(tmp_path / f"serve{i}.txt", "w")  # noqa: SIM115 - closed with the process
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + TIMEOUT_S
     url = f"http://127.0.0.1:{http_port}"
-    while True:
-        assert all(p.poll() is None for p in procs), (tmp_path / "serve0.txt").read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the two servers did not become healthy"
-        time.sleep(0.3)
+    wait_healthy(
+        url,
+        lambda: all(p.poll() is None for p in procs),
+        lambda: (tmp_path / "serve0.txt").read_text()[-3000:],
+        timeout=TIMEOUT_S,
+    )
     r = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3}, timeout=60)
     assert r.status_code == 200, r.text
     return procs, url

@@ -99,13 +99,13 @@ def test_restart_serves_hits_from_disk_with_identical_output(model, tmp_path):
 
 def test_a_save_is_visible_only_after_it_completed_and_decoding_does_not_wait(model, tmp_path, monkeypatch):
     release = threading.Event()
-    save = DiskTier._save
+    save = DiskTier._write
 
     def slow_save(self, meta, payload):
         assert release.wait(60)
         return save(self, meta, payload)
 
-    monkeypatch.setattr(DiskTier, "_save", slow_save)
+    monkeypatch.setattr(DiskTier, "_write", slow_save)
     rng = np.random.default_rng(2)
     prompts = [tokens(rng, n) for n in (19, 26, 33)]
     cfg = one_per_prompt(tmp_path, disk_max_pending=2)

@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,8 +16,8 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from flax import nnx
+from servers import free_port, uvicorn_thread
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
@@ -28,12 +27,6 @@ from serve.http.app import create_app
 
 SLOTS = 2
 CONTEXT = 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:
@@ -91,19 +84,10 @@ def served():
         model, EngineConfig(max_slots=SLOTS, block_size=64, prefill_chunk=16, max_model_len=CONTEXT)
     )
     app = create_app(engine, ByteTokenizer(512), "tiny", max_waiting=1, default_max_tokens=8)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
-        time.sleep(0.02)
-    s = Served(app, engine, f"http://127.0.0.1:{port}")
-    yield s
-    s.client.close()
-    server.should_exit = True
-    thread.join(30)
+    with uvicorn_thread(app) as url:
+        s = Served(app, engine, url)
+        yield s
+        s.client.close()
 
 
 def complete(s: Served, **body) -> dict:

@@ -4,17 +4,14 @@ and the app (Hypothesis): every answer is 2xx or a 4xx in the OpenAI error shape
 
 import asyncio
 import json
-import threading
-import time
 
 import hostile
 import httpx
 import pytest
-import uvicorn
 from flax import nnx
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_server import free_port
+from servers import uvicorn_thread
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
@@ -31,19 +28,9 @@ def live():
     model = HybridLM(load_config("tiny"), rngs=nnx.Rngs(0))
     engine = Engine(model, EngineConfig(max_slots=2, block_size=16, prefill_chunk=16, max_model_len=64))
     app = create_app(engine, ByteTokenizer(512), "tiny", max_waiting=None, default_max_tokens=4)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{port}"
-    BEFORE[:] = reference_texts(url)
-    yield url, app
-    server.should_exit = True
-    thread.join(30)
+    with uvicorn_thread(app, log_level="error") as url:
+        BEFORE[:] = reference_texts(url)
+        yield url, app
 
 
 def reference_texts(url: str) -> list[str]:

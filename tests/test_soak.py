@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server import free_port
+from servers import free_port, wait_healthy
 
 pytestmark = pytest.mark.soak
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,16 +40,9 @@ class Served:
             stdout=open(self.log, "w"),
             stderr=subprocess.STDOUT,  # noqa: SIM115
         )
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            time.sleep(0.2)
+        wait_healthy(
+            self.url, lambda: self.proc.poll() is None, lambda: self.log.read_text()[-3000:], timeout=120
+        )
 
     def rss_mb(self) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -33,9 +32,10 @@ from serve.engine.requests import (
     RequestError,
     RequestOutput,
     check_cache_salt,
+    check_request,
 )
 from serve.engine.runner import Runner
-from serve.engine.sampling import SamplingError, SamplingParams
+from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import Scheduler
 from serve.prefix.fingerprint import model_fingerprint
 from serve.prefix.store import PrefixStore
@@ -167,32 +167,8 @@ class Engine:
         self._check(prompt_ids, params)
 
     def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        vocab = self.model_config.vocab_size
-        try:
-            prompt = [int(t) for t in prompt_ids]
-        except (TypeError, ValueError) as exc:
-            raise RequestError(f"prompt must be a list of integer token ids: {exc}") from None
-        if any(isinstance(t, bool) or not float(t).is_integer() for t in prompt_ids):
-            raise RequestError("prompt must be a list of integer token ids")
-        if not prompt:
-            raise RequestError("prompt is empty: give at least one token")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        try:
-            params.validate(vocab)
-        except SamplingError as exc:
-            raise RequestError(str(exc)) from None
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"the context of {self.max_model_len} tokens"
-            )
-        need = math.ceil(total / self.shape.block_size)
-        if need > self.allocator.usable:
-            raise RequestError(f"the request needs {need} KV blocks but the pool has {self.allocator.usable}")
-        return prompt
+        vocab, usable = self.model_config.vocab_size, self.allocator.usable
+        return check_request(prompt_ids, params, vocab, self.max_model_len, self.shape.block_size, usable)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its slot and blocks (e.g. the client went away)."""

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+from collections.abc import Sequence
 from typing import Any
 
-from serve.engine.sampling import SamplingParams
+from serve.engine.sampling import SamplingError, SamplingParams
 
 MAX_SALT_CHARS = 256  # a salt enters every block hash of its request: keep it short
 
@@ -42,6 +44,43 @@ def check_cache_salt(salt: object) -> None:
         salt.encode("utf-8")
     except UnicodeEncodeError:
         raise RequestError("cache_salt must be valid Unicode text (it holds a lone surrogate)") from None
+
+
+def check_request(
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    vocab: int,
+    max_model_len: int,
+    block_size: int,
+    usable_blocks: int,
+) -> list[int]:
+    """The prompt as ints, or RequestError naming what an engine with this vocabulary, context, block
+    size and pool cannot serve."""
+    try:
+        prompt = [int(t) for t in prompt_ids]
+    except (TypeError, ValueError) as exc:
+        raise RequestError(f"prompt must be a list of integer token ids: {exc}") from None
+    if any(isinstance(t, bool) or not float(t).is_integer() for t in prompt_ids):
+        raise RequestError("prompt must be a list of integer token ids")
+    if not prompt:
+        raise RequestError("prompt is empty: give at least one token")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    try:
+        params.validate(vocab)
+    except SamplingError as exc:
+        raise RequestError(str(exc)) from None
+    total = len(prompt) + params.max_tokens
+    if total > max_model_len:
+        raise RequestError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+            f"the context of {max_model_len} tokens"
+        )
+    need = math.ceil(total / block_size)
+    if need > usable_blocks:
+        raise RequestError(f"the request needs {need} KV blocks but the pool has {usable_blocks}")
+    return prompt
 
 
 @dataclasses.dataclass

@@ -30,9 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import concurrent.futures.thread  # noqa: F401 - registers its exit hook before ours (see below)
-import dataclasses
-import errno
-import json
 import logging
 import os
 import shutil
@@ -44,17 +41,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from jaxhybrid.weights.orbax_io import checkpointer
 from serve.prefix import files
+from serve.prefix.entries import DiskEntry, read_arrays, read_entry, write_entry
 from serve.prefix.files import (
-    FORMAT,
     FULL_RETRY_S,
     LOCK,
     MANIFEST,
     MIN_FREE_BYTES,
-    DiskFull,
     StoreLocked,
     namespace,
 )
@@ -75,24 +69,6 @@ def _finish_saves_at_exit() -> None:
 
 if hasattr(threading, "_register_atexit"):
     threading._register_atexit(_finish_saves_at_exit)
-
-
-@dataclasses.dataclass
-class DiskEntry:
-    """A checkpoint on disk: the states at `position`, the KV of its whole prefix, and where they are."""
-
-    key: bytes
-    path: Path
-    position: int
-    kind: str
-    base: bytes  # chain hash of the last full block (the root for position < block_size)
-    block_hashes: list[bytes]  # chain hashes of the full blocks 1..position // block_size
-    tail: tuple[int, ...]  # tokens after the last full block
-    nbytes: int  # array bytes
-    disk_bytes: int  # bytes on disk (all files)
-    arrays: dict[str, list]  # name -> [shape, dtype, crc32 or None (several processes)]
-    used: float = 0.0  # last use (the manifest's mtime): LRU order across restarts
-    holders: int = 0
 
 
 class DiskTier:
@@ -154,7 +130,7 @@ class DiskTier:
         for child in sorted(self.dir.iterdir()):
             if child.name == LOCK or child.name in busy:
                 continue
-            entry = self._read(child)
+            entry = read_entry(child, self.fingerprint, self.block_size)
             if entry is not None:
                 found.append(entry)
             elif self.peers.leader:
@@ -186,42 +162,6 @@ class DiskTier:
                 for key in tier.pending:
                     names |= {key.hex(), key.hex() + ".orbax-checkpoint-tmp"}
         return names
-
-    def _read(self, path: Path) -> DiskEntry | None:
-        name = path.name
-        if len(name) != 64 or not path.is_dir():
-            return None  # Orbax temporary directories end in '.orbax-checkpoint-tmp'
-        try:
-            key = bytes.fromhex(name)
-            stat = (path / MANIFEST).stat()
-            m = json.loads((path / MANIFEST).read_text())
-            if m["format"] != FORMAT or m["fingerprint"] != self.fingerprint.hex() or m["key"] != name:
-                return None
-            if m["block_size"] != self.block_size:
-                return None
-            for rel, size in m["files"].items():
-                if (path / rel).stat().st_size != size:
-                    return None
-            entry = DiskEntry(
-                key=key,
-                path=path,
-                position=int(m["position"]),
-                kind=str(m["kind"]),
-                base=bytes.fromhex(m["base"]),
-                block_hashes=[bytes.fromhex(h) for h in m["block_hashes"]],
-                tail=tuple(int(t) for t in m["tail"]),
-                nbytes=int(m["nbytes"]),
-                disk_bytes=sum(m["files"].values()) + stat.st_size,
-                arrays={k: [list(shape), str(dtype), crc] for k, (shape, dtype, crc) in m["arrays"].items()},
-                used=stat.st_mtime,
-            )
-        except Exception:  # noqa: BLE001 - unreadable or malformed: not a (complete) entry
-            return None
-        if len(entry.block_hashes) != entry.position // self.block_size or len(entry.tail) != (
-            entry.position % self.block_size
-        ):
-            return None
-        return entry
 
     def _add(self, entry: DiskEntry) -> None:
         self.entries[entry.key] = entry
@@ -283,58 +223,19 @@ class DiskTier:
     def submit(self, meta: dict[str, Any], arrays: dict[str, Any], device_bytes: int) -> None:
         """Queue a save of `arrays` (name -> device array the caller no longer changes)."""
         key = bytes.fromhex(meta["key"])
-        fut = self._worker.submit(self._save, meta, arrays)
+        fut = self._worker.submit(self._write, meta, arrays)
         self.pending[key] = (fut, device_bytes)
         self._jobs.append(fut)
 
-    def _save(self, meta: dict[str, Any], arrays: dict[str, Any]) -> tuple[DiskEntry | None, float]:
-        import orbax.checkpoint as ocp
-
-        t0 = time.perf_counter()
-        several = self.peers.several
-        if not several:  # one process: numpy on the host, with checksums
-            import jax
-
-            arrays = {k: np.asarray(v) for k, v in jax.device_get(arrays).items()}
-        final = self.dir / meta["key"]
-        tmp = final.with_name(final.name + ".orbax-checkpoint-tmp")
-        if self.peers.leader:  # the others wait at Orbax's first barrier until this is done
-            files.remove(tmp)  # leftovers of an earlier crash, or an entry the index rejected
-            files.remove(final)
-        nbytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays.values())
-        if not several and shutil.disk_usage(self.dir).free < nbytes + MIN_FREE_BYTES:
-            raise DiskFull(errno.ENOSPC, f"less than {nbytes + MIN_FREE_BYTES} bytes free", str(self.dir))
+    def _write(self, meta: dict[str, Any], arrays: dict[str, Any]) -> tuple[DiskEntry | None, float]:
         if self._saver is None:
             self._saver = self._checkpointer()
-        try:
-            self._saver.save(final, args=ocp.args.PyTreeSave(arrays))
-        except BaseException:
-            if self.peers.leader:
-                files.remove(tmp)  # a failed save leaves nothing behind
-                files.remove(final)
-            raise
-        if not self.peers.leader:
-            return None, time.perf_counter() - t0
-        manifest = dict(
-            meta,
-            format=FORMAT,
-            nbytes=nbytes,
-            arrays={
-                k: [list(a.shape), np.dtype(a.dtype).name, None if several else files.crc(a)]
-                for k, a in arrays.items()
-            },
-            files=files.files(final),
-        )
-        part = final / (MANIFEST + ".tmp")
-        with open(part, "w") as f:
-            json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(part, final / MANIFEST)
-        entry = self._read(final)
-        if entry is None:
-            raise RuntimeError(f"{final}: the checkpoint just written does not read back")
-        return entry, time.perf_counter() - t0
+        return write_entry(self._saver, self.dir, meta, arrays, self.peers)
+
+    def _read_arrays(self, entry: DiskEntry) -> tuple[list, Any, Any]:
+        if self._loader is None:
+            self._loader = self._checkpointer()
+        return read_arrays(self._loader, entry, self.block_size, self.peers, self.restore_shardings)
 
     # --- what finished: observed on process 0, applied everywhere at a step boundary -------------------
     def observe(self) -> dict[str, Any]:
@@ -362,7 +263,7 @@ class DiskTier:
             fut, _ = self.pending.pop(bytes.fromhex(key_hex))
             entry, dt = fut.result()  # on another process: its own part of the same save
             if entry is None:
-                entry = self._read(self.dir / key_hex)
+                entry = read_entry(self.dir / key_hex, self.fingerprint, self.block_size)
             if entry is None:
                 raise RuntimeError(
                     f"prefix store {self.dir}: entry {key_hex} of process 0 is unreadable here"
@@ -441,34 +342,6 @@ class DiskTier:
         if entry.key in self.entries and not entry.holders:
             self._drop(entry)
         return None
-
-    def _read_arrays(self, entry: DiskEntry) -> tuple[list, Any, Any]:
-        import orbax.checkpoint as ocp
-
-        if self._loader is None:
-            self._loader = self._checkpointer()
-        if self.peers.several:  # every process reads its shards, into the states' shardings
-            args = {
-                k: ocp.ArrayRestoreArgs(sharding=self.restore_shardings(k, tuple(shape), dtype))
-                for k, (shape, dtype, _) in entry.arrays.items()
-            }
-        else:
-            args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in entry.arrays}
-        tree = self._loader.restore(entry.path, args=ocp.args.PyTreeRestore(restore_args=args))
-        for name, (shape, dtype, crc) in entry.arrays.items():
-            a = tree[name]
-            if list(a.shape) != shape or np.dtype(a.dtype).name != dtype:
-                raise ValueError(f"array '{name}' does not match its manifest")
-            if crc is not None and files.crc(a) != crc:
-                raise ValueError(f"array '{name}' does not match its checksum")
-        states = [
-            (tree[f"conv_{i}"], tree[f"state_{i}"]) for i in range(sum(1 for k in tree if k[:5] == "conv_"))
-        ]
-        if (entry.position // self.block_size) != (tree["kv"].shape[1] if "kv" in tree else 0):
-            raise ValueError("the stored KV does not cover the prefix")
-        if bool(entry.position % self.block_size) != ("tail" in tree):
-            raise ValueError("the partial block's KV is missing or unexpected")
-        return states, tree.get("kv"), tree.get("tail")
 
     def close(self) -> None:
         """Finish pending saves and reads, release the namespace's lock."""
