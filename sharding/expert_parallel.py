@@ -241,8 +241,11 @@ def make_expert_parallel_fn(
         expert_ids: jax.Array,
         *,
         act: GatedActivation = SILU,
+        valid: jax.Array | None = None,
     ) -> jax.Array:
         check_expert_shapes(x, w1, w2, w3)
+        if valid is not None:  # rows not valid add nothing (they are still exchanged: static shapes)
+            weights = jnp.where(valid.reshape(-1, 1), weights, 0)
         num_experts, ffn, _ = w1.shape
         if num_experts % ep:
             raise ValueError(

@@ -12,6 +12,7 @@ from jaxhybrid.ops.moe import (
     moe_experts_dense,
     moe_experts_dropless,
     moe_experts_ragged,
+    moe_experts_skipping,
     route,
 )
 
@@ -213,8 +214,8 @@ def _skewed_ids(rng: np.random.Generator) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "impl",
-    [moe_experts_ragged, moe_experts_blocked, moe_experts_dropless],
-    ids=["ragged", "blocked", "dispatch"],
+    [moe_experts_ragged, moe_experts_blocked, moe_experts_skipping, moe_experts_dropless],
+    ids=["ragged", "blocked", "skipping", "dispatch"],
 )
 @pytest.mark.parametrize(
     "make_ids, tokens",
@@ -237,6 +238,67 @@ def test_dropless_matches_dense(impl, make_ids, tokens) -> None:
     assert _rel_err(dropless, dense) < 1e-5
     assert _rel_err(dense, ref) < 1e-5
     assert _rel_err(dropless, ref) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "impl",
+    [moe_experts_dense, moe_experts_ragged, moe_experts_blocked, moe_experts_skipping, moe_experts_dropless],
+    ids=["dense", "ragged", "blocked", "skipping", "dispatch"],
+)
+@pytest.mark.parametrize("tokens", [4, 16, _N], ids=["slots", "stationary-limit", "prefill"])
+def test_rows_not_valid_are_not_routed(impl, tokens) -> None:
+    """Rows with `valid` False (idle slots, padding) give zeros; the valid rows equal the float64 loop over
+    only the valid rows, whatever the idle rows chose (here: all of them expert 0)."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((tokens, _D)).astype(np.float32))
+    w1, w2, w3 = _expert_weights(rng)
+    ids_np = _random_ids(rng)[:tokens]
+    valid_np = rng.uniform(size=tokens) < 0.5
+    valid_np[0], valid_np[-1] = True, False
+    ids_np[~valid_np] = 0
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, _K)).astype(np.float32))
+    out = np.asarray(jax.jit(impl)(x, w1, w2, w3, weights, jnp.asarray(ids_np), valid=jnp.asarray(valid_np)))
+    assert np.all(out[~valid_np] == 0.0)
+    v = np.flatnonzero(valid_np)
+    ref = _numpy_experts(np.asarray(x)[v], w1, w2, w3, np.asarray(weights)[v], ids_np[v])
+    assert _rel_err(out[v], ref) < 1e-5
+
+
+def test_skipping_reads_only_the_experts_in_use() -> None:
+    """An expert no valid row chose is never read: NaN weights in every other expert leave the result
+    finite and equal to the reference (a path that touched them would turn NaN)."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((4, _D)).astype(np.float32))
+    w1, w2, w3 = _expert_weights(rng)
+    ids = jnp.asarray(np.array([[1, 2, 3], [0, 0, 0], [0, 0, 0], [0, 0, 0]], np.int32))
+    valid = jnp.asarray([True, False, False, False])
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (4, _K)).astype(np.float32))
+    unused = np.ones(_E, bool)
+    unused[[1, 2, 3]] = False
+    poisoned = [jnp.where(unused[:, None, None], jnp.nan, w) for w in (w1, w2, w3)]
+    out = np.asarray(jax.jit(moe_experts_skipping)(x, *poisoned, weights, ids, valid=valid))
+    assert np.isfinite(out).all()
+    ref = _numpy_experts(np.asarray(x)[:1], w1, w2, w3, np.asarray(weights)[:1], np.asarray(ids)[:1])
+    assert _rel_err(out[:1], ref) < 1e-5
+
+
+def test_skipping_gradients_equal_the_dense_reference() -> None:
+    """The loop's derivative (the block-sparse form's, taken in the backward pass) equals the dense
+    reference's for x, every weight and the routing weights."""
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((_N, _D)).astype(np.float32))
+    w1, w2, w3 = _expert_weights(rng)
+    ids = jnp.asarray(_random_ids(rng))
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (_N, _K)).astype(np.float32))
+    probe = jnp.asarray(rng.standard_normal((_N, _D)).astype(np.float32))
+
+    def loss(impl):
+        return lambda *a: jnp.sum(probe * impl(*a, ids))
+
+    got = jax.jit(jax.grad(loss(moe_experts_skipping), argnums=(0, 1, 2, 3, 4)))(x, w1, w2, w3, weights)
+    want = jax.jit(jax.grad(loss(moe_experts_dense), argnums=(0, 1, 2, 3, 4)))(x, w1, w2, w3, weights)
+    for g, w in zip(got, want, strict=True):
+        assert _rel_err(g, w) < 1e-5
 
 
 def test_dropless_with_router_end_to_end_bf16() -> None:

@@ -15,7 +15,7 @@ from flax import nnx
 from jaxhybrid.cache import LayerCache
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import Linear, RMSNorm, SwiGLU, gated_activation
-from jaxhybrid.layers.kda import KimiDeltaAttention
+from jaxhybrid.layers.kda import KimiDeltaAttention, valid_mask
 from jaxhybrid.layers.mla import MultiHeadLatentAttention
 from jaxhybrid.layers.moe import MoE
 from jaxhybrid.ops.attn_res import attn_res_mix
@@ -55,8 +55,12 @@ class DecoderLayer(nnx.Module):
             self.mlp_res_norm = RMSNorm(D, eps, dtype=dtype)
             self.mlp_res_proj = Linear(D, 1, rngs=rngs, dtype=dtype, axes=(None, "embed"))
 
-    def ffn(self, x: jax.Array) -> jax.Array:
-        return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
+    def ffn(self, x: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
+        """The dense MLP or the MoE; with `lengths` [B] (the cached path) the tokens past each row's length
+        (padding, idle slots) skip the routed experts."""
+        if not self.is_moe:
+            return self.mlp(x)
+        return self.block_sparse_moe(x, valid=valid_mask(x.shape[0], x.shape[1], lengths))
 
     def ffn_with_load(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """The FFN and, for a MoE layer, the tokens routed to each expert [E] int32 (None for dense)."""
@@ -78,7 +82,7 @@ class DecoderLayer(nnx.Module):
         if return_load:
             f, load = self.ffn_with_load(self.post_attention_layernorm(x))
             return x + f, cache, load
-        return x + self.ffn(self.post_attention_layernorm(x)), cache
+        return x + self.ffn(self.post_attention_layernorm(x), lengths), cache
 
     def attn_res_call(
         self,
@@ -108,5 +112,5 @@ class DecoderLayer(nnx.Module):
         a, cache = self.self_attn(self.input_layernorm(h), cache, lengths)
         partial = a if restart else partial + a
         h = self.post_attention_layernorm(res_mix(partial, blocks, self.mlp_res_norm, self.mlp_res_proj))
-        f, load = self.ffn_with_load(h) if return_load else (self.ffn(h), None)
+        f, load = self.ffn_with_load(h) if return_load else (self.ffn(h, lengths), None)
         return partial + f, blocks, cache, load

@@ -99,9 +99,14 @@ class MoE(nnx.Module):
         # ids, *, act) -> y, e.g. the expert-parallel dispatch of `sharding.expert_parallel`. Static.
         self.experts_fn: Callable[..., jax.Array] | None = None
 
-    def __call__(self, x: jax.Array, *, return_load: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    def __call__(
+        self, x: jax.Array, *, valid: jax.Array | None = None, return_load: bool = False
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """x [..., D] -> y [..., D]; with `return_load`, (y, tokens routed to each expert [E] int32): the
-        counts the aux-loss-free bias update balances (training only; the output is the same)."""
+        counts the aux-loss-free bias update balances (training only; the output is the same).
+
+        `valid` [...] bool (optional): tokens that are not real (idle engine slots, padding) skip the routed
+        experts; their output is the shared expert's alone, and only they may differ."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
@@ -115,6 +120,7 @@ class MoE(nnx.Module):
             weights,
             ids,
             act=self.act,
+            valid=None if valid is None else valid.reshape(-1),
         )
         if self.latent:
             if self.routed_expert_norm is not None:

@@ -16,12 +16,21 @@ Every expert implementation takes the gated activation as the keyword ``act`` (a
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 
-__all__ = ["route", "moe_experts_dropless", "moe_experts_ragged", "moe_experts_blocked", "moe_experts_dense"]
+__all__ = [
+    "route",
+    "moe_experts_dropless",
+    "moe_experts_ragged",
+    "moe_experts_blocked",
+    "moe_experts_skipping",
+    "moe_experts_dense",
+]
 
 # Checkpoint-layout expert weights are [E, out, in]; tokens are [M, in]. Contract lhs dim 1 with rhs
 # dim 2, the ragged lhs dim 0 selects the rhs group dim 0 -> [M, out].
@@ -117,6 +126,19 @@ def check_expert_shapes(x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Arra
         )
 
 
+def _pair_keys(expert_ids: jax.Array, valid: jax.Array | None, num_experts: int) -> jax.Array:
+    """[N * k] sort key of each (token, expert) pair: its expert, or `num_experts` for a row not valid."""
+    flat = expert_ids.reshape(-1)
+    if valid is None:
+        return flat
+    return jnp.where(jnp.repeat(valid.reshape(-1), expert_ids.shape[1]), flat, num_experts)
+
+
+def _valid_weights(weights: jax.Array, valid: jax.Array | None) -> jax.Array:
+    """Routing weights with the rows that are not valid zeroed (they then add nothing)."""
+    return weights if valid is None else jnp.where(valid.reshape(-1, 1), weights, 0)
+
+
 def moe_experts_ragged(
     x: jax.Array,
     w1: jax.Array,
@@ -126,6 +148,7 @@ def moe_experts_ragged(
     expert_ids: jax.Array,
     *,
     act: GatedActivation = SILU,
+    valid: jax.Array | None = None,
 ) -> jax.Array:
     """Weighted sum of the chosen gated-MLP experts, computed only for routed (token, expert) pairs.
 
@@ -147,11 +170,12 @@ def moe_experts_ragged(
     num_tokens, k = expert_ids.shape
     num_experts = w1.shape[0]
 
-    flat_ids = expert_ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)  # pair index, grouped by expert
+    # Pairs of rows that are not valid sort after every group, where the grouped matmuls skip them.
+    key = _pair_keys(expert_ids, valid, num_experts)
+    order = jnp.argsort(key, stable=True)  # pair index, grouped by expert
     token_of_row = order // k
     rows = jnp.take(x, token_of_row, axis=0)  # [N*k, D]
-    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+    group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
 
     def grouped_matmul(lhs: jax.Array, w: jax.Array) -> jax.Array:
         return jax.lax.ragged_dot_general(lhs, w, group_sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
@@ -160,7 +184,8 @@ def moe_experts_ragged(
     up = grouped_matmul(rows, w3)
     hidden = gated_act(gate, up, act).astype(x.dtype)
     out_rows = grouped_matmul(hidden, w2)  # [N*k, D] float32
-    out_rows = out_rows * weights.reshape(-1)[order].astype(jnp.float32)[:, None]
+    w = weights.reshape(-1)[order].astype(jnp.float32)[:, None]
+    out_rows = jnp.where((key[order] < num_experts)[:, None], out_rows * w, 0.0)
     out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of_row].add(out_rows)
     return out.astype(x.dtype)
 
@@ -174,6 +199,7 @@ def moe_experts_dense(
     expert_ids: jax.Array,
     *,
     act: GatedActivation = SILU,
+    valid: jax.Array | None = None,
 ) -> jax.Array:
     """Reference for :func:`moe_experts_dropless`: run every expert on every token, then combine.
 
@@ -184,6 +210,7 @@ def moe_experts_dense(
     check_expert_shapes(x, w1, w2, w3)
     num_tokens = x.shape[0]
     num_experts = w1.shape[0]
+    weights = _valid_weights(weights, valid)
     combine = (
         jnp.zeros((num_tokens, num_experts), jnp.float32)
         .at[jnp.arange(num_tokens)[:, None], expert_ids]
@@ -214,6 +241,7 @@ def moe_experts_blocked(
     expert_ids: jax.Array,
     *,
     act: GatedActivation = SILU,
+    valid: jax.Array | None = None,
 ) -> jax.Array:
     """Dropless experts as a block-sparse batched matmul: the CPU path.
 
@@ -226,6 +254,7 @@ def moe_experts_blocked(
     check_expert_shapes(x, w1, w2, w3)
     num_tokens, k = expert_ids.shape
     num_experts, _, dim = w1.shape
+    weights = _valid_weights(weights, valid)  # static shapes: rows not valid are computed, then dropped
     pairs = num_tokens * k
     m = _block_rows(pairs, num_experts)
     num_blocks = -(-(pairs + num_experts * (m - 1)) // m)
@@ -254,6 +283,114 @@ def moe_experts_blocked(
     return y.astype(x.dtype)
 
 
+def _rows_per_block(num_tokens: int, pairs: int, num_experts: int) -> int:
+    """Decode-sized batches (<= 16 tokens): one block per used expert holding all its rows (each expert's
+    weights read once; the block's unused rows are free while the matmul is bound by the weight read).
+    Larger ones: the `moe_experts_blocked` size, about pairs / experts."""
+    return num_tokens if num_tokens <= 16 else _block_rows(pairs, num_experts)
+
+
+def moe_experts_skipping(
+    x: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    w3: jax.Array,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    *,
+    act: GatedActivation = SILU,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """Dropless experts that touch only the experts in use: the CPU path.
+
+    As in :func:`moe_experts_blocked`, the pairs are sorted by expert into blocks of ``m`` rows of one
+    expert each, but the blocks run in a loop whose trip count is the number of blocks in use: an expert no
+    valid row chose is never read, and rows with ``valid`` False (an engine's idle slots, a prompt's
+    padding) are not routed at all. Each iteration slices its expert's weights in place, so nothing is
+    gathered. The loop's trip count is data-dependent, so the derivative is that of
+    :func:`moe_experts_blocked` (computed in the backward pass). Same contract as
+    :func:`moe_experts_dropless`.
+    """
+    check_expert_shapes(x, w1, w2, w3)
+    if valid is None:
+        valid = jnp.ones(expert_ids.shape[:1], bool)
+    return _skipping(x, w1, w2, w3, weights, expert_ids, valid.reshape(-1), act)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _skipping(x, w1, w2, w3, weights, expert_ids, valid, act):
+    return _skipping_forward(x, w1, w2, w3, weights, expert_ids, valid, act)
+
+
+def _skipping_fwd(x, w1, w2, w3, weights, expert_ids, valid, act):
+    y = _skipping_forward(x, w1, w2, w3, weights, expert_ids, valid, act)
+    return y, (x, w1, w2, w3, weights, expert_ids, valid)
+
+
+def _skipping_bwd(act, res, g):
+    x, w1, w2, w3, weights, expert_ids, valid = res
+
+    def blocked(x, w1, w2, w3, weights):
+        return moe_experts_blocked(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)
+
+    _, vjp = jax.vjp(blocked, x, w1, w2, w3, weights)
+    return (*vjp(g), None, None)
+
+
+_skipping.defvjp(_skipping_fwd, _skipping_bwd)
+
+
+def _skipping_forward(
+    x: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    w3: jax.Array,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    valid: jax.Array,
+    act: GatedActivation,
+) -> jax.Array:
+    """The loop of :func:`moe_experts_skipping` (valid given)."""
+    num_tokens, k = expert_ids.shape
+    num_experts, _, dim = w1.shape
+    pairs = num_tokens * k
+    m = _rows_per_block(num_tokens, pairs, num_experts)
+    num_rows = -(-(pairs + num_experts * (m - 1)) // m) * m
+
+    key = _pair_keys(expert_ids, valid, num_experts)  # pairs of rows not valid sort last, into no block
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    counts = jnp.bincount(key, length=num_experts + 1)[:num_experts]
+    padded = -(-counts // m) * m
+    padded_end = jnp.cumsum(padded)
+    start, padded_start = jnp.cumsum(counts) - counts, padded_end - padded
+    in_block = sorted_key < num_experts
+    safe_key = jnp.minimum(sorted_key, num_experts - 1)
+    # Row of each sorted pair; idle pairs point past the end (dropped on write, zero on read).
+    dest = jnp.where(in_block, padded_start[safe_key] + jnp.arange(pairs) - start[safe_key], num_rows)
+    rows = jnp.zeros((num_rows, dim), x.dtype).at[dest].set(jnp.take(x, order // k, axis=0), mode="drop")
+    used_blocks = padded_end[-1] // m
+    block_expert = jnp.minimum(
+        jnp.searchsorted(padded_end, jnp.arange(num_rows // m) * m, side="right"), num_experts - 1
+    )
+
+    def block(i: jax.Array, out: jax.Array) -> jax.Array:
+        e = block_expert[i]
+        r = jax.lax.dynamic_slice_in_dim(rows, i * m, m)
+        r, a, c, b = _f32_operands(r, w1[e], w3[e], w2[e])
+        gate = jnp.dot(r, a.T, preferred_element_type=jnp.float32)
+        up = jnp.dot(r, c.T, preferred_element_type=jnp.float32)
+        hidden = gated_act(gate, up, act).astype(b.dtype)
+        y = jnp.dot(hidden, b.T, preferred_element_type=jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(out, y, i * m, axis=0)
+
+    out = jax.lax.fori_loop(0, used_blocks, block, jnp.zeros((num_rows, dim), jnp.float32))
+    w = jnp.where(in_block, weights.reshape(-1)[order].astype(jnp.float32), 0.0)
+    out_rows = out.at[dest].get(mode="fill", fill_value=0.0) * w[:, None]
+    y = jnp.zeros((num_tokens, dim), jnp.float32).at[order // k].add(out_rows)
+    return y.astype(x.dtype)
+
+
 def moe_experts_dropless(
     x: jax.Array,
     w1: jax.Array,
@@ -263,8 +400,13 @@ def moe_experts_dropless(
     expert_ids: jax.Array,
     *,
     act: GatedActivation = SILU,
+    valid: jax.Array | None = None,
 ) -> jax.Array:
-    """Dropless routed experts: ``ragged_dot`` grouped matmul on accelerators, the block-sparse form on the
-    CPU (where ragged_dot computes every expert). Both equal :func:`moe_experts_dense`."""
-    impl = moe_experts_blocked if jax.default_backend() == "cpu" else moe_experts_ragged
-    return impl(x, w1, w2, w3, weights, expert_ids, act=act)
+    """Dropless routed experts: ``ragged_dot`` grouped matmul on accelerators; on the CPU (where ragged_dot
+    computes every expert) the loop over the experts in use (differentiated as the block-sparse form). All
+    equal :func:`moe_experts_dense`.
+
+    ``valid`` ``[N]`` bool (optional): rows that are not valid (idle slots, padding) are not routed and
+    come back as zeros. Every expert implementation takes it, so it is part of the shared signature."""
+    impl = moe_experts_skipping if jax.default_backend() == "cpu" else moe_experts_ragged
+    return impl(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)

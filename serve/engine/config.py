@@ -70,6 +70,10 @@ class EngineShape:
     state_bytes: int  # KDA states of one slot over all KDA layers
     buckets: tuple[int, ...]  # prefill program lengths
     table_buckets: tuple[int, ...]  # block-table widths: a step reads what its longest sequence holds
+    decode_buckets: tuple[int, ...]  # decode program rows: the running requests, not every slot
+
+    def decode_rows(self, running: int) -> int:
+        return next(b for b in self.decode_buckets if b >= running)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -107,4 +111,5 @@ class EngineShape:
             state_bytes=kda_state_bytes(model, kv_dtype)["total"],
             buckets=prefill_buckets(config.prefill_chunk),
             table_buckets=table_buckets(per_seq),
+            decode_buckets=table_buckets(config.max_slots),
         )

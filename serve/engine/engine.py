@@ -239,13 +239,13 @@ class Engine:
         t0 = time.perf_counter()
         ids, logps = self.runner.decode(reqs)
         dt = time.perf_counter() - t0
-        for req in reqs:
+        for req, token, logp in zip(reqs, ids, logps, strict=True):
             req.num_computed += 1
             req.decode_time += dt
             try:
                 if self.store is not None:
                     self.store.on_computed(req, self.runner)
-                self._append(req, int(ids[req.slot]), float(logps[req.slot]), outputs)
+                self._append(req, int(token), float(logp), outputs)
             except Exception as exc:  # noqa: BLE001 - e.g. a checkpoint that could not be kept
                 self._fail(req, exc, outputs)
 

@@ -231,22 +231,26 @@ class Runner:
         return row
 
     def decode(self, reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
-        """One decode step over every slot (rows of `reqs` at their slots, the rest idle); the sampled id
-        and its logprob per slot."""
-        slots = self.shape.slots
-        tokens = np.zeros((slots, 1), np.int32)
+        """One decode step for `reqs`: the sampled id and its logprob per request, in order.
+
+        The program runs `decode_rows(len(reqs))` rows, not every slot: idle slots cost nothing. Padding
+        rows take distinct idle slots with no real token, which leaves their state unchanged."""
+        rows = self.shape.decode_rows(len(reqs))
+        busy = {r.slot for r in reqs}
+        idle = [s for s in range(self.shape.slots) if s not in busy]
+        slot_ids = np.asarray([r.slot for r in reqs] + idle[: rows - len(reqs)], np.int32)
+        tokens = np.zeros((rows, 1), np.int32)
         width = self.shape.table_width(max(len(r.blocks) for r in reqs))
-        tables = np.full((slots, width), SCRATCH_BLOCK, np.int32)
-        start = np.zeros((slots,), np.int32)
-        valid = np.zeros((slots,), np.int32)
-        by_slot: list[Request | None] = [None] * slots
-        for req in reqs:
-            s = req.slot
-            tokens[s, 0] = req.tokens[req.num_computed]
-            tables[s] = self._table(req, width)
-            start[s], valid[s], by_slot[s] = req.num_computed, 1, req
-        logits = self.run_program(tokens, np.arange(slots, dtype=np.int32), tables, start, valid)
-        return self.sample(logits, by_slot)
+        tables = np.full((rows, width), SCRATCH_BLOCK, np.int32)
+        start = np.zeros((rows,), np.int32)
+        valid = np.zeros((rows,), np.int32)
+        for i, req in enumerate(reqs):
+            tokens[i, 0] = req.tokens[req.num_computed]
+            tables[i] = self._table(req, width)
+            start[i], valid[i] = req.num_computed, 1
+        logits = self.run_program(tokens, slot_ids, tables, start, valid)
+        ids, logps = self.sample(logits, [*reqs, *([None] * (rows - len(reqs)))])
+        return ids[: len(reqs)], logps[: len(reqs)]
 
     def prefill(self, req: Request, n: int) -> jax.Array:
         """The next `n` tokens of `req` from its computed position; the logits [1, V] after the last one."""

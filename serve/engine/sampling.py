@@ -120,20 +120,9 @@ def batch_arrays(
     return jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), keys
 
 
-def _sample_row(
-    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, key: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """One row: greedy or filtered categorical draw, plus the chosen id's unmodified log-probability."""
-    vocab = logits.shape[-1]
-    x = logits.astype(jnp.float32)
-    logp = jax.nn.log_softmax(x)
-    greedy_id = jnp.argmax(x).astype(jnp.int32)  # first maximum -> lowest id on ties
-
-    # Shift before scaling so a tiny temperature cannot overflow to inf (the max becomes 0, others -> -inf).
-    is_greedy = temperature <= 0
-    safe_t = jnp.where(is_greedy, 1.0, temperature)
-    scaled = (x - jnp.max(x)) / safe_t
-
+def _draw_filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, key: jax.Array) -> jax.Array:
+    """One row's draw under top-k / top-p filters: sort, keep the top_k, then the nucleus, draw."""
+    vocab = scaled.shape[-1]
     # Work in descending order; the stable sort keeps lower ids first among equal logits.
     order = jnp.argsort(-scaled, stable=True)
     sorted_logits = scaled[order]
@@ -147,10 +136,7 @@ def _sample_row(
     mass_before = jnp.cumsum(probs) - probs
     keep = (mass_before < top_p) | (top_p >= 1.0) | (rank == 0)
     sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
-
-    drawn = order[jax.random.categorical(key, sorted_logits)].astype(jnp.int32)
-    token = jnp.where(is_greedy, greedy_id, drawn)
-    return token, logp[token]
+    return order[jax.random.categorical(key, sorted_logits)].astype(jnp.int32)
 
 
 def sample(
@@ -168,4 +154,29 @@ def sample(
     temperature = jnp.asarray(temperature, jnp.float32)
     top_k = jnp.asarray(top_k, jnp.int32)
     top_p = jnp.asarray(top_p, jnp.float32)
-    return jax.vmap(_sample_row)(logits, temperature, top_k, top_p, keys)
+    x = logits.astype(jnp.float32)
+    vocab = x.shape[-1]
+    logp = jax.nn.log_softmax(x, axis=-1)
+    greedy_id = jnp.argmax(x, axis=-1).astype(jnp.int32)  # first maximum -> lowest id on ties
+
+    # Shift before scaling so a tiny temperature cannot overflow to inf (the max becomes 0, others -> -inf).
+    is_greedy = temperature <= 0
+    safe_t = jnp.where(is_greedy, 1.0, temperature)
+    scaled = (x - jnp.max(x, axis=-1, keepdims=True)) / safe_t[:, None]
+    plain = jax.lax.cond(
+        jnp.any(~is_greedy),
+        lambda: jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32),
+        lambda: greedy_id,
+    )
+
+    # Only rows with a filter need the vocabulary sort (~7 ms a row on a CPU): greedy rows, idle slots and
+    # plain sampling skip it, and a batch without filtered rows does not run it at all. Each row's draw
+    # depends on its own settings and key only, never on the rest of the batch.
+    filtered = ~is_greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    drawn = jax.lax.cond(
+        jnp.any(filtered),
+        lambda: jnp.where(filtered, jax.vmap(_draw_filtered)(scaled, top_k, top_p, keys), plain),
+        lambda: plain,
+    )
+    token = jnp.where(is_greedy, greedy_id, drawn)
+    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
