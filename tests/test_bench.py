@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from serve.cli import main
 
 
@@ -108,3 +110,20 @@ def test_bench_prefix_recompute_falls_and_bytes_rise_as_the_interval_shrinks(cap
     assert rows[0]["hit_tokens"] == 0 and rows[3]["hit_rate"] >= rows[2]["hit_rate"] > 0
     # the warm-up replay compiled every shape the measured replays meet (JAX's own compile events)
     assert all(r["compiles_while_timed"] == 0 for r in rows)
+
+
+def test_bench_slots_counts_the_decode_steps_and_its_ratios_follow_from_the_rates(capsys):
+    """Each point times exactly the decode steps after every request's first token (new_tokens - 1), and its
+    ratios are its rates over the one-slot point's."""
+    assert main(["bench", "slots", "--config", "tiny", "--points", "2:1,2:2", "--new-tokens", "4"]) == 0
+    result = json.loads(capsys.readouterr().out.strip())
+    base = result["one_slot"]
+    assert (base["slots"], base["requests"], base["decode_steps"]) == (1, 1, 3)
+    points = [(p["slots"], p["requests"], p["decode_steps"]) for p in result["points"]]
+    assert points == [(2, 1, 3), (2, 2, 3)]
+    for p in result["points"]:
+        assert p["tokens_per_s"] == pytest.approx(p["requests"] * p["per_request_tokens_per_s"], rel=1e-12)
+        base_rate = base["per_request_tokens_per_s"]
+        assert p["vs_1_slot"] == pytest.approx(p["per_request_tokens_per_s"] / base_rate)
+    assert main(["bench", "slots", "--config", "tiny", "--points", "2:3"]) == 2
+    assert "requests <= slots" in capsys.readouterr().err

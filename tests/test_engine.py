@@ -21,8 +21,16 @@ def model():
 
 @pytest.fixture(scope="module")
 def full_pass(model):
+    """Logits of the causal pass over `toks`: right-padded to a multiple of 64 so that a few programs serve
+    every length (the pass is causal: padding after the last token changes none of its logits)."""
     fn, state = pure_fn(model)
-    return lambda toks: np.asarray(fn(state, jnp.asarray([toks], jnp.int32))[0])
+
+    def run(toks):
+        padded = np.zeros((1, -(-len(toks) // 64) * 64), np.int32)
+        padded[0, : len(toks)] = toks
+        return np.asarray(fn(state, jnp.asarray(padded))[0, : len(toks)])
+
+    return run
 
 
 def prompts(lengths, seed=0, vocab=512):
@@ -54,6 +62,22 @@ def test_continuous_batching_changes_no_token(model, full_pass):
         assert_greedy_matches_full_pass(full_pass, p, res.token_ids)
     assert_only_the_store_holds_blocks(eng)
     assert sorted(eng.free_slots) == [0, 1]
+
+
+def test_decode_padding_rows_leave_a_prefilling_request_alone(model, full_pass):
+    """3 requests decode on 4 slots (a 4-row program: one padding row) while the 4th slot's request is
+    prefilled in chunks: the padding row may sit on that slot and must leave its partial state untouched."""
+    eng = Engine(model, EngineConfig(max_slots=4, block_size=8, prefill_chunk=16, max_batched_tokens=20))
+    ps = prompts([3, 6, 9, 90], seed=4)
+    ids = [eng.add_request(p, GREEDY) for p in ps[:3]]
+    for _ in range(2):
+        eng.step()
+    ids.append(eng.add_request(ps[3], GREEDY))
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.shape.decode_rows(3) == 4
+    for rid, p in zip(ids, ps, strict=True):
+        assert_greedy_matches_full_pass(full_pass, p, eng.result(rid).token_ids)
 
 
 def assert_only_the_store_holds_blocks(eng):

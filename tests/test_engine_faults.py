@@ -21,8 +21,16 @@ def model():
 
 @pytest.fixture(scope="module")
 def full_pass(model):
+    """Logits of the causal pass over `toks`: right-padded to a multiple of 64 so that a few programs serve
+    every length (the pass is causal: padding after the last token changes none of its logits)."""
     fn, state = pure_fn(model)
-    return lambda toks: np.asarray(fn(state, jnp.asarray([toks], jnp.int32))[0], np.float64)
+
+    def run(toks):
+        padded = np.zeros((1, -(-len(toks) // 64) * 64), np.int32)
+        padded[0, : len(toks)] = toks
+        return np.asarray(fn(state, jnp.asarray(padded))[0, : len(toks)], np.float64)
+
+    return run
 
 
 def greedy(n):
@@ -80,7 +88,7 @@ def test_preempted_and_readmitted_in_one_step_is_not_also_decoded(model, full_pa
     assert list(logits[len(b[0]) - 1 :].argmax(-1)) == got[1][0]
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     num_blocks=st.sampled_from([16, 18]),
     long_prompt=st.integers(180, 236),

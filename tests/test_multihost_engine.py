@@ -185,7 +185,6 @@ def test_generate_cli_on_two_processes(tmp_path, engine, compile_cache):
     assert out1 == "" and "process 1 of 2: followed process 0" in err1
 
 
-@pytest.mark.slow
 def test_the_prefix_store_on_two_processes_with_a_disk_tier_survives_a_restart(
     tmp_path, engine, compile_cache
 ):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serve.engine.blocks import BlockAllocator
-from serve.engine.config import EngineShape, prefill_buckets, table_buckets
+from serve.engine.config import EngineShape, decode_buckets, prefill_buckets, table_buckets
 from serve.engine.requests import FinishReason, Request
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import Scheduler
@@ -32,6 +32,7 @@ def shape(slots=2, num_blocks=64, chunk=8, budget=None, max_len=256, bs=BS) -> E
         state_bytes=1000,
         buckets=prefill_buckets(chunk),
         table_buckets=table_buckets(max_len // bs),
+        decode_buckets=decode_buckets(slots),
     )
 
 

@@ -31,10 +31,11 @@ def single_device_tokens():
 @pytest.mark.parametrize(
     "spec",
     [
-        "data=1,expert=1,tensor=8",
-        "data=1,expert=8,tensor=1",
+        # every axis at once in the default run; each axis alone (tensor, expert, data) with -m slow
+        pytest.param("data=1,expert=1,tensor=8", marks=pytest.mark.slow),
+        pytest.param("data=1,expert=8,tensor=1", marks=pytest.mark.slow),
         "data=2,expert=2,tensor=2",
-        "data=8,expert=1,tensor=1",
+        pytest.param("data=8,expert=1,tensor=1", marks=pytest.mark.slow),
     ],
 )
 def test_sharded_engine_gives_the_single_device_tokens(spec, single_device_tokens):

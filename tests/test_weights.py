@@ -244,8 +244,36 @@ def test_missing_tensor(broken):
 
 def test_wrong_shape(broken):
     name = "model.layers.0.self_attn.A_log"
-    rewrite(broken, lambda t: t.update({name: np.zeros((2,), np.float32)}) if name in t else None)
-    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has shape \[2\].*needs \[1, 1, 2, 1\]"):
+    rewrite(broken, lambda t: t.update({name: np.zeros((2, 1), np.float32)}) if name in t else None)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has shape \[2, 1\].*needs \[1, 1, 2, 1\]"):
+        load_pretrained(broken, progress=False)
+
+
+def test_transformers_5_spellings_load_to_identical_logits(broken, tokens, reference, logits_of):
+    """transformers 5.x names a dense layer's MLP `block_sparse_moe.*_proj`, and K3's A_log may be stored
+    flat [N]: both load to the published checkpoint's logits; both MLP spellings at once are refused."""
+
+    def respell(tensors):
+        for name in list(tensors):
+            if ".mlp." in name:
+                tensors[name.replace(".mlp.", ".block_sparse_moe.")] = tensors.pop(name)
+            elif name.endswith(".self_attn.A_log"):
+                tensors[name] = tensors[name].reshape(-1)
+
+    rewrite(broken, respell)
+    names = scan_checkpoint(broken)
+    assert "model.layers.0.block_sparse_moe.gate_proj.weight" in names
+    assert not any(".mlp." in n for n in names)
+    assert names["model.layers.0.self_attn.A_log"].shape == (2,)
+    np.testing.assert_array_equal(logits_of(load_pretrained(broken, progress=False), tokens), reference)
+
+    def both(tensors):
+        alt = "model.layers.0.block_sparse_moe.up_proj.weight"
+        if alt in tensors:
+            tensors["model.layers.0.mlp.up_proj.weight"] = tensors[alt]
+
+    rewrite(broken, both)
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.up_proj.weight' is stored twice"):
         load_pretrained(broken, progress=False)
 
 

@@ -4,8 +4,9 @@ Our parameter names are the checkpoint names (`model.layers.0.self_attn.q_proj.w
 exception: the routed experts of a MoE layer are stacked into one parameter per projection,
 `model.layers.L.block_sparse_moe.experts.w1` [E, out, in], which the checkpoint stores as E tensors
 `model.layers.L.block_sparse_moe.experts.{e}.w1.weight` [out, in]. Everything else, including
-`self_attn.A_log` ([1, 1, H, 1] on both sides) and the router's `e_score_correction_bias` (a Buffer
-here), maps one to one with the same shape.
+`self_attn.A_log` ([1, 1, H, 1] on both sides; a flat [H] loads too) and the router's
+`e_score_correction_bias` (a Buffer here), maps one to one with the same shape. A dense layer's MLP loads
+from `mlp.*` (the published checkpoints) or `block_sparse_moe.*_proj` (transformers 5.x).
 
 The released Kimi K3 layout (shared/K3.md) differs in three ways, all handled here:
 - the text model's tensors are prefixed `language_model.` (`language_model.model.X`,
@@ -141,14 +142,38 @@ def tensor_specs(shapes: Mapping[str, tuple[int, ...]], expert_quant: str | None
     return specs
 
 
+# transformers 5.x `save_pretrained` writes a dense lead layer's MLP under `block_sparse_moe.` (its module
+# name), the published Kimi-Linear checkpoints under `mlp.`; both spellings load.
+_DENSE_MLP_ALT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj)\.weight$")
+
+
 def text_model_tensors(tensors: Mapping[str, TensorInfo]) -> tuple[dict[str, TensorInfo], list[str]]:
     """(the text model's tensors under our names, the names skipped). In the released layout (any name
     starts with `language_model.`) that prefix is removed and every tensor outside it is skipped; other
-    checkpoints pass through unchanged. Each TensorInfo keeps the name it has in its file."""
-    if not any(n.startswith(RELEASED_PREFIX) for n in tensors):
-        return dict(tensors), []
-    text = {n.removeprefix(RELEASED_PREFIX): t for n, t in tensors.items() if n.startswith(RELEASED_PREFIX)}
-    return text, sorted(n for n in tensors if not n.startswith(RELEASED_PREFIX))
+    checkpoints pass through unchanged. A dense layer's MLP spelled `block_sparse_moe.{gate,up,down}_proj`
+    (transformers 5.x) is renamed `mlp.*`; a checkpoint with both spellings is refused. Each TensorInfo
+    keeps the name it has in its file."""
+    skipped: list[str] = []
+    if any(n.startswith(RELEASED_PREFIX) for n in tensors):
+        skipped = sorted(n for n in tensors if not n.startswith(RELEASED_PREFIX))
+        tensors = {
+            n.removeprefix(RELEASED_PREFIX): t for n, t in tensors.items() if n.startswith(RELEASED_PREFIX)
+        }
+    text: dict[str, TensorInfo] = {}
+    for name, info in tensors.items():
+        m = _DENSE_MLP_ALT.match(name)
+        ours = f"{m[1]}.mlp.{m[2]}.weight" if m else name
+        if m and ours in tensors:
+            raise CheckpointError(
+                f"tensor '{ours}' is stored twice: as '{ours}' and as '{info.key or name}' (use one spelling)"
+            )
+        text[ours] = info
+    return text, skipped
+
+
+def _flat_a_log(name: str, got: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """K3's notes give 128 `A_log` entries per layer, not their layout: `[N]` loads as `[1, 1, N, 1]`."""
+    return name.endswith(".self_attn.A_log") and len(got) == 1 and got[0] == int(np.prod(shape))
 
 
 def skipped_summary(names: Iterable[str]) -> dict[str, int]:
@@ -318,7 +343,7 @@ class ShardReader:
                 b = min(a + step, rows)
                 handle = self._open(info.file)
                 if step >= rows:
-                    out[...] = handle.get_tensor(name)
+                    out[...] = handle.get_tensor(name).reshape(out.shape)  # a flat A_log: same bytes
                 else:
                     out[a:b] = handle.get_slice(name)[a:b]
                 self._read += (b - a) * row_bytes
@@ -358,7 +383,7 @@ def check_against(
                         f"{where}: tensor '{hf}' is missing (the config needs it, shape {list(shape)}){hint}"
                     )
                 got = tensors[hf].shape
-                if got != shape:
+                if got != shape and not _flat_a_log(hf, got, shape):
                     raise CheckpointError(
                         f"{where}: tensor '{hf}' has shape {list(got)} in {tensors[hf].file.name}, "
                         f"the config needs {list(shape)}"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from serve.bench import compare, decode, load, mesh, prefix, throughput, ttft
+from serve.bench import compare, decode, load, mesh, prefix, slots, throughput, ttft
 
-BENCHES = (decode, load, ttft, mesh, prefix, throughput, compare)
+BENCHES = (decode, load, ttft, mesh, prefix, throughput, slots, compare)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

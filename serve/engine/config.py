@@ -50,6 +50,12 @@ def prefill_buckets(prefill_chunk: int, smallest: int = 16) -> tuple[int, ...]:
     return (*sizes, prefill_chunk)
 
 
+def decode_buckets(slots: int) -> tuple[int, ...]:
+    """Decode program rows: powers of four below `slots`, then `slots`. One running request runs one row;
+    padding rows skip the experts, so a coarse ladder costs little and compiles few programs."""
+    return (*(b for b in (4**i for i in range(16)) if b < slots), slots)
+
+
 def table_buckets(max_blocks: int) -> tuple[int, ...]:
     """Static block-table widths: powers of two below `max_blocks`, then `max_blocks` itself."""
     return (*(w for w in (2**i for i in range(31)) if w < max_blocks), max_blocks)
@@ -111,5 +117,5 @@ class EngineShape:
             state_bytes=kda_state_bytes(model, kv_dtype)["total"],
             buckets=prefill_buckets(config.prefill_chunk),
             table_buckets=table_buckets(per_seq),
-            decode_buckets=table_buckets(config.max_slots),
+            decode_buckets=decode_buckets(config.max_slots),
         )
