@@ -144,3 +144,52 @@ def memory_report(
         out["sequences_fit_without_checkpoints"] = hbm_bytes // (total - checkpoint_bytes)
         out["sequences_fit_all_mla"] = hbm_bytes // all_mla
     return out
+
+
+# KDA:MLA layouts of `memory --ratios`: (name, KDA layers per MLA layer; None = no MLA layer, 0 = no KDA).
+LAYOUTS: tuple[tuple[str, int | None], ...] = (
+    ("all-MLA", 0),
+    ("1:1", 1),
+    ("3:1", 3),
+    ("7:1", 7),
+    ("all-KDA", None),
+)
+
+
+def with_layout(cfg: ModelConfig, kda_per_mla: int | None) -> ModelConfig:
+    """`cfg` with its depth and widths but another mix: every (r + 1)-th layer MLA, the rest KDA (r =
+    `kda_per_mla`; 0 = every layer MLA, None = every layer KDA)."""
+    layers = range(1, cfg.num_hidden_layers + 1)
+    if kda_per_mla is None:
+        mla: tuple[int, ...] = ()
+    else:
+        mla = tuple(i for i in layers if i % (kda_per_mla + 1) == 0)
+    return cfg.replace(kda_layers=tuple(i for i in layers if i not in mla), full_attn_layers=mla)
+
+
+def layout_report(
+    cfg: ModelConfig,
+    contexts: list[int],
+    interval: int | None,
+    dtype: jnp.dtype = jnp.bfloat16,
+    hbm_bytes: int | None = None,
+) -> list[dict[str, int | float | str | None]]:
+    """`memory_report` for the config's own layout and each of LAYOUTS at each context: the per-sequence
+    bytes of the same depth and widths with every KDA:MLA mix, with and without state checkpoints every
+    `interval` tokens."""
+    rows = []
+    variants = [(f"config ({cfg.num_kda_layers}:{cfg.num_mla_layers})", cfg)]
+    variants += [(name, with_layout(cfg, ratio)) for name, ratio in LAYOUTS]
+    for name, variant in variants:
+        for context in contexts:
+            rep = memory_report(variant, context, interval, dtype, hbm_bytes)
+            rows.append(
+                {
+                    "layout": name,
+                    "kda_layers": variant.num_kda_layers,
+                    "mla_layers": variant.num_mla_layers,
+                    **rep,
+                    "bytes_without_checkpoints": rep["total_bytes"] - rep["checkpoint_bytes"],
+                }
+            )
+    return rows

@@ -5,7 +5,7 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from jaxhybrid.cache import memory_report
+from jaxhybrid.cache import layout_report, memory_report, with_layout
 from jaxhybrid.config import load_config
 from serve.cli import main
 
@@ -62,3 +62,53 @@ def test_memory_cli(capsys):
     assert "sequences that fit" in capsys.readouterr().out
     assert main(["memory", "--config", "tiny", "--context", "0"]) == 2
     assert "context must be positive" in capsys.readouterr().err
+
+
+# --- `memory --ratios`: the layout what-if ----------------------------------------------------------------
+
+
+def test_layouts_keep_depth_and_put_every_r_plus_1_th_layer_on_mla():
+    cfg = load_config("small")  # 8 layers
+    mla = {r: with_layout(cfg, r).full_attn_layers for r in (0, 1, 3, 7, None)}
+    assert mla == {0: tuple(range(1, 9)), 1: (2, 4, 6, 8), 3: (4, 8), 7: (8,), None: ()}
+    for r in mla:
+        v = with_layout(cfg, r)
+        assert sorted(v.kda_layers + v.full_attn_layers) == list(range(1, 9))
+        assert (v.hidden_size, v.kv_lora_rank, v.kda_num_heads) == (cfg.hidden_size, 256, cfg.kda_num_heads)
+
+
+def test_layout_bytes_equal_a_hand_count():
+    cfg = load_config("small")
+    contexts, interval, hbm = [1000, 70000], 16384, 10**9
+    # by hand, bf16 KV / conv and fp32 recurrent state: small has 8 KDA heads of 128, kv_lora 256 + rope 64
+    kda_layer = 8 * 128 * 128 * 4 + 3 * (8 * 128) * (4 - 1) * 2
+    mla_token = (256 + 64) * 2
+    rows = {(r["layout"], r["context"]): r for r in layout_report(cfg, contexts, interval, hbm_bytes=hbm)}
+    mixes = {"config (6:2)": 2, "all-MLA": 8, "1:1": 4, "3:1": 2, "7:1": 1, "all-KDA": 0}
+    assert {k[0] for k in rows} == set(mixes)
+    for name, n_mla in mixes.items():
+        n_kda = 8 - n_mla
+        for ctx in contexts:
+            r = rows[(name, ctx)]
+            live = n_kda * kda_layer + n_mla * ctx * mla_token
+            total = live + (ctx // interval) * n_kda * kda_layer
+            assert (r["kda_layers"], r["mla_layers"]) == (n_kda, n_mla)
+            assert r["bytes_without_checkpoints"] == live
+            assert r["total_bytes"] == total
+            assert r["all_mla_kv_bytes"] == 8 * ctx * mla_token
+            assert r["sequences_fit"] == hbm // total
+            assert r["sequences_fit_without_checkpoints"] == hbm // live
+
+
+def test_memory_ratios_cli(capsys):
+    assert main(["memory", "--config", "tiny", "--ratios", "--contexts", "512,4096", "--hbm", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "all-MLA" in out and "7:1" in out and "fit_0.01GB" in out
+    assert main(["memory", "--config", "tiny", "--ratios", "--contexts", "512", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    layouts = ["config (3:1)", "all-MLA", "1:1", "3:1", "7:1", "all-KDA"]
+    assert [r["layout"] for r in rep["layouts"]] == layouts
+    assert main(["memory", "--config", "tiny", "--ratios", "--contexts", "a,b"]) == 2
+    assert "--contexts must be comma-separated integers" in capsys.readouterr().err
+    assert main(["memory", "--config", "tiny"]) == 2
+    assert "--context is required" in capsys.readouterr().err

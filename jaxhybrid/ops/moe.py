@@ -17,6 +17,7 @@ Every expert implementation takes the gated activation as the keyword ``act`` (a
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -232,6 +233,50 @@ def _block_rows(pairs: int, num_experts: int) -> int:
     return 1 << max(0, (pairs // num_experts).bit_length() - 1)
 
 
+class _Blocks(NamedTuple):
+    """The (token, expert) pairs sorted by expert into blocks of ``m`` rows that each belong to one expert."""
+
+    order: jax.Array  # [P] pair index of each sorted position
+    dest: jax.Array  # [P] row of each sorted pair; `num_rows` (out of range) for a pair in no block
+    in_block: jax.Array  # [P] bool: the sorted pair has a block (its row was valid)
+    block_expert: jax.Array  # [num_rows // m] expert of each block
+    used_blocks: jax.Array  # scalar: blocks holding at least one pair (they come first)
+    num_rows: int  # static: rows of the largest layout, a multiple of m
+
+
+def _sorted_blocks(key: jax.Array, num_experts: int, m: int) -> _Blocks:
+    """Sort pairs by `key` (an expert id, or `num_experts` for a pair in no block) and pad each expert's run
+    of pairs to a multiple of `m` rows."""
+    pairs = key.shape[0]
+    num_rows = -(-(pairs + num_experts * (m - 1)) // m) * m
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    counts = jnp.bincount(key, length=num_experts + 1)[:num_experts]
+    padded = -(-counts // m) * m
+    padded_end = jnp.cumsum(padded)
+    start, padded_start = jnp.cumsum(counts) - counts, padded_end - padded
+    in_block = sorted_key < num_experts
+    safe = jnp.minimum(sorted_key, num_experts - 1)
+    dest = jnp.where(in_block, padded_start[safe] + jnp.arange(pairs) - start[safe], num_rows)
+    block_expert = jnp.minimum(
+        jnp.searchsorted(padded_end, jnp.arange(num_rows // m) * m, side="right"), num_experts - 1
+    )
+    return _Blocks(order, dest, in_block, block_expert, padded_end[-1] // m, num_rows)
+
+
+def _block_rows_of(x: jax.Array, blocks: _Blocks, k: int) -> jax.Array:
+    """[num_rows, D]: each sorted pair's token at its row; padding rows (and pairs in no block) are zero."""
+    rows = jnp.zeros((blocks.num_rows, x.shape[-1]), x.dtype)
+    return rows.at[blocks.dest].set(jnp.take(x, blocks.order // k, axis=0), mode="drop")
+
+
+def _combine(out: jax.Array, blocks: _Blocks, weights: jax.Array, k: int, num_tokens: int) -> jax.Array:
+    """Each token's sum of its pairs' block outputs [num_rows, D] times their routing weights (float32)."""
+    w = jnp.where(blocks.in_block, weights.reshape(-1)[blocks.order].astype(jnp.float32), 0.0)
+    out_rows = out.at[blocks.dest].get(mode="fill", fill_value=0.0) * w[:, None]
+    return jnp.zeros((num_tokens, out.shape[-1]), jnp.float32).at[blocks.order // k].add(out_rows)
+
+
 def moe_experts_blocked(
     x: jax.Array,
     w1: jax.Array,
@@ -243,7 +288,7 @@ def moe_experts_blocked(
     act: GatedActivation = SILU,
     valid: jax.Array | None = None,
 ) -> jax.Array:
-    """Dropless experts as a block-sparse batched matmul: the CPU path.
+    """Dropless experts as a block-sparse batched matmul: the static CPU form (what training differentiates).
 
     XLA:CPU lowers ``ragged_dot`` to a dense masked product (every expert on every row). Here the
     ``N * k`` pairs are sorted by expert and each expert's rows padded to a multiple of ``m``, so every
@@ -255,22 +300,10 @@ def moe_experts_blocked(
     num_tokens, k = expert_ids.shape
     num_experts, _, dim = w1.shape
     weights = _valid_weights(weights, valid)  # static shapes: rows not valid are computed, then dropped
-    pairs = num_tokens * k
-    m = _block_rows(pairs, num_experts)
-    num_blocks = -(-(pairs + num_experts * (m - 1)) // m)
-
-    flat_ids = expert_ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)
-    sorted_ids = flat_ids[order]
-    counts = jnp.bincount(flat_ids, length=num_experts)
-    padded = -(-counts // m) * m
-    padded_end = jnp.cumsum(padded)
-    start, padded_start = jnp.cumsum(counts) - counts, padded_end - padded
-    dest = padded_start[sorted_ids] + jnp.arange(pairs) - start[sorted_ids]  # row of each sorted pair
-    rows = jnp.zeros((num_blocks * m, dim), x.dtype).at[dest].set(jnp.take(x, order // k, axis=0))
-    block_expert = jnp.minimum(
-        jnp.searchsorted(padded_end, jnp.arange(num_blocks) * m, side="right"), num_experts - 1
-    )
+    m = _block_rows(num_tokens * k, num_experts)
+    blocks = _sorted_blocks(expert_ids.reshape(-1), num_experts, m)
+    num_blocks, block_expert = blocks.num_rows // m, blocks.block_expert
+    rows = _block_rows_of(x, blocks, k)
     rows, b1, b3, b2 = _f32_operands(
         rows.reshape(num_blocks, m, dim), w1[block_expert], w3[block_expert], w2[block_expert]
     )
@@ -278,9 +311,7 @@ def moe_experts_blocked(
     up = jnp.einsum("bmd,bfd->bmf", rows, b3, preferred_element_type=jnp.float32)
     hidden = gated_act(gate, up, act).astype(b2.dtype)
     out = jnp.einsum("bmf,bdf->bmd", hidden, b2, preferred_element_type=jnp.float32).reshape(-1, dim)
-    out_rows = out[dest] * weights.reshape(-1)[order].astype(jnp.float32)[:, None]
-    y = jnp.zeros((num_tokens, dim), jnp.float32).at[order // k].add(out_rows)
-    return y.astype(x.dtype)
+    return _combine(out, blocks, weights, k, num_tokens).astype(x.dtype)
 
 
 def _rows_per_block(num_tokens: int, pairs: int, num_experts: int) -> int:
@@ -353,26 +384,10 @@ def _skipping_forward(
     """The loop of :func:`moe_experts_skipping` (valid given)."""
     num_tokens, k = expert_ids.shape
     num_experts, _, dim = w1.shape
-    pairs = num_tokens * k
-    m = _rows_per_block(num_tokens, pairs, num_experts)
-    num_rows = -(-(pairs + num_experts * (m - 1)) // m) * m
-
-    key = _pair_keys(expert_ids, valid, num_experts)  # pairs of rows not valid sort last, into no block
-    order = jnp.argsort(key, stable=True)
-    sorted_key = key[order]
-    counts = jnp.bincount(key, length=num_experts + 1)[:num_experts]
-    padded = -(-counts // m) * m
-    padded_end = jnp.cumsum(padded)
-    start, padded_start = jnp.cumsum(counts) - counts, padded_end - padded
-    in_block = sorted_key < num_experts
-    safe_key = jnp.minimum(sorted_key, num_experts - 1)
-    # Row of each sorted pair; idle pairs point past the end (dropped on write, zero on read).
-    dest = jnp.where(in_block, padded_start[safe_key] + jnp.arange(pairs) - start[safe_key], num_rows)
-    rows = jnp.zeros((num_rows, dim), x.dtype).at[dest].set(jnp.take(x, order // k, axis=0), mode="drop")
-    used_blocks = padded_end[-1] // m
-    block_expert = jnp.minimum(
-        jnp.searchsorted(padded_end, jnp.arange(num_rows // m) * m, side="right"), num_experts - 1
-    )
+    m = _rows_per_block(num_tokens, num_tokens * k, num_experts)
+    # Pairs of rows not valid sort last, into no block; the loop runs the blocks in use only.
+    blocks = _sorted_blocks(_pair_keys(expert_ids, valid, num_experts), num_experts, m)
+    rows, block_expert = _block_rows_of(x, blocks, k), blocks.block_expert
 
     def block(i: jax.Array, out: jax.Array) -> jax.Array:
         e = block_expert[i]
@@ -384,11 +399,8 @@ def _skipping_forward(
         y = jnp.dot(hidden, b.T, preferred_element_type=jnp.float32)
         return jax.lax.dynamic_update_slice_in_dim(out, y, i * m, axis=0)
 
-    out = jax.lax.fori_loop(0, used_blocks, block, jnp.zeros((num_rows, dim), jnp.float32))
-    w = jnp.where(in_block, weights.reshape(-1)[order].astype(jnp.float32), 0.0)
-    out_rows = out.at[dest].get(mode="fill", fill_value=0.0) * w[:, None]
-    y = jnp.zeros((num_tokens, dim), jnp.float32).at[order // k].add(out_rows)
-    return y.astype(x.dtype)
+    out = jax.lax.fori_loop(0, blocks.used_blocks, block, jnp.zeros((blocks.num_rows, dim), jnp.float32))
+    return _combine(out, blocks, weights, k, num_tokens).astype(x.dtype)
 
 
 def moe_experts_dropless(

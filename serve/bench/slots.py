@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from serve.bench.common import add_out_arg, emit, environment
+from serve.bench.common import add_model_args, add_out_arg, emit, environment
 from serve.report import print_table
 
 
@@ -122,10 +122,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--config", help="config name or path (default small)")
-    src.add_argument("--model", help="a checkpoint directory: Hugging Face safetensors or converted Orbax")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (--config)")
+    add_model_args(p)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights dtype")
     p.add_argument(
         "--points",

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from serve.bench.common import add_out_arg, compile_watch, decode_step, emit, environment
+from serve.bench.common import add_model_args, add_out_arg, compile_watch, decode_step, emit, environment
 from serve.report import print_table
 
 COUNTING = {
@@ -347,10 +347,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--config", help="config name or path (default small)")
-    src.add_argument("--model", help="a checkpoint directory: Hugging Face safetensors or converted Orbax")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (--config)")
+    add_model_args(p)
     p.add_argument(
         "--prompt-lengths", default="128,512,2048", help="prefill prompt lengths (default 128,512,2048)"
     )

@@ -21,6 +21,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
         hbm = None if args.hbm is None else int(args.hbm * 1e9)
+        if args.ratios:
+            return _ratios(cfg, args, hbm)
+        if args.context is None:
+            raise ValueError("--context is required (or --ratios with --contexts)")
         rep = memory_report(cfg, args.context, args.interval, jnp.dtype(args.dtype), hbm)
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -59,6 +63,51 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ratios(cfg, args: argparse.Namespace, hbm: int | None) -> int:
+    """The layout what-if: per-sequence bytes (and sequences that fit in --hbm) for every KDA:MLA mix."""
+    import jax.numpy as jnp
+
+    from jaxhybrid.cache import layout_report
+    from serve.report import print_table
+
+    try:
+        contexts = sorted({int(c) for c in args.contexts.split(",") if c.strip()})
+    except ValueError:
+        raise ValueError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
+    if args.context is not None:
+        contexts = sorted({*contexts, args.context})
+    rows = layout_report(cfg, contexts, args.interval, jnp.dtype(args.dtype), hbm)
+    if args.json:
+        print(json.dumps({"config": cfg.name, "interval": args.interval, "layouts": rows}))
+        return 0
+    print(
+        f"{cfg.name}: {cfg.num_hidden_layers} layers as every KDA:MLA mix; per-sequence cache, KV dtype "
+        f"{args.dtype}, checkpoints every {args.interval or '-'} tokens"
+    )
+    columns = ["layout", "kda", "mla", "context", "no_checkpoints", "with_checkpoints", "vs_all_MLA"]
+    fit = "fit" if args.hbm is None else f"fit_{args.hbm:g}GB"
+    if hbm is not None:
+        columns += [fit, "fit_no_checkpoints"]
+    print_table(
+        [
+            {
+                "layout": r["layout"],
+                "kda": r["kda_layers"],
+                "mla": r["mla_layers"],
+                "context": f"{r['context']:,}",
+                "no_checkpoints": fmt_bytes(r["bytes_without_checkpoints"]),
+                "with_checkpoints": fmt_bytes(r["total_bytes"]),
+                "vs_all_MLA": f"{100 * r['total_bytes'] / r['all_mla_kv_bytes']:.1f}%",
+                fit: r.get("sequences_fit"),
+                "fit_no_checkpoints": r.get("sequences_fit_without_checkpoints"),
+            }
+            for r in rows
+        ],
+        columns,
+    )
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "memory",
@@ -66,7 +115,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=run.__doc__,
     )
     add_config_arg(p, required=True)
-    p.add_argument("--context", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--context", type=int, help="tokens per sequence (required unless --ratios)")
+    p.add_argument(
+        "--ratios",
+        action="store_true",
+        help="the layout what-if: the config's depth and widths as all-MLA, 1:1, 3:1, 7:1 and all-KDA",
+    )
+    p.add_argument(
+        "--contexts",
+        default="131072,1048576",
+        help="with --ratios: context lengths (default 131072,1048576; --context adds one)",
+    )
     p.add_argument(
         "--interval",
         type=int,
