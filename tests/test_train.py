@@ -139,6 +139,7 @@ def test_training_lowers_validation_loss_below_unigram(workdir: Path, full_run: 
     assert (out / "model" / "params").is_dir() and (out / "model" / "config.json").exists()
 
 
+@pytest.mark.slow  # two more training runs in subprocesses
 def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(workdir: Path, full_run: dict) -> None:
     stopped = run_train(workdir, "resumed", "--stop-after", str(HALF))
     assert stopped == {}  # stopped early: no final log, no export
