@@ -7,6 +7,17 @@ from typing import TextIO
 DTYPES = ("bfloat16", "float32", "float16")
 
 
+def positive_ints(text: str, flag: str) -> list[int]:
+    """A command-line list `1,2,3` as sorted distinct positive integers (ValueError naming `flag`)."""
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise ValueError(f"{flag} must be positive integers, got {text!r}")
+    return values
+
+
 def fmt_count(n: int) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:

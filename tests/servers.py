@@ -21,13 +21,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def uvicorn_thread(app: Any, log_level: str = "warning") -> Iterator[str]:
+def uvicorn_thread(app: Any, log_level: str = "warning", start_timeout: float = 30) -> Iterator[str]:
     """`app` served on a free localhost port from a thread; yields its URL, stops it afterwards."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + start_timeout
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
         time.sleep(0.02)

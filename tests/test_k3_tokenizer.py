@@ -9,15 +9,12 @@ each text piece alone (an oracle independent of jaxhybrid.tokenizer).
 
 import base64
 import json
-import threading
-import time
 
 import httpx
 import pytest
 import tiktoken
-import uvicorn
 from flax import nnx
-from servers import free_port
+from servers import uvicorn_thread
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
@@ -160,18 +157,8 @@ def k3_server(tok):
     model = HybridLM(cfg, rngs=nnx.Rngs(0))
     engine = Engine(model, EngineConfig(max_slots=1, block_size=64, prefill_chunk=64, max_model_len=128))
     app = create_app(engine, tok, "tiny-k3tok", max_waiting=1, default_max_tokens=4)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
-        time.sleep(0.02)
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+    with uvicorn_thread(app, start_timeout=60) as url, httpx.Client(base_url=url, timeout=120) as client:
         yield app, client
-    server.should_exit = True
-    thread.join(30)
 
 
 def test_chat_completions_with_the_k3_format(k3_server, plain):

@@ -167,26 +167,33 @@ def test_kda_low_precision_io_dtype() -> None:
     assert rel_err(s_chk, s_rec) < TOL
 
 
-def test_kda_gradients_chunked_match_recurrent() -> None:
-    t = 70
-    (q, k, v, g, beta), s0 = make_inputs(21, t, state=True)
-    rng = np.random.default_rng(0)
-    w_o = jnp.asarray(rng.normal(size=(B, t, H, 16)), jnp.float32)
-    w_s = jnp.asarray(rng.normal(size=(B, H, 16, 16)), jnp.float32)
+def assert_gradients_match_recurrent(inputs, s0, chunk_size: int, seed: int, label: str) -> None:
+    """Gradients of a random linear loss on (o, final state), through every input and the initial state:
+    kda_chunked at `chunk_size` against kda_recurrent, within GRAD_TOL and finite."""
+    q = inputs[0]
+    b, t, h = q.shape[:3]
+    rng = np.random.default_rng(seed)
+    w_o = jnp.asarray(rng.normal(size=(b, t, h, 16)), jnp.float32)
+    w_s = jnp.asarray(rng.normal(size=(b, h, 16, 16)), jnp.float32)
 
     def loss(fn, *args):
         o, s = fn(*args)
         return jnp.sum(o * w_o) + jnp.sum(s * w_s)
 
     argnums = tuple(range(6))
-    g_rec = jax.jit(jax.grad(functools.partial(loss, kda_recurrent), argnums=argnums))(q, k, v, g, beta, s0)
-    chunked16 = functools.partial(kda_chunked, chunk_size=16)
-    g_chk = jax.jit(jax.grad(functools.partial(loss, chunked16), argnums=argnums))(q, k, v, g, beta, s0)
+    g_rec = jax.jit(jax.grad(functools.partial(loss, kda_recurrent), argnums=argnums))(*inputs, s0)
+    chunked = functools.partial(kda_chunked, chunk_size=chunk_size)
+    g_chk = jax.jit(jax.grad(functools.partial(loss, chunked), argnums=argnums))(*inputs, s0)
     names = ("q", "k", "v", "g", "beta", "initial_state")
     errs = {n: rel_err(a, b) for n, a, b in zip(names, g_chk, g_rec, strict=True)}
-    print("grad chunked/recurrent: " + ", ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    print(f"{label}: " + ", ".join(f"{n}={e:.2e}" for n, e in errs.items()))
     assert all(np.all(np.isfinite(np.asarray(x))) for x in g_chk)
     assert max(errs.values()) < GRAD_TOL, errs
+
+
+def test_kda_gradients_chunked_match_recurrent() -> None:
+    inputs, s0 = make_inputs(21, 70, state=True)
+    assert_gradients_match_recurrent(inputs, s0, 16, seed=0, label="grad chunked/recurrent")
 
 
 def decay_override(x: jax.Array, seed: int, level: float, frac: float) -> jax.Array:
@@ -239,27 +246,12 @@ def test_kda_chunked_empty_sequence() -> None:
 @pytest.mark.parametrize("chunk_size,g_level", [(64, None), (128, -30.0)], ids=["c64_strong", "c128_g30"])
 def test_kda_gradients_multi_level_chunks(chunk_size: int, g_level: float | None) -> None:
     """Gradients through chunks with several doubling levels, strong decays, padding in the last chunk."""
-    t = 150
-    (q, k, v, g, beta), s0 = make_inputs(23, t, strong=True, state=True)
+    (q, k, v, g, beta), s0 = make_inputs(23, 150, strong=True, state=True)
     if g_level is not None:
         g = decay_override(g, 24, g_level, 0.05)
-    rng = np.random.default_rng(1)
-    w_o = jnp.asarray(rng.normal(size=(B, t, H, 16)), jnp.float32)
-    w_s = jnp.asarray(rng.normal(size=(B, H, 16, 16)), jnp.float32)
-
-    def loss(fn, *args):
-        o, s = fn(*args)
-        return jnp.sum(o * w_o) + jnp.sum(s * w_s)
-
-    argnums = tuple(range(6))
-    g_rec = jax.jit(jax.grad(functools.partial(loss, kda_recurrent), argnums=argnums))(q, k, v, g, beta, s0)
-    chunked = functools.partial(kda_chunked, chunk_size=chunk_size)
-    g_chk = jax.jit(jax.grad(functools.partial(loss, chunked), argnums=argnums))(q, k, v, g, beta, s0)
-    names = ("q", "k", "v", "g", "beta", "initial_state")
-    errs = {n: rel_err(a, b) for n, a, b in zip(names, g_chk, g_rec, strict=True)}
-    print(f"grad chunk_size={chunk_size}: " + ", ".join(f"{n}={e:.2e}" for n, e in errs.items()))
-    assert all(np.all(np.isfinite(np.asarray(x))) for x in g_chk)
-    assert max(errs.values()) < GRAD_TOL, errs
+    assert_gradients_match_recurrent(
+        (q, k, v, g, beta), s0, chunk_size, seed=1, label=f"grad chunk_size={chunk_size}"
+    )
 
 
 # ----------------------------------------------------------------------------- conv

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from serve.bench.common import add_model_args, add_out_arg, compile_watch, decode_step, emit, environment
-from serve.report import print_table
+from serve.report import positive_ints, print_table
 
 COUNTING = {
     "prefill_flops": "2 x (active params - embedding) per token (every matmul weight, lm_head over all T "
@@ -251,25 +251,15 @@ def measure(
     return prefill_rows, decode_rows, model_info
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = sorted({int(v) for v in text.split(",") if v.strip()})
-    except ValueError:
-        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not values or values[0] < 1:
-        raise ValueError(f"{flag} must be positive integers, got {text!r}")
-    return values
-
-
 def run(args: argparse.Namespace) -> int:
     """Prefill and decode tokens/s with the achieved fraction of the measured matmul rate and bandwidth."""
     from jaxhybrid.config import ConfigError
     from serve.models import UsageError, load_model
 
     try:
-        prompt_lengths = _ints(args.prompt_lengths, "--prompt-lengths")
-        batches = _ints(args.batch_sizes, "--batch-sizes")
-        contexts = _ints(args.contexts, "--contexts")
+        prompt_lengths = positive_ints(args.prompt_lengths, "--prompt-lengths")
+        batches = positive_ints(args.batch_sizes, "--batch-sizes")
+        contexts = positive_ints(args.contexts, "--contexts")
         if args.repeats < 1:
             raise ValueError("--repeats must be at least 1")
         if args.config is None and args.model is None:

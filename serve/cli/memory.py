@@ -68,12 +68,9 @@ def _ratios(cfg, args: argparse.Namespace, hbm: int | None) -> int:
     import jax.numpy as jnp
 
     from jaxhybrid.cache import layout_report
-    from serve.report import print_table
+    from serve.report import positive_ints, print_table
 
-    try:
-        contexts = sorted({int(c) for c in args.contexts.split(",") if c.strip()})
-    except ValueError:
-        raise ValueError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
+    contexts = positive_ints(args.contexts, "--contexts")
     if args.context is not None:
         contexts = sorted({*contexts, args.context})
     rows = layout_report(cfg, contexts, args.interval, jnp.dtype(args.dtype), hbm)
