@@ -4,14 +4,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from oracles import FullPass, assert_matches_full_pass
 
 from jaxhybrid.config import load_config
-from jaxhybrid.model import HybridLM, pure_fn
+from jaxhybrid.model import HybridLM
 from serve.engine.blocks import BlockAllocator, OutOfBlocks
 from serve.engine.engine import Engine, EngineConfig, RequestError
 from serve.engine.sampling import SamplingParams
 
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
 
 
 @pytest.fixture(scope="module")
@@ -21,29 +22,12 @@ def model():
 
 @pytest.fixture(scope="module")
 def full_pass(model):
-    """Logits of the causal pass over `toks`: right-padded to a multiple of 64 so that a few programs serve
-    every length (the pass is causal: padding after the last token changes none of its logits)."""
-    fn, state = pure_fn(model)
-
-    def run(toks):
-        padded = np.zeros((1, -(-len(toks) // 64) * 64), np.int32)
-        padded[0, : len(toks)] = toks
-        return np.asarray(fn(state, jnp.asarray(padded))[0, : len(toks)])
-
-    return run
+    return FullPass(model)
 
 
 def prompts(lengths, seed=0, vocab=512):
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab, n).tolist() for n in lengths]
-
-
-def assert_greedy_matches_full_pass(full_pass, prompt, generated):
-    """Every generated token is the argmax of the full causal pass over everything before it."""
-    seq = list(prompt) + list(generated)
-    logits = full_pass(seq[:-1])
-    want = logits[len(prompt) - 1 :].argmax(-1)
-    assert list(want) == list(generated)
 
 
 def test_continuous_batching_changes_no_token(model, full_pass):
@@ -59,7 +43,7 @@ def test_continuous_batching_changes_no_token(model, full_pass):
     for rid, p in zip(ids, ps, strict=True):
         res = eng.result(rid)
         assert res.finish_reason == "length" and len(res.token_ids) == GREEDY.max_tokens
-        assert_greedy_matches_full_pass(full_pass, p, res.token_ids)
+        assert_matches_full_pass(full_pass, p, res.token_ids, res.logprobs)
     assert_only_the_store_holds_blocks(eng)
     assert sorted(eng.free_slots) == [0, 1]
 
@@ -77,7 +61,8 @@ def test_decode_padding_rows_leave_a_prefilling_request_alone(model, full_pass):
         eng.step()
     assert eng.shape.decode_rows(3) == 4
     for rid, p in zip(ids, ps, strict=True):
-        assert_greedy_matches_full_pass(full_pass, p, eng.result(rid).token_ids)
+        res = eng.result(rid)
+        assert_matches_full_pass(full_pass, p, res.token_ids, res.logprobs)
 
 
 def assert_only_the_store_holds_blocks(eng):
@@ -89,13 +74,13 @@ def assert_only_the_store_holds_blocks(eng):
 
 def test_preempted_request_gives_the_same_tokens(model, full_pass):
     ps = prompts([30, 28, 26], seed=1)
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True)
     # 3 slots but only 13 usable blocks of 8: three sequences of ~40 tokens need 15, so someone is preempted.
     small = Engine(model, EngineConfig(max_slots=3, block_size=8, num_blocks=14, prefill_chunk=32))
     res = small.generate(ps, params)
     assert sum(r.stats["preemptions"] for r in res) > 0
     for p, r in zip(ps, res, strict=True):
-        assert_greedy_matches_full_pass(full_pass, p, r.token_ids)
+        assert_matches_full_pass(full_pass, p, r.token_ids, r.logprobs)
     # sampled (seeded) requests too: preemption does not change them
     sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
     big = Engine(model, EngineConfig(max_slots=3, block_size=8, prefill_chunk=32))
@@ -117,10 +102,7 @@ def test_logprobs_and_stop_tokens(model, full_pass):
     eng = Engine(model, EngineConfig(max_slots=2, block_size=8, prefill_chunk=32))
     p = prompts([12], seed=3)[0]
     res = eng.generate([p], SamplingParams(max_tokens=5, temperature=0.0, logprobs=True, ignore_eos=True))[0]
-    logits = full_pass(p + res.token_ids[:-1])[len(p) - 1 :]
-    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-    want = logits[np.arange(len(res.token_ids)), res.token_ids] - logz
-    np.testing.assert_allclose(res.logprobs, want, atol=1e-4)
+    assert_matches_full_pass(full_pass, p, res.token_ids, res.logprobs)
     # stopping on the third generated token
     stop = res.token_ids[2]
     first = res.token_ids.index(stop)
@@ -153,7 +135,8 @@ def test_bad_requests_raise_and_corrupt_nothing(model, full_pass, prompt, params
     assert (eng.allocator.num_free, list(eng.free_slots), len(eng.waiting), len(eng.running)) == before
     while eng.has_unfinished():
         eng.step()
-    assert_greedy_matches_full_pass(full_pass, good, eng.result(rid).token_ids)
+    res = eng.result(rid)
+    assert_matches_full_pass(full_pass, good, res.token_ids, res.logprobs)
 
 
 def test_abort_frees_slot_and_blocks(model):

@@ -7,9 +7,10 @@ import pytest
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracles import FullPass, assert_matches_full_pass
 
 from jaxhybrid.config import load_config
-from jaxhybrid.model import HybridLM, pure_fn
+from jaxhybrid.model import HybridLM
 from serve.engine.engine import Engine, EngineConfig, RequestError
 from serve.engine.sampling import SamplingParams
 
@@ -21,16 +22,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def full_pass(model):
-    """Logits of the causal pass over `toks`: right-padded to a multiple of 64 so that a few programs serve
-    every length (the pass is causal: padding after the last token changes none of its logits)."""
-    fn, state = pure_fn(model)
-
-    def run(toks):
-        padded = np.zeros((1, -(-len(toks) // 64) * 64), np.int32)
-        padded[0, : len(toks)] = toks
-        return np.asarray(fn(state, jnp.asarray(padded))[0, : len(toks)], np.float64)
-
-    return run
+    return FullPass(model)
 
 
 def greedy(n):
@@ -82,10 +74,9 @@ def test_preempted_and_readmitted_in_one_step_is_not_also_decoded(model, full_pa
         ample.step()
     want = [(ample.result(i).token_ids, ample.result(i).logprobs) for i in ids]
     assert_same(got, want)
-    # and against the full causal pass (float64 of the fp32 logits): B's tokens are its argmax chain
-    seq = b[0] + got[1][0]
-    logits = full_pass(seq[:-1])
-    assert list(logits[len(b[0]) - 1 :].argmax(-1)) == got[1][0]
+    # and against the full causal pass: both requests' tokens and logprobs
+    for (prompt, _), (tokens, logprobs) in zip((a, b), got, strict=True):
+        assert_matches_full_pass(full_pass, prompt, tokens, logprobs)
 
 
 @pytest.mark.slow  # the default run keeps the explicit reproduction above and the model-free scheduler test

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flax import nnx
+from oracles import FullPass, assert_matches_full_pass
 from servers import free_port, wait_healthy
 
 from jaxhybrid.config import load_config
@@ -84,6 +85,12 @@ def engine() -> Engine:
     """The single-device oracle: tiny, seed-0 weights, the same engine shape, no prefix store (as on
     several processes, `serve.engine.replicated.check_engine_config`)."""
     return Engine(HybridLM(load_config("tiny"), rngs=nnx.Rngs(0)), EngineConfig(**ENGINE, prefix=None))
+
+
+@pytest.fixture(scope="module")
+def full_pass() -> FullPass:
+    """The full causal pass of the same weights: tokens and per-token logprobs."""
+    return FullPass(HybridLM(load_config("tiny"), rngs=nnx.Rngs(0)))
 
 
 def replay(engine: Engine, sched: list[dict]) -> tuple[dict, int]:
@@ -186,7 +193,7 @@ def test_generate_cli_on_two_processes(tmp_path, engine, compile_cache):
 
 
 def test_the_prefix_store_on_two_processes_with_a_disk_tier_survives_a_restart(
-    tmp_path, engine, compile_cache
+    tmp_path, engine, full_pass, compile_cache
 ):
     """2 processes x 4 devices, prefix store on with --store-dir: greedy tokens equal one process without any
     cache; prompts that extend earlier ones hit them (partial-block prompt-end checkpoints of sharded states,
@@ -212,7 +219,7 @@ def test_the_prefix_store_on_two_processes_with_a_disk_tier_survives_a_restart(
             return [
                 sys.executable, "-m", "serve.cli", "generate", "--config=tiny",
                 *([f"--prompts-file={path}"] if i == 0 else []),
-                "--ignore-eos", "--json", f"--mesh={MESH}", *flags, f"--store-dir={store}",
+                "--ignore-eos", "--logprobs", "--json", f"--mesh={MESH}", *flags, f"--store-dir={store}",
                 "--device-cache-mb=0",  # every checkpoint goes to the host tier: each process's shards
                 f"--coordinator=127.0.0.1:{port}", "--num-processes=2", f"--process-id={i}",
             ]  # fmt: skip
@@ -225,10 +232,14 @@ def test_the_prefix_store_on_two_processes_with_a_disk_tier_survives_a_restart(
     got = serve(turns[0] + turns[1], 0)  # 4 slots: the two follow-ups are admitted after a slot frees
     want = [r.token_ids for r in engine.generate(turns[0] + turns[1], params)]
     assert [g["token_ids"] for g in got] == want
+    for prompt, g in zip(turns[0] + turns[1], got, strict=True):
+        assert_matches_full_pass(full_pass, prompt, g["token_ids"], g["logprobs"])
     assert [g["stats"]["prefix_hit_tokens"] for g in got[4:]] == [len(first[0]), len(first[1])]
     assert any((store / ns).is_dir() for ns in [p.name for p in store.iterdir()])
     got = serve(turns[2], 1)  # both processes restarted: nothing in memory
     assert [g["token_ids"] for g in got] == [r.token_ids for r in engine.generate(turns[2], params)]
+    for prompt, g in zip(turns[2], got, strict=True):  # resumed from the disk tier's sharded states
+        assert_matches_full_pass(full_pass, prompt, g["token_ids"], g["logprobs"])
     assert [g["stats"]["prefix_hit_tokens"] for g in got] == [len(p) for p in turns[1]]  # from disk
 
 

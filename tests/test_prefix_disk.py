@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from oracles import FullPass, assert_matches_full_pass
 
 from jaxhybrid.cache import kda_state_bytes
 from jaxhybrid.config import load_config
@@ -37,8 +38,13 @@ def engine(model, prefix=None, **kw):
     return Engine(model, EngineConfig(prefix=prefix, **args))
 
 
+@pytest.fixture(scope="module")
+def full_pass(model):
+    return FullPass(model)
+
+
 def greedy(n=4):
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True)
 
 
 def tokens(rng, n):
@@ -66,7 +72,7 @@ def ids(results):
     return [r.token_ids for r in results]
 
 
-def test_restart_serves_hits_from_disk_with_identical_output(model, tmp_path):
+def test_restart_serves_hits_from_disk_with_identical_output(model, full_pass, tmp_path):
     rng = np.random.default_rng(1)
     prompts = [tokens(rng, n) for n in (21, 37, 16)]  # partial, partial, block-aligned ends
     extended = [p + tokens(rng, 6) for p in prompts]
@@ -86,6 +92,8 @@ def test_restart_serves_hits_from_disk_with_identical_output(model, tmp_path):
     assert lb["checkpoints"] == {"device": 0, "host": 0, "disk": la["checkpoints"]["disk"]}
     got = b.generate(extended, greedy())
     assert ids(got) == ids(engine(model, None).generate(extended, greedy()))
+    for prompt, res in zip(extended, got, strict=True):  # resumed from states read back from disk
+        assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
     assert [(r.stats["prefix_hit_tokens"], r.stats["recomputed_tokens"]) for r in got] == [
         (len(p), 0) for p in prompts
     ]
@@ -129,7 +137,7 @@ def test_a_save_is_visible_only_after_it_completed_and_decoding_does_not_wait(mo
     assert engine(model, cfg).ledger()["checkpoints"]["disk"] == ledger["checkpoints"]["disk"]
 
 
-def test_crash_leftovers_are_ignored_and_everything_else_hits(model, tmp_path):
+def test_crash_leftovers_are_ignored_and_everything_else_hits(model, full_pass, tmp_path):
     rng = np.random.default_rng(3)
     lengths = (17, 22, 27, 30, 35)
     prompts = [tokens(rng, n) for n in lengths]
@@ -175,6 +183,8 @@ def test_crash_leftovers_are_ignored_and_everything_else_hits(model, tmp_path):
     assert left == sorted([LOCK, found[30].name, found[35].name]) and ledger["disk_collected"] == 6
     got = b.generate(extended, greedy())
     assert ids(got) == ids(engine(model, None).generate(extended, greedy()))
+    for prompt, res in zip(extended, got, strict=True):  # resumed from states read back from disk
+        assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
     assert [r.stats["prefix_hit_tokens"] for r in got] == [0, 0, 0, 0, 35]
     ledger = b.ledger()
     assert ledger["disk_restores"] == 1 and ledger["disk_restore_errors"] == 1

@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracles import FullPass, assert_matches_full_pass
 
 from jaxhybrid.cache import kda_state_bytes
 from jaxhybrid.config import load_config
@@ -28,8 +29,13 @@ def engine(model, prefix=None, **kw):
     return Engine(model, EngineConfig(prefix=prefix, **args))
 
 
+@pytest.fixture(scope="module")
+def full_pass(model):
+    return FullPass(model)
+
+
 def greedy(n=4):
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True)
 
 
 def conversation_workload(seed: int) -> list[list[list[int]]]:
@@ -48,19 +54,24 @@ def conversation_workload(seed: int) -> list[list[list[int]]]:
 
 
 def serve_rounds(eng, rounds, n=4):
-    out = []
-    for prompts in rounds:
-        out.append([r.token_ids for r in eng.generate(prompts, greedy(n))])
-    return out
+    """Each round's results, the rounds served one after another."""
+    return [eng.generate(prompts, greedy(n)) for prompts in rounds]
+
+
+def token_ids(rounds_results):
+    return [[r.token_ids for r in results] for results in rounds_results]
 
 
 @pytest.mark.parametrize("interval", [BS, 16, 1024])
-def test_store_on_gives_the_same_tokens_as_store_off(model, interval):
+def test_store_on_gives_the_same_tokens_as_store_off(model, full_pass, interval):
     rounds = conversation_workload(seed=interval)
     off = serve_rounds(engine(model, None), rounds)
     eng = engine(model, PrefixStoreConfig(checkpoint_interval=interval))
     on = serve_rounds(eng, rounds)
-    assert on == off
+    assert token_ids(on) == token_ids(off)
+    for prompts, results in zip(rounds, on, strict=True):
+        for prompt, res in zip(prompts, results, strict=True):
+            assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
     ledger = eng.ledger()
     assert ledger["hits"] > 0 and ledger["hit_tokens"] > 0
 
@@ -148,7 +159,7 @@ def test_cached_blocks_are_evicted_when_the_pool_runs_out(model):
 
 
 @pytest.mark.parametrize("length", [37, 40])  # unaligned and block-aligned prompt ends
-def test_identical_prompt_is_a_full_hit(model, length):
+def test_identical_prompt_is_a_full_hit(model, full_pass, length):
     """A prompt-end checkpoint keeps the next-token logits: repeating a prompt computes nothing."""
     p = np.random.default_rng(length).integers(3, 512, length).tolist()
     want = engine(model, None).generate([p], greedy())[0].token_ids
@@ -156,6 +167,7 @@ def test_identical_prompt_is_a_full_hit(model, length):
     first = eng.generate([p], greedy())[0]
     again = eng.generate([p], greedy())[0]
     assert first.token_ids == again.token_ids == want
+    assert_matches_full_pass(full_pass, p, again.token_ids, again.logprobs)  # the kept logits are right
     assert again.stats["prefix_hit_tokens"] == length and again.stats["prefill_tokens_computed"] == 0
 
 
@@ -214,11 +226,11 @@ def shared_prefix_workloads(draw):
     prompt_end=st.booleans(),
 )
 def test_store_on_equals_store_off_for_generated_workloads(
-    model, rounds, interval, device_states, host_states, num_blocks, prompt_end
+    model, full_pass, rounds, interval, device_states, host_states, num_blocks, prompt_end
 ):
     """Any shared-prefix workload, checkpoint spacing, tier budgets (down to nothing) and pool size (40
-    blocks: cached blocks are evicted): the same greedy tokens as without the store; logprobs within
-    1e-4 (a resumed prefill sums in another order)."""
+    blocks: cached blocks are evicted): the same greedy tokens as without the store, and tokens and
+    logprobs as the full causal pass (a resumed prefill sums in another order: LOGPROB_TOL)."""
     state = kda_state_bytes(model.config, jnp.float32)["total"]
     cfg = PrefixStoreConfig(
         checkpoint_interval=interval,
@@ -231,8 +243,8 @@ def test_store_on_equals_store_off_for_generated_workloads(
     for prompts in rounds:
         got, want = on.generate(prompts, params), off.generate(prompts, params)
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-4)
+        for prompt, res in zip(prompts, got, strict=True):
+            assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
     ledger = on.ledger()
     assert ledger["checkpoint_bytes"]["device"] <= cfg.device_bytes
     assert ledger["checkpoint_bytes"]["host"] <= cfg.host_bytes

@@ -1,10 +1,11 @@
-"""The engine on a device mesh (8 simulated CPU devices): same greedy tokens as one device, pools and
-expert weights really sharded."""
+"""The engine on a device mesh (8 simulated CPU devices): the greedy tokens and per-token logprobs of the
+unsharded model's full causal pass; pools and expert weights really sharded."""
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from oracles import FullPass, assert_matches_full_pass
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
@@ -14,7 +15,7 @@ from sharding.mesh import mesh_from_flag
 from sharding.placement import shard_model
 
 ENGINE = EngineConfig(max_slots=8, block_size=8, prefill_chunk=32, max_model_len=128)
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
 
 
 def prompts():
@@ -23,9 +24,8 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def single_device_tokens():
-    eng = Engine(HybridLM(load_config("tiny"), rngs=nnx.Rngs(0)), ENGINE)
-    return [r.token_ids for r in eng.generate(prompts(), GREEDY)]
+def unsharded_full_pass():
+    return FullPass(HybridLM(load_config("tiny"), rngs=nnx.Rngs(0)))
 
 
 @pytest.mark.parametrize(
@@ -38,12 +38,13 @@ def single_device_tokens():
         pytest.param("data=8,expert=1,tensor=1", marks=pytest.mark.slow),
     ],
 )
-def test_sharded_engine_gives_the_single_device_tokens(spec, single_device_tokens):
+def test_sharded_engine_gives_the_unsharded_tokens_and_logprobs(spec, unsharded_full_pass):
     assert len(jax.devices()) == 8
     mesh = mesh_from_flag(spec)
     model = shard_model(HybridLM(load_config("tiny"), rngs=nnx.Rngs(0)), mesh)
     eng = Engine(model, ENGINE, mesh=mesh)
-    assert [r.token_ids for r in eng.generate(prompts(), GREEDY)] == single_device_tokens
+    for prompt, res in zip(prompts(), eng.generate(prompts(), GREEDY), strict=True):
+        assert_matches_full_pass(unsharded_full_pass, prompt, res.token_ids, res.logprobs)
     # the pools stay in their shardings through the donated program
     for pool, want in zip(eng.runner.pools, eng.runner.pool_shardings, strict=True):
         for leaf, sharding in zip(jax.tree.leaves(pool), jax.tree.leaves(want), strict=True):

@@ -1,4 +1,4 @@
-"""A naive Kimi K3 text model in NumPy float64, written from shared/K3.md (and DESIGN.md for what K3 keeps).
+"""A naive Kimi Linear / Kimi K3 text model in NumPy float64, written from DESIGN.md and shared/K3.md.
 
 Independent of the package: it reads a dict of checkpoint-named tensors (`model.layers.N.self_attn.q_proj.
 weight`, ... as the model's state names them; routed experts either stacked `experts.w1` [E, F, L] or per
@@ -62,7 +62,7 @@ def attn_res_mix(
     return sum(pi * vi for pi, vi in zip(p, values, strict=True))
 
 
-class K3Reference:
+class NumpyReference:
     """`forward(tokens)` -> logits [T, vocab] float64 for one sequence, from `params` (name -> array)."""
 
     def __init__(self, cfg: Any, params: Mapping[str, Any]):
@@ -87,13 +87,19 @@ class K3Reference:
         return w2 @ act(self.cfg, w1 @ z, w3 @ z)
 
     def route(self, prefix: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """One token: (expert ids, weights). Sigmoid scores; top-k of score + bias; weights from the scores
-        (renormalised with + 1e-20, times routed_scaling_factor)."""
+        """One token: (expert ids, weights). Sigmoid scores; with groups, a group scores the sum of its two
+        best biased scores and only the `topk_group` best groups stay; top-k of score + bias among those;
+        weights from the un-biased scores (renormalised with + 1e-20, times routed_scaling_factor)."""
         cfg = self.cfg
-        if cfg.num_expert_group != 1:
-            raise NotImplementedError("the K3 reference has no group-limited routing (K3: no grouping)")
         s = sigmoid(self.w(f"{prefix}.gate.weight") @ x)
         biased = s + self.w(f"{prefix}.gate.e_score_correction_bias")
+        if cfg.num_expert_group > 1:
+            groups = biased.reshape(cfg.num_expert_group, -1)
+            best_two = np.sort(groups, axis=-1)[:, ::-1][:, :2].sum(axis=-1)
+            kept = np.argsort(-best_two, kind="stable")[: cfg.topk_group]
+            allowed = np.zeros(groups.shape, bool)
+            allowed[kept] = True
+            biased = np.where(allowed.reshape(-1), biased, -np.inf)
         ids = np.argsort(-biased, kind="stable")[: cfg.num_experts_per_token]
         weights = s[ids]
         if cfg.moe_renormalize:

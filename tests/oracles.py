@@ -1,0 +1,76 @@
+"""Oracles the engine and model tests share: a model's full causal pass as the reference for what the engine
+serves (tokens and per-token logprobs), and weights made non-default so that a dropped weight shows against
+the float64 NumPy reference (tests/numpy_reference.py)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxhybrid.layers.basic import Buffer
+from jaxhybrid.model import HybridLM, pure_fn
+
+# Per-token logprobs of what the engine serves vs the full pass (absolute, fp32 logprobs of about -4 to -7):
+# the engine computes the same positions with other fp32 evaluation orders (chunked vs recurrent KDA,
+# absorbed vs expanded MLA, chunks of another length), measured up to about 2e-5.
+LOGPROB_TOL = 5e-5
+
+
+class FullPass:
+    """Logits [T, vocab] float64 of the full causal pass over one token list, right-padded to a multiple of
+    `pad` so that a few compiled programs serve every length (padding after the last token changes none of the
+    logits before it: the pass is causal)."""
+
+    def __init__(self, model: HybridLM, pad: int = 64):
+        self.fn, self.state = pure_fn(model)
+        self.pad = pad
+
+    def __call__(self, toks) -> np.ndarray:
+        padded = np.zeros((1, -(-len(toks) // self.pad) * self.pad), np.int32)
+        padded[0, : len(toks)] = toks
+        return np.asarray(self.fn(self.state, jnp.asarray(padded))[0, : len(toks)], np.float64)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def assert_matches_full_pass(full: FullPass, prompt, generated, logprobs=None, tol: float = LOGPROB_TOL):
+    """Every greedy token is the argmax of the full pass over everything before it, and (when given) its
+    logprob equals that pass's log-softmax within `tol`."""
+    seq = list(prompt) + list(generated)
+    logits = full(seq[:-1])[len(prompt) - 1 :]
+    assert list(logits.argmax(-1)) == list(generated)
+    if logprobs is not None:
+        want = log_softmax(logits)[np.arange(len(generated)), generated]
+        np.testing.assert_allclose(logprobs, want, rtol=0, atol=tol)
+
+
+def randomize(module: nnx.Module, seed: int) -> dict[str, np.ndarray]:
+    """Give norms, biases, the router bias and A_log non-default values (so a dropped weight shows) and put
+    garbage in A_log's padding (so using it shows). Returns the state as name -> array for the reference."""
+    rng = np.random.default_rng(seed)
+    state = nnx.state(module, nnx.Any(nnx.Param, Buffer))
+    for path, var in nnx.to_flat_state(state):
+        name = ".".join(str(p) for p in path)
+        value = np.asarray(var.get_value())
+        if name.endswith("norm.weight"):
+            value = 1.0 + 0.3 * rng.uniform(-1, 1, value.shape)
+        elif name.endswith(("dt_bias", "e_score_correction_bias")):
+            value = rng.uniform(-0.5, 0.5, value.shape) * (0.1 if "score" in name else 1.0)
+        elif name.endswith("A_log"):
+            flat = value.reshape(-1).copy()
+            heads = module.config.kda_num_heads if hasattr(module, "config") else module.num_heads
+            if flat.size > heads:
+                flat[heads:] = 7.0  # padding: K3 stores zeros here; any value must be ignored
+            else:
+                flat = rng.uniform(-1.0, 1.0, flat.shape)  # one entry per head: non-default rates
+            value = flat.reshape(value.shape)
+        var.set_value(jnp.asarray(value, var.get_value().dtype))
+    nnx.update(module, state)
+    return {
+        ".".join(str(p) for p in path): np.asarray(v.get_value())
+        for path, v in nnx.to_flat_state(nnx.state(module, nnx.Any(nnx.Param, Buffer)))
+    }
