@@ -35,6 +35,19 @@ def write_paged(cache: PagedMLACache, new: jax.Array, lengths: jax.Array | None)
     return cache.pool.at[block, pos % block_size].set(new.astype(cache.pool.dtype))
 
 
+def patch_rows(kv: jax.Array, new: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(kv [B, S, L] with new [B, T, L] at positions start[b] + t, positions past S dropped; and new as read
+    back from it, or itself where dropped). Writing the read-back value into the pool makes the pool's
+    write depend on its read, so XLA orders them and updates the pool in place instead of copying it."""
+    B, T, _ = new.shape
+    pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    new = new.astype(kv.dtype)
+    kv = kv.at[rows, pos].set(new, mode="drop")
+    back = kv.at[rows, pos].get(mode="fill", fill_value=0)
+    return kv, jnp.where((pos < kv.shape[1])[..., None], back, new)
+
+
 def read_paged(pool: jax.Array, block_table: jax.Array) -> jax.Array:
     """Each row's positions as one contiguous [B, max_blocks * block_size, L] view."""
     B, max_blocks = block_table.shape
@@ -115,8 +128,10 @@ class MultiHeadLatentAttention(nnx.Module):
         q, new = self.query(x), self.latent(x)
         added = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
         if isinstance(cache, PagedMLACache):
-            pool = write_paged(cache, new, lengths)
-            kv = read_paged(pool, cache.block_table)
+            # Read the pool before writing it and put the new latents into the read copy: the write then
+            # updates the pool in place (read after the write, XLA reads the old pool and copies it whole).
+            kv, written = patch_rows(read_paged(cache.pool, cache.block_table), new, cache.length)
+            pool = write_paged(cache, written, lengths)
             mask = causal_mask(cache.length, T, kv.shape[1], lengths)
             y = self.attend(q, kv.astype(x.dtype), mask, absorbed=(T == 1), x=x)
             return y, PagedMLACache(pool=pool, block_table=cache.block_table, length=cache.length + added)

@@ -120,6 +120,14 @@ def param_bytes(model: Any) -> dict[str, int]:
     return out
 
 
+def active_params(cfg: Any, params: dict[str, int]) -> tuple[float, float]:
+    """(parameters one token uses: routed experts at top-k of E; of those, the matmul weights: all but the
+    embedding table) from `param_bytes`."""
+    routed = params["routed"] * cfg.num_experts_per_token / max(cfg.num_experts, 1)
+    active = params["elements"] - params["routed"] + routed
+    return active, active - params["embedding"]
+
+
 def prefill_flops(cfg: Any, matmul_params: float, tokens: int) -> dict[str, float]:
     """Model FLOPs of a prefill of `tokens` tokens from an empty cache (see COUNTING)."""
     dense = 2.0 * matmul_params * tokens
@@ -173,12 +181,7 @@ def measure(
 
     cfg = model.config
     params = param_bytes(model)
-    active = (
-        params["elements"]
-        - params["routed"]
-        + params["routed"] * cfg.num_experts_per_token / max(cfg.num_experts, 1)
-    )
-    matmul_params = active - params["embedding"]
+    active, matmul_params = active_params(cfg, params)
     longest = max(max(contexts) + 1, max(prompt_lengths))
     blocks_per_seq = math.ceil(longest / block_size)
     engine = Engine(

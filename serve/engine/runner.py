@@ -67,40 +67,66 @@ def _to_device(x: Any) -> Any:
     return x.to_device() if isinstance(x, HostShards) else jnp.asarray(x)
 
 
-@functools.lru_cache(maxsize=16)
-def _programs(graphdef: Any, layer_types: tuple[str, ...], pool_shardings: Any = None) -> tuple[Any, Any]:
-    """(run, sample) jitted once per model structure (and pool layout on a mesh); `run` donates the pools,
-    and on a mesh keeps them in their shardings."""
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The compiled programs of one model structure: `run` (the model over a batch of rows: reads the KDA
+    pools, donates and returns the MLA pools, returns the rows' new KDA states), `write_rows` (those states
+    into their slots of the donated KDA pools) and `sample`.
 
-    def run(params, pools, tokens, slot_ids, block_tables, start, num_valid):
+    The KDA rows are written by a program of their own: in one program with the model, XLA fuses the read of
+    a layer's old conv window into the write of its new state, cannot then update either pool in place and
+    copies every KDA pool twice per step (the cost grew with the slots, not with the rows run)."""
+
+    run: Any
+    write_rows: Any
+    sample: Any
+
+
+def _write_rows(kda_pools: tuple[KDACache, ...], slot_ids: jax.Array, rows: tuple[KDACache, ...]) -> Any:
+    return tuple(
+        KDACache(
+            conv=p.conv.at[slot_ids].set(r.conv.astype(p.conv.dtype)),
+            state=p.state.at[slot_ids].set(r.state.astype(p.state.dtype)),
+        )
+        for p, r in zip(kda_pools, rows, strict=True)
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(graphdef: Any, layer_types: tuple[str, ...], pool_shardings: Any = None) -> Programs:
+    """The Programs jitted once per model structure (and pool layout on a mesh, where they keep the pools
+    in their shardings)."""
+
+    def run(params, kda_pools, mla_pools, tokens, slot_ids, block_tables, start, num_valid):
         model = nnx.merge(graphdef, params)
-        cache = tuple(
-            KDACache(conv=pool.conv[slot_ids], state=pool.state[slot_ids])
-            if kind == "kda"
-            else PagedMLACache(pool=pool, block_table=block_tables, length=start)
-            for kind, pool in zip(layer_types, pools, strict=True)
-        )
-        logits, new = model.forward_cached(tokens, cache, num_valid)
-        new_pools = tuple(
-            KDACache(
-                conv=pool.conv.at[slot_ids].set(c.conv.astype(pool.conv.dtype)),
-                state=pool.state.at[slot_ids].set(c.state.astype(pool.state.dtype)),
-            )
-            if kind == "kda"
-            else c.pool
-            for kind, pool, c in zip(layer_types, pools, new, strict=True)
-        )
+        kda_it, mla_it = iter(kda_pools), iter(mla_pools)
+        cache = []
+        for kind in layer_types:
+            if kind == "kda":
+                pool = next(kda_it)
+                cache.append(KDACache(conv=pool.conv[slot_ids], state=pool.state[slot_ids]))
+            else:
+                cache.append(PagedMLACache(pool=next(mla_it), block_table=block_tables, length=start))
+        logits, new = model.forward_cached(tokens, tuple(cache), num_valid)
+        rows = tuple(c for kind, c in zip(layer_types, new, strict=True) if kind == "kda")
+        new_mla = tuple(c.pool for kind, c in zip(layer_types, new, strict=True) if kind != "kda")
         last = jnp.maximum(num_valid - 1, 0)[:, None, None]
-        return jnp.take_along_axis(logits, last, axis=1)[:, 0].astype(jnp.float32), new_pools
+        return jnp.take_along_axis(logits, last, axis=1)[:, 0].astype(jnp.float32), rows, new_mla
 
     if pool_shardings is None:
-        return jax.jit(run, donate_argnums=(1,)), jax.jit(sample)
-    # Logits and sampled ids replicated: every process reads them (a mesh may span several processes).
+        return Programs(
+            jax.jit(run, donate_argnums=(2,)), jax.jit(_write_rows, donate_argnums=(0,)), jax.jit(sample)
+        )
+    kda_shardings = tuple(s for kind, s in zip(layer_types, pool_shardings, strict=True) if kind == "kda")
+    mla_shardings = tuple(s for kind, s in zip(layer_types, pool_shardings, strict=True) if kind != "kda")
+    # Logits and sampled ids replicated: every process reads them (a mesh may span several processes); the
+    # rows' states where the program leaves them (None: unconstrained).
     replicated = jax.sharding.NamedSharding(
         jax.tree.leaves(pool_shardings)[0].mesh, jax.sharding.PartitionSpec()
     )
-    return (
-        jax.jit(run, donate_argnums=(1,), out_shardings=(replicated, pool_shardings)),
+    return Programs(
+        jax.jit(run, donate_argnums=(2,), out_shardings=(replicated, None, mla_shardings)),
+        jax.jit(_write_rows, donate_argnums=(0,), out_shardings=kda_shardings),
         jax.jit(sample, out_shardings=replicated),
     )
 
@@ -164,7 +190,7 @@ class Runner:
             self.pool_shardings = pool_shardings(
                 cfg, mesh, slots=shape.slots, num_blocks=shape.num_blocks, block_size=shape.block_size
             )
-        self._run, self._sample = _programs(graphdef, cfg.layer_types, self.pool_shardings)
+        self.programs = _programs(graphdef, cfg.layer_types, self.pool_shardings)
         self.pools = self._new_pools()
         self._restore_shardings: list[tuple[Any, Any]] | None = None
 
@@ -214,15 +240,22 @@ class Runner:
     ) -> jax.Array:
         """Run `tokens` [B, T] for slots `slot_ids` (block tables [B, W], positions from `start`, `valid` real
         tokens per row); updates the pools, returns the logits after each row's last real token."""
-        logits, self.pools = self._run(
+        kinds = self.model_config.layer_types
+        kda = tuple(p for kind, p in zip(kinds, self.pools, strict=True) if kind == "kda")
+        mla = tuple(p for kind, p in zip(kinds, self.pools, strict=True) if kind != "kda")
+        slots = jnp.asarray(slot_ids, jnp.int32)
+        logits, rows, mla = self.programs.run(
             self.params,
-            self.pools,
+            kda,
+            mla,
             jnp.asarray(tokens, jnp.int32),
-            jnp.asarray(slot_ids, jnp.int32),
+            slots,
             jnp.asarray(tables, jnp.int32),
             jnp.asarray(start, jnp.int32),
             jnp.asarray(valid, jnp.int32),
         )
+        kda_it, mla_it = iter(self.programs.write_rows(kda, slots, rows)), iter(mla)
+        self.pools = tuple(next(kda_it) if kind == "kda" else next(mla_it) for kind in kinds)
         return logits
 
     def _table(self, req: Request, width: int) -> np.ndarray:
@@ -267,7 +300,7 @@ class Runner:
         seeds = [0 if r is None else r.seed for r in rows]
         steps = [0 if r is None else len(r.generated) for r in rows]
         temperature, top_k, top_p, keys = batch_arrays(params, seeds, steps)
-        ids, logps = self._sample(logits, temperature, top_k, top_p, keys)
+        ids, logps = self.programs.sample(logits, temperature, top_k, top_p, keys)
         return np.asarray(ids), np.asarray(logps)
 
     # --- copies the prefix store keeps (its CheckpointSource) ---------------------------------------

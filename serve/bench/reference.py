@@ -1,0 +1,337 @@
+"""`jaxhybrid bench reference`: this project vs transformers' `KimiLinearForCausalLM` on the same weights.
+
+One Hugging Face directory is loaded into both (transformers in PyTorch, fp32, on CUDA when there is one,
+else the CPU; this project through `load_pretrained`). In one process, in interleaved rounds, it times:
+
+* prefill: a full causal pass over each `--prompt-lengths` (batch 1), and a `--engine-prompt`-token prompt
+  through the engine on its default shape (time to the first token; transformers: one forward that fills
+  its cache);
+* decode of one request after a `--decode-prompt`-token prompt: `--decode-tokens` greedy steps, on an
+  engine of one slot and on the default engine (transformers: one forward per token with its cache).
+
+Each figure is the median over `--rounds`; each ratio is this project over transformers in the same run.
+The machine's matmul rate and read bandwidth are measured in the same run (as in `bench throughput`), and
+every figure of ours gets its fraction of them. The logits of both on the same prompt are compared
+(`max_rel_err`), and the greedy tokens of the decode run.
+
+`--make-small DIR` writes the checkpoint: transformers' own model of a config (default `small`) with its
+own random initialisation, saved by `save_pretrained`. Needs the optional extra `reference`
+(`pip install -e ".[reference]"`: torch and transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from serve.bench.common import add_out_arg, emit, environment
+from serve.report import positive_ints, print_table
+
+MISSING = (
+    "bench reference needs torch and transformers (>= 5, with KimiLinearForCausalLM): "
+    'pip install -e ".[reference]"'
+)
+
+
+def _transformers() -> Any:
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise RuntimeError(MISSING) from None
+    if not hasattr(transformers, "KimiLinearForCausalLM"):
+        raise RuntimeError(f"transformers {transformers.__version__} has no KimiLinearForCausalLM; {MISSING}")
+    # quiet: its load bars, and a notice per kernel that it uses its PyTorch fallback (what is compared here)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    return torch, transformers
+
+
+def make_small(directory: str, config: str, seed: int) -> Path:
+    """Write transformers' KimiLinearForCausalLM for `config` (its own seeded init, fp32) to `directory`."""
+    from jaxhybrid.config import load_config
+
+    torch, transformers = _transformers()
+    cfg = load_config(config)
+    hf = transformers.KimiLinearConfig(**{**cfg.to_hf_dict(), "pad_token_id": 0})
+    torch.manual_seed(seed)
+    model = transformers.KimiLinearForCausalLM(hf).eval()
+    out = Path(directory)
+    model.save_pretrained(out)
+    return out
+
+
+class TorchModel:
+    """The transformers model on its device, with timers that block until the device is done."""
+
+    def __init__(self, directory: str):
+        torch, transformers = _transformers()
+        self.torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = transformers.KimiLinearForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        self.model = model.to(self.device).eval()
+        # transformers 5.2x names the cache argument and output `cache`; earlier 5.x `past_key_values`
+        forward = inspect.signature(type(model).forward).parameters
+        self.cache_name = "cache" if "cache" in forward else "past_key_values"
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+    def tensor(self, tokens: np.ndarray) -> Any:
+        return self.torch.as_tensor(np.asarray(tokens, np.int64)[None], device=self.device)
+
+    def logits(self, tokens: np.ndarray, use_cache: bool = False) -> tuple[np.ndarray, float]:
+        """(logits [T, vocab] as float64, seconds) of one forward over `tokens`."""
+        with self.torch.inference_mode():
+            x = self.tensor(tokens)
+            t0 = time.perf_counter()
+            out = self.model(x, use_cache=use_cache)
+            self._sync()
+            elapsed = time.perf_counter() - t0
+        return out.logits[0].double().cpu().numpy(), elapsed
+
+    def decode(self, prompt: np.ndarray, steps: int) -> tuple[list[int], float]:
+        """(greedy tokens, seconds of the `steps` decode forwards after the prompt's)."""
+        with self.torch.inference_mode():
+            out = self.model(self.tensor(prompt), use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens = [int(nxt)]
+            self._sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                cache = {self.cache_name: getattr(out, self.cache_name)}
+                out = self.model(nxt, use_cache=True, **cache)
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(int(nxt))
+            self._sync()
+            return tokens, time.perf_counter() - t0
+
+
+class OurModel:
+    """This project's model: a jitted full pass and engines on the default and the one-slot shape."""
+
+    def __init__(self, directory: str, max_len: int):
+        import jax.numpy as jnp
+
+        from jaxhybrid.model import pure_fn
+        from jaxhybrid.weights import load_pretrained
+
+        self.model = load_pretrained(directory, dtype=jnp.float32, progress=False)
+        self.full, self.state = pure_fn(self.model)
+        self.max_len = max_len
+
+    def logits(self, tokens: np.ndarray) -> tuple[np.ndarray, float]:
+        import jax.numpy as jnp
+
+        x = jnp.asarray(np.asarray(tokens, np.int32)[None])
+        t0 = time.perf_counter()
+        out = self.full(self.state, x).block_until_ready()
+        elapsed = time.perf_counter() - t0
+        return np.asarray(out[0], np.float64), elapsed
+
+    def engine(self, slots: int | None) -> Any:
+        from serve.engine.engine import Engine, EngineConfig
+
+        shape = {} if slots is None else {"max_slots": slots}
+        return Engine(self.model, EngineConfig(max_model_len=self.max_len, prefix=None, **shape))
+
+    def first_token(self, engine: Any, prompt: np.ndarray) -> float:
+        """Seconds from adding `prompt` to its first token (prefill and one sample)."""
+        from serve.engine.sampling import SamplingParams
+
+        t0 = time.perf_counter()
+        engine.generate([prompt.tolist()], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        return time.perf_counter() - t0
+
+    def decode(self, engine: Any, prompt: np.ndarray, steps: int) -> tuple[list[int], float]:
+        """(greedy tokens, seconds of the `steps` engine steps after the first token)."""
+        from serve.engine.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+        rid = engine.add_request(prompt.tolist(), params)
+        while not engine.result(rid).token_ids:
+            engine.step()
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        return engine.result(rid).token_ids, time.perf_counter() - t0
+
+
+def _tokens(n: int, vocab: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, vocab, n).astype(np.int32)
+
+
+def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
+def measure(args: argparse.Namespace, ours: OurModel, ref: TorchModel) -> dict[str, Any]:
+    """Interleaved rounds of every timing; medians, ratios and the two models' agreement."""
+    vocab = ours.model.config.vocab_size
+    prompts = {n: _tokens(n, vocab, n) for n in args.lengths}
+    engine_prompt = _tokens(args.engine_prompt, vocab, 1)
+    decode_prompt = _tokens(args.decode_prompt, vocab, 2)
+    engines = {"default": ours.engine(None), "1_slot": ours.engine(1)}
+    samples: dict[str, list[float]] = {}
+    agreement: dict[str, Any] = {}
+
+    def add(name: str, seconds: float) -> None:
+        samples.setdefault(name, []).append(seconds)
+
+    for rnd in range(args.rounds + 1):  # round 0 compiles and warms; it is not counted
+        keep = add if rnd else (lambda name, seconds: None)
+        for n, toks in prompts.items():
+            want, t_ref = ref.logits(toks)
+            got, t_ours = ours.logits(toks)
+            keep(f"ref_prefill_{n}", t_ref)
+            keep(f"ours_prefill_{n}", t_ours)
+            agreement[f"logits_max_rel_err_{n}"] = _rel_err(got, want)
+        keep("ref_prefill_cached", ref.logits(engine_prompt, use_cache=True)[1])
+        keep("ours_engine_first_token", ours.first_token(engines["default"], engine_prompt))
+        ref_tokens, t_ref = ref.decode(decode_prompt, args.decode_tokens)
+        keep("ref_decode", t_ref)
+        for name, engine in engines.items():
+            got_tokens, t_ours = ours.decode(engine, decode_prompt, args.decode_tokens)
+            keep(f"ours_decode_{name}", t_ours)
+            agreement[f"greedy_tokens_agree_{name}"] = got_tokens == ref_tokens
+    med = {name: float(np.median(v)) for name, v in samples.items()}
+    return {"median_s": med, "samples_s": samples, "agreement": agreement}
+
+
+def rows(med: dict[str, float], args: argparse.Namespace, fractions: dict[str, float]) -> list[dict]:
+    """One row per comparison: tokens/s of both, our ratio, and our share of the machine's limit."""
+    out = []
+    for n in args.lengths:
+        out.append(("prefill", f"full causal pass, {n} tokens", n, f"ref_prefill_{n}", f"ours_prefill_{n}"))
+    n = args.engine_prompt
+    out.append(
+        ("prefill", f"{n} tokens through the engine", n, "ref_prefill_cached", "ours_engine_first_token")
+    )
+    for name, label in (("1_slot", "engine, 1 slot"), ("default", "default engine")):
+        out.append(
+            ("decode", f"one request, {label}", args.decode_tokens, "ref_decode", f"ours_decode_{name}")
+        )
+    table = []
+    for kind, label, tokens, ref_key, ours_key in out:
+        ref_rate, ours_rate = tokens / med[ref_key], tokens / med[ours_key]
+        table.append(
+            {
+                "kind": kind,
+                "what": label,
+                "transformers_tok_s": ref_rate,
+                "jaxhybrid_tok_s": ours_rate,
+                "ratio": ours_rate / ref_rate,
+                "machine_fraction": fractions.get(ours_key),
+            }
+        )
+    return table
+
+
+def _fractions(ours: OurModel, med: dict[str, float], args: argparse.Namespace, rates: dict) -> dict:
+    """Our share of the matmul rate (prefill) or of the read bandwidth (decode), counted as in throughput."""
+    from serve.bench.throughput import active_params, decode_bytes, param_bytes, prefill_flops
+
+    cfg = ours.model.config
+    params = param_bytes(ours.model)
+    _, matmul = active_params(cfg, params)
+    out = {}
+    prefill = {f"ours_prefill_{n}": n for n in args.lengths} | {"ours_engine_first_token": args.engine_prompt}
+    for key, n in prefill.items():
+        out[key] = prefill_flops(cfg, matmul, n)["flops"] / med[key] / rates["matmul_flop_per_s"]
+    context = args.decode_prompt + args.decode_tokens // 2
+    step_bytes = decode_bytes(cfg, params, 1, context, "float32")["bytes"]
+    for key in ("ours_decode_1_slot", "ours_decode_default"):
+        out[key] = step_bytes * args.decode_tokens / med[key] / rates["bandwidth_bytes_per_s"]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxhybrid.config import ConfigError
+    from jaxhybrid.weights.hf import CheckpointError
+
+    try:
+        if args.make_small:
+            out = make_small(args.make_small, args.config, args.seed)
+            print(f"wrote transformers' KimiLinearForCausalLM ({args.config}, seed {args.seed}) to {out}")
+            return 0
+        if not args.model:
+            raise ValueError("give --model DIR (a Hugging Face directory) or --make-small DIR")
+        args.lengths = positive_ints(args.prompt_lengths, "--prompt-lengths")
+        if min(args.rounds, args.decode_tokens, args.engine_prompt, args.decode_prompt) < 1:
+            raise ValueError("--rounds, --decode-tokens, --engine-prompt and --decode-prompt must be >= 1")
+        ref = TorchModel(args.model)
+        longest = max(*args.lengths, args.engine_prompt, args.decode_prompt + args.decode_tokens + 1)
+        ours = OurModel(args.model, max_len=-(-longest // 64) * 64 + 64)
+    except (RuntimeError, ConfigError, CheckpointError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from serve.bench.throughput import machine_rates
+
+    env = environment()
+    rates = machine_rates("float32", 5, 2048 if env["platform"] == "cpu" else 8192, 256)
+    result = measure(args, ours, ref)
+    table = rows(result["median_s"], args, _fractions(ours, result["median_s"], args, rates))
+    torch = ref.torch
+    result = {
+        "bench": "reference",
+        "model_dir": args.model,
+        "config": ours.model.config.name,
+        "environment": env,
+        "reference": {"torch": torch.__version__, "device": ref.device, "threads": torch.get_num_threads()},
+        "machine": rates,
+        "rows": table,
+        **result,
+    }
+    matmul, read = rates["matmul_flop_per_s"] / 1e9, rates["bandwidth_bytes_per_s"] / 1e9
+    print(
+        f"{ours.model.config.name} fp32; jax on {env['platform']} ({env['device_kind']}), transformers on "
+        f"{ref.device} (torch {torch.__version__}, {torch.get_num_threads()} threads); machine: matmul "
+        f"{matmul:.1f} GFLOP/s, read {read:.1f} GB/s",
+        file=sys.stderr,
+    )
+    print_table(
+        [
+            {
+                **r,
+                "transformers_tok_s": f"{r['transformers_tok_s']:.1f}",
+                "jaxhybrid_tok_s": f"{r['jaxhybrid_tok_s']:.1f}",
+                "ratio": f"{r['ratio']:.2f}",
+                "of_machine": f"{100 * r['machine_fraction']:.1f}%",
+            }
+            for r in table
+        ],
+        ["kind", "what", "transformers_tok_s", "jaxhybrid_tok_s", "ratio", "of_machine"],
+        file=sys.stderr,
+    )
+    print(f"agreement: {result['agreement']}", file=sys.stderr)
+    emit(result, args)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "reference",
+        help="this project vs transformers' KimiLinearForCausalLM on the same weights (needs .[reference])",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", help="a Hugging Face checkpoint directory both load")
+    p.add_argument(
+        "--make-small", metavar="DIR", help="write transformers' model of --config to DIR and exit"
+    )
+    p.add_argument("--config", default="small", help="with --make-small: the config (default small)")
+    p.add_argument("--seed", type=int, default=0, help="with --make-small: torch's seed (default 0)")
+    p.add_argument("--prompt-lengths", default="512,2048", help="full-pass lengths (default 512,2048)")
+    p.add_argument("--engine-prompt", type=int, default=512, help="prompt through the engine (default 512)")
+    p.add_argument("--decode-prompt", type=int, default=128, help="prompt before decoding (default 128)")
+    p.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps timed (default 32)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds after a warm-up round (default 3)")
+    add_out_arg(p)
+    p.set_defaults(func=run)
