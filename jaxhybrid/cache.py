@@ -7,6 +7,8 @@ and returns a tuple with one entry per layer; nothing is stored inside the modul
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import jax
@@ -103,22 +105,55 @@ def cache_bytes_per_sequence(
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointBytes:
+    """State checkpoints: how many, and what they hold: the KDA states, plus a copy of the partial last
+    block's latent KV in each of the `tails` off a block boundary (as the prefix store keeps them)."""
+
+    count: int
+    tails: int
+    state_bytes: int
+    tail_kv_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.state_bytes + self.tail_kv_bytes
+
+    @classmethod
+    def at(
+        cls, cfg: ModelConfig, positions: Iterable[int], block_size: int, dtype: jnp.dtype = jnp.bfloat16
+    ) -> CheckpointBytes:
+        """Checkpoints at `positions` with KV blocks of `block_size` tokens."""
+        positions = list(positions)
+        tails = sum(1 for p in positions if p % block_size)
+        return cls(
+            count=len(positions),
+            tails=tails,
+            state_bytes=len(positions) * kda_state_bytes(cfg, dtype)["total"],
+            tail_kv_bytes=tails * mla_kv_bytes(cfg, block_size, dtype),
+        )
+
+
 def memory_report(
     cfg: ModelConfig,
     context: int,
     interval: int | None,
     dtype: jnp.dtype = jnp.bfloat16,
     hbm_bytes: int | None = None,
+    checkpoints: CheckpointBytes | None = None,
 ) -> dict[str, int | float | None]:
     """The analytic per-sequence ledger at `context` tokens: MLA KV, KDA live state, state checkpoints every
-    `interval` tokens (floor(context / interval) of them), against an all-MLA model of the same depth."""
+    `interval` tokens (floor(context / interval) of them, states only), against an all-MLA model of the same
+    depth. `checkpoints`: what is held instead (e.g. a chat's every kind, `serve.prefix.ledger`)."""
     if context < 1:
         raise ValueError(f"context must be positive, got {context}")
     if interval is not None and interval < 1:
         raise ValueError(f"interval must be positive, got {interval}")
     per = cache_bytes_per_sequence(cfg, context, dtype)
-    num_checkpoints = context // interval if interval else 0
-    checkpoint_bytes = num_checkpoints * per["state_bytes"]
+    if checkpoints is None:
+        n = context // interval if interval else 0
+        checkpoints = CheckpointBytes(n, 0, n * per["state_bytes"], 0)
+    num_checkpoints, checkpoint_bytes = checkpoints.count, checkpoints.nbytes
     all_mla = cfg.num_hidden_layers * context * cfg.latent_dim * np.dtype(dtype).itemsize
     total = per["kv_bytes"] + per["state_bytes"] + checkpoint_bytes
     out: dict[str, int | float | None] = {
@@ -133,6 +168,7 @@ def memory_report(
         "num_checkpoints": num_checkpoints,
         "checkpoint_bytes": checkpoint_bytes,
         "checkpoint_recurrent_bytes": num_checkpoints * per["recurrent_state_bytes"],
+        "checkpoint_tail_kv_bytes": checkpoints.tail_kv_bytes,
         "total_bytes": total,
         "all_mla_kv_bytes": all_mla,
         "saving_pct": 100.0 * (all_mla - total) / all_mla,

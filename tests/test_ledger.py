@@ -12,6 +12,8 @@ from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
+from serve.prefix.checkpoints import CheckpointKind
+from serve.prefix.ledger import Chat, CheckpointPolicy, chat_checkpoints, chat_report
 from serve.prefix.store import PrefixStoreConfig
 
 
@@ -28,20 +30,28 @@ def _pool_bytes(engine: Engine) -> tuple[int, int]:
     return block_bytes, slot_bytes
 
 
+def _engine(cfg, prefix: PrefixStoreConfig) -> Engine:
+    """fp32, blocks of 16: the shapes both ledger tests share (compiled once)."""
+    return Engine(
+        HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32),
+        EngineConfig(
+            max_slots=2,
+            block_size=16,
+            prefill_chunk=128,
+            max_model_len=256,
+            kv_dtype="float32",
+            prefix=prefix,
+        ),
+    )
+
+
 def test_live_ledger_matches_the_analytic_report():
     cfg, kv_dtype = load_config("tiny"), "float32"
     bs, interval, context = 16, 64, 192  # 12 full blocks; interval checkpoints at 64, 128 and 192
-    engine = Engine(
-        HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(kv_dtype)),
-        EngineConfig(
-            max_slots=2,
-            block_size=bs,
-            prefill_chunk=128,
-            max_model_len=256,
-            kv_dtype=kv_dtype,
-            prefix=PrefixStoreConfig(
-                checkpoint_interval=interval, prompt_end_checkpoints=False, sequence_end_checkpoints=False
-            ),
+    engine = _engine(
+        cfg,
+        PrefixStoreConfig(
+            checkpoint_interval=interval, prompt_end_checkpoints=False, sequence_end_checkpoints=False
         ),
     )
     prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, context).tolist()
@@ -81,6 +91,47 @@ def test_live_ledger_matches_the_analytic_report():
     kv_now = engine.ledger()["live_kv_bytes"]
     assert kv_now == -(-n // bs) * block_bytes
     assert kv_now == memory_report(cfg, -(-n // bs) * bs, interval, jnp.dtype(kv_dtype))["kv_bytes"]
+
+
+def test_chat_ledger_by_kind_matches_a_real_engine():
+    """A 3-turn greedy chat (each prompt: the previous prompt + its reply + 63 new tokens) with prompt- and
+    sequence-end checkpoints on and nothing evicted: the live ledger's checkpoints per kind (counts,
+    positions, bytes; the bytes also against the arrays held) are exactly the analytic report's. Turn 1's
+    reply ends on the interval (64), so does turn 2's prompt (128), turn 3's prefill passes it (192), and the
+    other ends are off a block boundary (a partial KV block held). Most programs are the first test's."""
+    cfg, chat = load_config("tiny"), Chat(turns=3, turn_tokens=65, reply_tokens=2)
+    policy = CheckpointPolicy(interval=64, block_size=16)
+    engine = _engine(cfg, PrefixStoreConfig(checkpoint_interval=64))
+    rng, params = np.random.default_rng(1), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompt: list[int] = []
+    for turn in range(1, chat.turns + 1):
+        prompt = prompt + rng.integers(3, cfg.vocab_size, chat.turn_tokens - chat.reply_tokens).tolist()
+        (res,) = engine.generate([prompt], params)
+        assert len(prompt) == chat.prompt_end(turn) and len(res.token_ids) == chat.reply_tokens
+        # each turn resumes from the previous turn's sequence-end checkpoint
+        assert res.stats["prefix_hit_tokens"] == (chat.sequence_end(turn - 1) if turn > 1 else 0)
+        prompt = prompt + res.token_ids
+
+    report = chat_report(cfg, chat, policy, jnp.float32)
+    ledger = engine.ledger()
+    checkpoints = list(engine.store.checkpoints)
+    assert {ck.position: ck.kind for ck in checkpoints} == chat_checkpoints(chat, policy)
+    assert report["checkpoints_by_kind"] == {"interval": 3, "prompt_end": 2, "sequence_end": 2}
+    for kind in CheckpointKind:
+        mine = [ck for ck in checkpoints if ck.kind is kind]
+        held = sum(
+            _array_bytes(ck.states) + (0 if ck.tail_kv is None else _array_bytes(ck.tail_kv)) for ck in mine
+        )
+        counts, nbytes = (
+            ledger["checkpoints_by_kind"][kind.value],
+            ledger["checkpoint_bytes_by_kind"][kind.value],
+        )
+        assert counts == {"device": len(mine), "host": 0, "disk": 0}
+        assert counts["device"] == report["checkpoints_by_kind"][kind.value]
+        assert nbytes["device"] == held == report["checkpoint_bytes_by_kind"][kind.value]
+        assert report["checkpoint_tails_by_kind"][kind.value] == sum(ck.tail_kv is not None for ck in mine)
+    assert ledger["checkpoint_bytes"]["device"] == report["checkpoint_bytes"] > 0
+    assert ledger["checkpoints"]["device"] == report["num_checkpoints"] == 7
 
 
 def test_bf16_pools_match_the_analytic_split():

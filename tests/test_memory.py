@@ -8,6 +8,8 @@ import pytest
 from jaxhybrid.cache import layout_report, memory_report, with_layout
 from jaxhybrid.config import load_config
 from serve.cli import main
+from serve.prefix.checkpoints import CheckpointKind
+from serve.prefix.ledger import Chat, CheckpointPolicy, chat_checkpoints, chat_report
 
 
 def test_tiny_hand_count():
@@ -112,3 +114,88 @@ def test_memory_ratios_cli(capsys):
     assert "--contexts must be comma-separated integers" in capsys.readouterr().err
     assert main(["memory", "--config", "tiny"]) == 2
     assert "--context is required" in capsys.readouterr().err
+
+
+# --- `memory --turns`: a chat's checkpoints by kind -------------------------------------------------------
+
+
+def test_chat_checkpoints_by_kind_equal_a_hand_count():
+    """3 turns of 40 tokens, replies of 8, blocks of 16, interval 32: prompts end at 32 (on the interval:
+    an interval checkpoint), 72 (a partial block) and 112 (a block boundary); sequences end at 39, 79, 119
+    (partial blocks); interval checkpoints at 32, 64, 96."""
+    cfg, chat = load_config("tiny"), Chat(turns=3, turn_tokens=40, reply_tokens=8)
+    policy = CheckpointPolicy(interval=32, block_size=16)
+    state = 3 * (2 * 16 * 16 * 4 + 3 * 32 * 3 * 4)  # 3 KDA layers, fp32
+    block = 1 * 16 * (32 + 8) * 4  # one block's latent KV over the 1 MLA layer
+    assert chat_checkpoints(chat, policy) == {
+        32: CheckpointKind.INTERVAL,
+        64: CheckpointKind.INTERVAL,
+        96: CheckpointKind.INTERVAL,
+        72: CheckpointKind.PROMPT_END,
+        112: CheckpointKind.PROMPT_END,
+        39: CheckpointKind.SEQUENCE_END,
+        79: CheckpointKind.SEQUENCE_END,
+        119: CheckpointKind.SEQUENCE_END,
+    }
+    rep = chat_report(cfg, chat, policy, jnp.float32, hbm_bytes=10**6)
+    assert rep["checkpoints_by_kind"] == {"interval": 3, "prompt_end": 2, "sequence_end": 3}
+    assert rep["checkpoint_tails_by_kind"] == {"interval": 0, "prompt_end": 1, "sequence_end": 3}
+    by_kind = {"interval": 3 * state, "prompt_end": 2 * state + block, "sequence_end": 3 * (state + block)}
+    assert rep["checkpoint_bytes_by_kind"] == by_kind
+    checkpoints = 8 * state + 4 * block
+    assert (rep["num_checkpoints"], rep["checkpoint_bytes"], rep["checkpoint_tail_kv_bytes"]) == (
+        8,
+        checkpoints,
+        4 * block,
+    )
+    kv = 120 * 40 * 4
+    assert (rep["context"], rep["kv_bytes"], rep["total_bytes"]) == (120, kv, kv + state + checkpoints)
+    assert rep["sequences_fit"] == 10**6 // (kv + state + checkpoints)
+
+
+def test_chat_ends_that_coincide_are_one_checkpoint():
+    """A reply of 1 token: the sequence ends where its prompt did (one checkpoint, the prompt end's, or the
+    interval's where it falls on one); a kind switched off leaves the other."""
+    chat, pos = Chat(turns=2, turn_tokens=33, reply_tokens=1), CheckpointKind
+    assert (chat.prompt_end(1), chat.sequence_end(1), chat.prompt_end(2)) == (32, 32, 65)
+    held = lambda **kw: chat_checkpoints(chat, CheckpointPolicy(block_size=16, **kw))
+    assert held(interval=32) == {32: pos.INTERVAL, 64: pos.INTERVAL, 65: pos.PROMPT_END}
+    assert held(interval=32, prompt_end=False) == {32: pos.INTERVAL, 64: pos.INTERVAL, 65: pos.SEQUENCE_END}
+    assert held(interval=32, prompt_end=False, sequence_end=False) == {32: pos.INTERVAL, 64: pos.INTERVAL}
+    assert held(interval=None) == {32: pos.PROMPT_END, 65: pos.PROMPT_END}
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        CheckpointPolicy(interval=24, block_size=16)
+    with pytest.raises(ValueError, match="reply tokens"):
+        Chat(turns=2, turn_tokens=33, reply_tokens=33)
+
+
+def test_memory_chat_cli(capsys):
+    from serve.cli import build_parser
+
+    help_text = build_parser()._subparsers._group_actions[0].choices["memory"].format_help()
+    for flag in ("--turns", "--turn-tokens", "--reply-tokens", "--block-size", "--no-prompt-end-checkpoints"):
+        assert flag in help_text, flag
+    assert "--no-sequence-end-checkpoints" in help_text
+    args = ["memory", "--config", "tiny", "--turns", "3", "--turn-tokens", "40", "--reply-tokens", "8"]
+    assert main([*args, "--interval", "32", "--dtype", "float32", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["context"] == 120 and rep["num_checkpoints"] == 8
+    assert rep["checkpoints_by_kind"] == {"interval": 3, "prompt_end": 2, "sequence_end": 3}
+    assert rep["chat"]["prompt_end_checkpoints"] and rep["chat"]["block_size"] == 16
+    assert main([*args, "--interval", "32", "--no-sequence-end-checkpoints", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoints_by_kind"]["sequence_end"] == 0
+    assert main([*args, "--interval", "32", "--no-prompt-end-checkpoints"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt-end checkpoints (0;" in out and "sequence-end checkpoints (3; 3 hold" in out
+    assert main(["memory", "--config", "tiny", "--turns", "3", "--turn-tokens", "40", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["chat"]["reply_tokens"] == 10  # T/4 by default
+    for bad, message in (
+        (["--turns", "3"], "--turns needs --turn-tokens"),
+        ([*args[3:], "--context", "100"], "must be --turns x --turn-tokens"),
+        ([*args[3:], "--interval", "24"], "multiple of the block size"),
+        (["--context", "100", "--no-prompt-end-checkpoints"], "need --turns"),
+    ):
+        assert main(["memory", "--config", "tiny", *bad]) == 2
+        assert message in capsys.readouterr().err, bad
+    assert main(["memory", "--config", "tiny", "--context", "100", "--interval", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_checkpoints"] == 0  # 0 = no checkpoints, as documented

@@ -87,9 +87,23 @@ def test_restart_serves_hits_from_disk_with_identical_output(model, full_pass, t
     assert la["checkpoints"]["disk"] == la["saves"] == la["disk_saves"] > 0
     assert la["checkpoint_bytes"]["disk"] > la["checkpoint_bytes"]["device"]
 
+    # by kind (interval 16 of each prompt and 32, the prompt ends 21 and 37, the sequence ends 24, 40, 19), in
+    # memory and on disk, where the manifests keep the kinds' plain strings
+    per_tier = lambda ledger, tier: {k: v[tier] for k, v in ledger["checkpoints_by_kind"].items()}
+    kinds = {"interval": 4, "prompt_end": 2, "sequence_end": 3}
+    assert per_tier(la, "device") == per_tier(la, "disk") == kinds
+    manifests = [json.loads(m.read_text()) for m in tmp_path.glob(f"*/*/{MANIFEST}")]
+    assert {k: sum(m["kind"] == k for m in manifests) for k in kinds} == kinds
+    nbytes = la["checkpoint_bytes_by_kind"]
+    assert sum(v["device"] for v in nbytes.values()) == la["checkpoint_bytes"]["device"]
+    assert sum(v["disk"] for v in nbytes.values()) == la["checkpoint_bytes"]["disk"]
+
     b = engine(model, cfg)  # a restart: nothing in memory, the store directory indexed
     lb = b.ledger()
     assert lb["checkpoints"] == {"device": 0, "host": 0, "disk": la["checkpoints"]["disk"]}
+    assert per_tier(lb, "disk") == kinds and lb["checkpoint_bytes_by_kind"] == {
+        k: {**v, "device": 0} for k, v in nbytes.items()
+    }
     got = b.generate(extended, greedy())
     assert ids(got) == ids(engine(model, None).generate(extended, greedy()))
     for prompt, res in zip(extended, got, strict=True):  # resumed from states read back from disk

@@ -412,11 +412,18 @@ def test_models_health_metrics(served):
         'jaxhybrid_ledger_bytes{kind="checkpoint",tier="device"}',
         'jaxhybrid_ledger_bytes{kind="checkpoint",tier="host"}',
         'jaxhybrid_ledger_bytes{kind="live_kv",tier="device"}',
+        'jaxhybrid_checkpoint_bytes{kind="prompt_end",tier="device"}',
+        'jaxhybrid_checkpoint_bytes{kind="sequence_end",tier="disk"}',
+        'jaxhybrid_checkpoints_by_kind{kind="interval",tier="host"}',
         'jaxhybrid_kv_pool_bytes{state="used"}',
     ):
         assert series in text, series
     hits = next(line for line in text.splitlines() if line.startswith("jaxhybrid_prefix_hit_tokens_total"))
     assert float(hits.split()[-1]) > 0
+    value = lambda series: float(next(x for x in text.splitlines() if x.startswith(series + " ")).split()[-1])
+    assert (
+        value('jaxhybrid_checkpoints_by_kind{kind="prompt_end",tier="device"}') >= 1
+    )  # "metrics" ends there
 
 
 def test_serve_help_and_flag_errors(capsys):

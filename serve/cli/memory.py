@@ -9,10 +9,20 @@ import sys
 from serve.cli.common import add_config_arg
 from serve.report import DTYPES, fmt_bytes
 
+# the --turns rows: ledger kind, name, what follows the count ({every}: the interval)
+CHAT_KINDS = (
+    ("interval", "interval", " x {every}"),
+    ("prompt_end", "prompt-end", ""),
+    ("sequence_end", "sequence-end", ""),
+)
+CHAT_ONLY = ("turn_tokens", "reply_tokens", "no_prompt_end_checkpoints", "no_sequence_end_checkpoints")
+
 
 def run(args: argparse.Namespace) -> int:
     """Per-sequence bytes at a context: MLA latent KV, KDA live state, state checkpoints every --interval
-    tokens, against an all-MLA model of the same depth; nothing is allocated."""
+    tokens, against an all-MLA model of the same depth; nothing is allocated. With --turns: at the end of a
+    chat of N turns of T tokens (context N*T), with every checkpoint the engine's prefix store keeps for it
+    (interval, prompt end, sequence end; a partial last block's KV in those off a block boundary)."""
     import jax.numpy as jnp
 
     from jaxhybrid.cache import memory_report
@@ -23,9 +33,14 @@ def run(args: argparse.Namespace) -> int:
         hbm = None if args.hbm is None else int(args.hbm * 1e9)
         if args.ratios:
             return _ratios(cfg, args, hbm)
-        if args.context is None:
-            raise ValueError("--context is required (or --ratios with --contexts)")
-        rep = memory_report(cfg, args.context, args.interval, jnp.dtype(args.dtype), hbm)
+        if args.turns is not None:
+            rep = _chat_report(cfg, args, hbm)
+        elif any(getattr(args, f) not in (None, False) for f in CHAT_ONLY):
+            raise ValueError("--turn-tokens, --reply-tokens and --no-*-end-checkpoints need --turns")
+        elif args.context is None:
+            raise ValueError("--context is required (or --turns, or --ratios with --contexts)")
+        else:
+            rep = memory_report(cfg, args.context, args.interval or None, jnp.dtype(args.dtype), hbm)
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -34,16 +49,31 @@ def run(args: argparse.Namespace) -> int:
         return 0
     gb = lambda n: f"{n / 1e9:,.2f} GB"
     print(
-        f"{cfg.name}: {cfg.num_kda_layers} KDA + {cfg.num_mla_layers} MLA layers, context {args.context:,} "
+        f"{cfg.name}: {cfg.num_kda_layers} KDA + {cfg.num_mla_layers} MLA layers, context {rep['context']:,} "
         f"tokens, KV dtype {rep['dtype']} (recurrent state fp32)"
     )
+    every = f"every {args.interval or '-'} tokens"
+    if "chat" in rep:
+        chat = rep["chat"]
+        print(
+            f"  a chat of {chat['turns']} turns x {chat['turn_tokens']:,} tokens "
+            f"({chat['reply_tokens']:,} of them the reply), KV blocks of {chat['block_size']}"
+        )
+        checkpoints = [
+            (
+                f"{name} checkpoints ({rep['checkpoints_by_kind'][kind]}{extra.format(every=every)}; "
+                f"{rep['checkpoint_tails_by_kind'][kind]} hold a partial KV block)",
+                rep["checkpoint_bytes_by_kind"][kind],
+            )
+            for kind, name, extra in CHAT_KINDS
+        ]
+        checkpoints.append((f"all checkpoints ({rep['num_checkpoints']})", rep["checkpoint_bytes"]))
+    else:
+        checkpoints = [(f"state checkpoints ({rep['num_checkpoints']} x {every})", rep["checkpoint_bytes"])]
     rows = [
         ("MLA latent KV", rep["kv_bytes"]),
         ("KDA live state (recurrent + conv)", rep["state_bytes"]),
-        (
-            f"state checkpoints ({rep['num_checkpoints']} x every {args.interval or '-'} tokens)",
-            rep["checkpoint_bytes"],
-        ),
+        *checkpoints,
         ("total per sequence", rep["total_bytes"]),
         (f"all-MLA model, {cfg.num_hidden_layers} layers", rep["all_mla_kv_bytes"]),
     ]
@@ -61,6 +91,29 @@ def run(args: argparse.Namespace) -> int:
             f"{rep['sequences_fit_all_mla']} all-MLA"
         )
     return 0
+
+
+def _chat_report(cfg, args: argparse.Namespace, hbm: int | None) -> dict:
+    """The ledger at the end of the --turns chat, checkpoints by kind."""
+    import jax.numpy as jnp
+
+    from serve.prefix.ledger import Chat, CheckpointPolicy, chat_report
+
+    if args.turn_tokens is None:
+        raise ValueError("--turns needs --turn-tokens")
+    reply = args.reply_tokens if args.reply_tokens is not None else max(1, args.turn_tokens // 4)
+    chat = Chat(args.turns, args.turn_tokens, reply)
+    if args.context is not None and args.context != chat.context:
+        raise ValueError(
+            f"--context ({args.context}) must be --turns x --turn-tokens ({chat.context}) or unset"
+        )
+    policy = CheckpointPolicy(
+        interval=args.interval or None,
+        block_size=args.block_size,
+        prompt_end=not args.no_prompt_end_checkpoints,
+        sequence_end=not args.no_sequence_end_checkpoints,
+    )
+    return chat_report(cfg, chat, policy, jnp.dtype(args.dtype), hbm)
 
 
 def _ratios(cfg, args: argparse.Namespace, hbm: int | None) -> int:
@@ -112,7 +165,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=run.__doc__,
     )
     add_config_arg(p, required=True)
-    p.add_argument("--context", type=int, help="tokens per sequence (required unless --ratios)")
+    p.add_argument(
+        "--context", type=int, help="tokens per sequence (required unless --turns or --ratios; --turns: N*T)"
+    )
+    c = p.add_argument_group("chat (every checkpoint kind the engine keeps)")
+    c.add_argument("--turns", type=int, help="a chat of N turns: report it at its end (context N*T)")
+    c.add_argument("--turn-tokens", type=int, help="with --turns: tokens each turn adds, prompt + reply (T)")
+    c.add_argument(
+        "--reply-tokens", type=int, help="with --turns: of each turn's T tokens, the reply's (default T/4)"
+    )
+    c.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="with --turns: the KV block size (default 16), for partial blocks in checkpoints",
+    )
+    c.add_argument(
+        "--no-prompt-end-checkpoints",
+        action="store_true",
+        help="with --turns: as the engine's flag, no checkpoint at the end of each prompt",
+    )
+    c.add_argument(
+        "--no-sequence-end-checkpoints",
+        action="store_true",
+        help="with --turns: as the engine's flag, no checkpoint at the end of each finished sequence",
+    )
     p.add_argument(
         "--ratios",
         action="store_true",

@@ -37,6 +37,7 @@ from serve.engine.requests import (
 from serve.engine.runner import Runner
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import Scheduler
+from serve.prefix.checkpoints import KindTally
 from serve.prefix.fingerprint import model_fingerprint
 from serve.prefix.store import PrefixStore
 from sharding.multihost import Peers
@@ -371,6 +372,7 @@ class Engine:
             "checkpoint_bytes": {"device": 0, "host": 0, "disk": 0},
             "checkpoints": {"device": 0, "host": 0, "disk": 0},
             "prefix_cache": self.store is not None,
+            **KindTally().ledger(),
         }
         if self.store is not None:
             out.update(self.store.ledger(live_blocks))

@@ -1,5 +1,5 @@
 """Prometheus series of the HTTP server: request counts and latencies, time to first token, token rates,
-the engine's queue, prefix-store reuse and the memory ledger's bytes per tier.
+the engine's queue, prefix-store reuse and the memory ledger's bytes per tier (checkpoints also per kind).
 
 Every app gets its own `CollectorRegistry`, so several servers (or tests) in one process do not clash.
 Request-level series are updated by the request handlers; engine-level series come from a snapshot the
@@ -77,6 +77,17 @@ class EngineCollector(Collector):
         for tier, count in ledger.get("checkpoints", {}).items():
             g.add_metric([tier], count)
         yield g
+        for name, key, doc in (
+            ("jaxhybrid_checkpoint_bytes", "checkpoint_bytes_by_kind", "state checkpoint bytes"),
+            ("jaxhybrid_checkpoints_by_kind", "checkpoints_by_kind", "state checkpoints held"),
+        ):
+            g = GaugeMetricFamily(
+                name, f"{doc} by kind (interval, prompt_end, sequence_end) and tier", labels=["kind", "tier"]
+            )
+            for kind, tiers in ledger.get(key, {}).items():
+                for tier, n in tiers.items():
+                    g.add_metric([kind, tier], n)
+            yield g
         memory = snap.get("memory", {})
         g = GaugeMetricFamily("jaxhybrid_kv_pool_bytes", "paged KV pool bytes", labels=["state"])
         for state in ("total", "used", "free"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from enum import StrEnum
 from typing import Any
 
 from serve.prefix.policies import EvictionPolicy
@@ -15,6 +16,38 @@ from serve.prefix.stats import MemoryStats
 class Tier:
     DEVICE = "device"
     HOST = "host"
+    DISK = "disk"  # the write-through copies (`serve.prefix.disk`), not a tier a Checkpoint lives in
+
+
+TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+
+
+class CheckpointKind(StrEnum):
+    """Why the store took a checkpoint; the value is what disk metadata records. Where several are due at
+    one position the first in this order is it (one checkpoint per position)."""
+
+    INTERVAL = "interval"  # a multiple of the checkpoint interval
+    PROMPT_END = "prompt_end"  # the end of a prompt (keeps its next-token logits)
+    SEQUENCE_END = "sequence_end"  # the last computed position of a finished sequence
+
+
+@dataclasses.dataclass
+class KindTally:
+    """Checkpoints of each kind in each tier: how many and their bytes (the ledger's by-kind part)."""
+
+    counts: dict[str, dict[str, int]] = dataclasses.field(
+        default_factory=lambda: {k.value: dict.fromkeys(TIERS, 0) for k in CheckpointKind}
+    )
+    nbytes: dict[str, dict[str, int]] = dataclasses.field(
+        default_factory=lambda: {k.value: dict.fromkeys(TIERS, 0) for k in CheckpointKind}
+    )
+
+    def add(self, kind: CheckpointKind, tier: str, nbytes: int) -> None:
+        self.counts[kind.value][tier] += 1
+        self.nbytes[kind.value][tier] += nbytes
+
+    def ledger(self) -> dict[str, dict[str, dict[str, int]]]:
+        return {"checkpoints_by_kind": self.counts, "checkpoint_bytes_by_kind": self.nbytes}
 
 
 @dataclasses.dataclass
@@ -27,7 +60,7 @@ class Checkpoint:
     tail_kv: Any  # per MLA layer [block_size, latent] (first position % block_size rows valid), or None
     nbytes: int
     tier: str  # Tier.DEVICE | Tier.HOST
-    kind: str  # "interval" | "prompt_end" | "sequence_end"
+    kind: CheckpointKind
     holders: int = 0  # running requests restoring from it right now (never evicted while > 0)
     logits: Any = (
         None  # [vocab] next-token logits at `position` (prompt ends): an identical prompt hits fully
@@ -75,6 +108,12 @@ class CheckpointTiers:
 
     def count(self, tier: str) -> int:
         return sum(1 for c in self._by_key.values() if c.tier == tier)
+
+    def tally(self, into: KindTally) -> KindTally:
+        """Add every checkpoint's bytes to `into`, by kind and tier."""
+        for c in self._by_key.values():
+            into.add(c.kind, c.tier, c.nbytes)
+        return into
 
     def enforce(self, to_host: Callable[[Any], Any]) -> None:
         """Demote device checkpoints to the host while over the device budget, then drop host ones while

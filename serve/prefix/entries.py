@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from serve.prefix import files
+from serve.prefix.checkpoints import CheckpointKind
 from serve.prefix.files import FORMAT, MANIFEST, MIN_FREE_BYTES, DiskFull
 from sharding.multihost import Peers
 
@@ -26,7 +27,7 @@ class DiskEntry:
     key: bytes
     path: Path
     position: int
-    kind: str
+    kind: CheckpointKind
     base: bytes  # chain hash of the last full block (the root for position < block_size)
     block_hashes: list[bytes]  # chain hashes of the full blocks 1..position // block_size
     tail: tuple[int, ...]  # tokens after the last full block
@@ -58,7 +59,7 @@ def read_entry(path: Path, fingerprint: bytes, block_size: int) -> DiskEntry | N
             key=key,
             path=path,
             position=int(m["position"]),
-            kind=str(m["kind"]),
+            kind=CheckpointKind(m["kind"]),
             base=bytes.fromhex(m["base"]),
             block_hashes=[bytes.fromhex(h) for h in m["block_hashes"]],
             tail=tuple(int(t) for t in m["tail"]),

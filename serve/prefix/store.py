@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from jaxhybrid.cache import SCRATCH_BLOCK
-from serve.prefix.checkpoints import Checkpoint, CheckpointTiers, Tier
+from serve.prefix.checkpoints import Checkpoint, CheckpointKind, CheckpointTiers, KindTally, Tier
 from serve.prefix.disk import DiskEntry, DiskTier, namespace
 from serve.prefix.index import BlockIndex, ChainHasher, TailIndex
 from serve.prefix.policies import POLICIES, make_policy
@@ -318,16 +318,22 @@ class PrefixStore:
         at_prompt_end = self.config.prompt_end_checkpoints and seq.num_computed == len(seq.prompt)
         keep = logits if at_prompt_end else None
         if seq.num_computed % self.config.checkpoint_interval == 0:
-            self._checkpoint(seq, source, "interval", logits=keep)
+            self._checkpoint(seq, source, CheckpointKind.INTERVAL, logits=keep)
         elif at_prompt_end:
-            self._checkpoint(seq, source, "prompt_end", logits=keep)
+            self._checkpoint(seq, source, CheckpointKind.PROMPT_END, logits=keep)
 
     def on_finished(self, seq: Sequence_, source: CheckpointSource) -> None:
         """A sequence ended normally: index its blocks, and keep its end state (sequence-end checkpoints)."""
-        self._checkpoint(seq, source, "sequence_end", save_state=self.config.sequence_end_checkpoints)
+        save = self.config.sequence_end_checkpoints
+        self._checkpoint(seq, source, CheckpointKind.SEQUENCE_END, save_state=save)
 
     def _checkpoint(
-        self, seq: Sequence_, source: CheckpointSource, kind: str, save_state: bool = True, logits: Any = None
+        self,
+        seq: Sequence_,
+        source: CheckpointSource,
+        kind: CheckpointKind,
+        save_state: bool = True,
+        logits: Any = None,
     ) -> None:
         pos, bs = seq.num_computed, self.block_size
         if pos == 0:
@@ -370,7 +376,13 @@ class PrefixStore:
             self.tails.add(entry.base, entry.tail)
 
     def _plan_disk_save(
-        self, chain: list[bytes], tail: tuple[int, ...], key: bytes, position: int, kind: str, nbytes: int
+        self,
+        chain: list[bytes],
+        tail: tuple[int, ...],
+        key: bytes,
+        position: int,
+        kind: CheckpointKind,
+        nbytes: int,
     ) -> dict[str, Any] | None:
         """The disk entry's metadata, or None when it is not to be written (no disk tier, already on disk
         or on its way, over the budget, queue full, disk full)."""
@@ -381,7 +393,7 @@ class PrefixStore:
             "fingerprint": self.fingerprint.hex(),
             "block_size": self.block_size,
             "position": position,
-            "kind": kind,
+            "kind": kind.value,
             "base": chain[-1].hex(),
             "block_hashes": [h.hex() for h in chain[1:]],
             "tail": [int(t) for t in tail],
@@ -430,7 +442,8 @@ class PrefixStore:
 
     # --- accounts ---------------------------------------------------------------------------------------
     def ledger(self, live_blocks: set[int]) -> dict[str, Any]:
-        """Bytes per tier, counts, and what reuse saved or cost (blocks in `live_blocks` count as live)."""
+        """Bytes and counts per tier and per checkpoint kind and tier, and what reuse saved or cost (blocks in
+        `live_blocks` count as live)."""
         cached = [b for b in self.held_blocks if b not in live_blocks]
         out: dict[str, Any] = {
             "cached_kv_blocks": len(cached),
@@ -440,6 +453,7 @@ class PrefixStore:
             "checkpoint_interval": self.config.checkpoint_interval,
         }
         out["checkpoint_bytes"]["disk"] = out["checkpoints"]["disk"] = 0
+        by_kind = self.checkpoints.tally(KindTally())
         out.update(flatten(self.lookups, self.memory_stats, None if self.disk is None else self.disk.stats))
         disk = self.disk
         if disk is not None:  # bytes of the committed entries (states + KV of their prefixes + files)
@@ -449,6 +463,9 @@ class PrefixStore:
             out["disk_pending_bytes"] = disk.pending_bytes
             out["disk_ignored"] = len(disk.ignored)
             out["store_dir"] = str(disk.dir)
+            for entry in disk.entries.values():
+                by_kind.add(entry.kind, Tier.DISK, entry.disk_bytes)
+        out.update(by_kind.ledger())
         return out
 
     def close(self) -> None:
