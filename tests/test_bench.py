@@ -127,3 +127,17 @@ def test_bench_slots_counts_the_decode_steps_and_its_ratios_follow_from_the_rate
         assert p["vs_1_slot"] == pytest.approx(p["per_request_tokens_per_s"] / base_rate)
     assert main(["bench", "slots", "--config", "tiny", "--points", "2:3"]) == 2
     assert "requests <= slots" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--model", "/nonexistent"], ["--make-small", "/tmp/unused"]])
+def test_bench_reference_without_transformers_is_one_error_line(capsys, monkeypatch, argv):
+    """Without the optional extra (CI has no torch) the command says what to install; nothing is written."""
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # `import torch` raises ImportError
+    assert main(["bench", "reference", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and ".[reference]" in err[0]
+
+
+def test_bench_reference_needs_a_model_or_make_small(capsys):
+    assert main(["bench", "reference"]) == 2
+    assert "--model DIR" in capsys.readouterr().err

@@ -53,12 +53,28 @@ def _transformers() -> Any:
     return torch, transformers
 
 
+# Fields transformers' Kimi Linear has no counterpart for (it ignores them and builds another model), with the
+# value that means "off": Kimi K3's additions.
+NOT_IN_TRANSFORMERS = {
+    "gate_lower_bound": None,
+    "use_full_rank_gate": False,
+    "mla_use_output_gate": False,
+    "attn_res_block_size": None,
+    "routed_expert_hidden_size": None,
+    "hidden_act": "silu",
+    "expert_quant": None,
+}
+
+
 def make_small(directory: str, config: str, seed: int) -> Path:
     """Write transformers' KimiLinearForCausalLM for `config` (its own seeded init, fp32) to `directory`."""
     from jaxhybrid.config import load_config
 
-    torch, transformers = _transformers()
     cfg = load_config(config)
+    unsupported = [f"{k}={getattr(cfg, k)!r}" for k, v in NOT_IN_TRANSFORMERS.items() if getattr(cfg, k) != v]
+    if unsupported:
+        raise ValueError(f"transformers' Kimi Linear has no {', '.join(unsupported)} (config '{cfg.name}')")
+    torch, transformers = _transformers()
     hf = transformers.KimiLinearConfig(**{**cfg.to_hf_dict(), "pad_token_id": 0})
     torch.manual_seed(seed)
     model = transformers.KimiLinearForCausalLM(hf).eval()
