@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from serve.bench import compare, decode, load, mesh, prefix, slots, throughput, ttft
+from serve.bench import compare, decode, load, mesh, prefix, serve, slots, throughput, ttft
 
-BENCHES = (decode, load, ttft, mesh, prefix, throughput, slots, compare)
+BENCHES = (decode, load, ttft, mesh, prefix, throughput, slots, serve, compare)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

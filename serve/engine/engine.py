@@ -23,7 +23,7 @@ import numpy as np
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import HybridLM
 from serve.engine.blocks import BlockAllocator
-from serve.engine.config import EngineConfig, EngineShape
+from serve.engine.config import EngineConfig, EngineShape, ProgramShape
 from serve.engine.requests import (
     FinishReason,
     GenerateResult,
@@ -323,6 +323,20 @@ class Engine:
                 self.store.forget_blocks()
             self.runner.rebuild()
         return outputs
+
+    # --- compiling ahead of use (the server's warm-up; call between steps) -------------------------------
+    def compiled_programs(self) -> frozenset[ProgramShape]:
+        """Model-program shapes compiled for this engine: running one of them compiles nothing."""
+        return self.runner.compiled_programs()
+
+    def compile_program(self, program: ProgramShape) -> bool:
+        """Compile one model program ahead of its first use, changing no state; False if it already was."""
+        return self.runner.compile_program(program)
+
+    def compile_helpers(self) -> None:
+        """Compile the small programs every request meets (sampling per batch size, slot reset, checkpoint
+        copy and restore), changing no state."""
+        self.runner.compile_helpers(tuple(sorted({1, *self.shape.decode_buckets})))
 
     # --- batch API -----------------------------------------------------------------------------------------
     def generate(

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, PagedMLACache, kda_zero_state
 from jaxhybrid.model import HybridLM
-from serve.engine.config import EngineShape
+from serve.engine.config import EngineShape, ProgramShape
 from serve.engine.requests import Request
 from serve.engine.sampling import batch_arrays, sample
 
@@ -167,6 +167,7 @@ class Runner:
         self._run, self._sample = _programs(graphdef, cfg.layer_types, self.pool_shardings)
         self.pools = self._new_pools()
         self._restore_shardings: list[tuple[Any, Any]] | None = None
+        self._compiled: set[ProgramShape] = set()  # program shapes this runner has run or compiled
 
     def _new_pools(self) -> tuple[Any, ...]:
         cfg, shape = self.model_config, self.shape
@@ -176,7 +177,8 @@ class Runner:
             else jnp.zeros((shape.num_blocks, shape.block_size, cfg.latent_dim), shape.kv_dtype)
             for kind in cfg.layer_types
         )
-        return pools if self.pool_shardings is None else jax.device_put(pools, self.pool_shardings)
+        # placed (committed) as the programs return them, so the first call compiles what every later one uses
+        return jax.device_put(pools, self.pool_shardings or jax.devices()[0])
 
     # --- what the scheduler planned ------------------------------------------------------------------
     def reset_slot(self, slot: int) -> None:
@@ -214,16 +216,52 @@ class Runner:
     ) -> jax.Array:
         """Run `tokens` [B, T] for slots `slot_ids` (block tables [B, W], positions from `start`, `valid` real
         tokens per row); updates the pools, returns the logits after each row's last real token."""
+        args = (tokens, slot_ids, tables, start, valid)  # int32 on the host: no conversion on the device
         logits, self.pools = self._run(
-            self.params,
-            self.pools,
-            jnp.asarray(tokens, jnp.int32),
-            jnp.asarray(slot_ids, jnp.int32),
-            jnp.asarray(tables, jnp.int32),
-            jnp.asarray(start, jnp.int32),
-            jnp.asarray(valid, jnp.int32),
+            self.params, self.pools, *(jnp.asarray(np.asarray(a, np.int32)) for a in args)
         )
+        self._compiled.add(ProgramShape(*tokens.shape, tables.shape[1]))
         return logits
+
+    # --- compiling ahead of use (the server's warm-up) -------------------------------------------------
+    def compiled_programs(self) -> frozenset[ProgramShape]:
+        """The model-program shapes this runner has run or compiled (calling one compiles nothing)."""
+        return frozenset(self._compiled)
+
+    def compile_program(self, program: ProgramShape) -> bool:
+        """Compile the model program of `program`'s shape without running it (nothing changes: the pools are
+        only looked at for their shapes); False when it was already compiled."""
+        if program in self._compiled:
+            return False
+        rows = program.rows
+        shapes = ((rows, program.length), (rows,), (rows, program.width), (rows,), (rows,))
+        args = (jnp.asarray(np.zeros(shape, np.int32)) for shape in shapes)
+        self._run.lower(self.params, self.pools, *args).compile()
+        self._compiled.add(program)
+        return True
+
+    def compile_helpers(self, sample_rows: tuple[int, ...]) -> None:
+        """Compile the small programs around the model program: sampling for each batch of `sample_rows`,
+        logits slicing, a slot reset, a checkpoint's copy and its restore. Only reads the pools."""
+        vocab = self.model_config.vocab_size
+        for rows in sample_rows:
+            logits = self._run_like_logits(rows, vocab)
+            self.sample(logits, [None] * rows)
+            jax.block_until_ready(
+                logits[0][None]
+            )  # a prompt-end checkpoint keeps [0], a full hit samples [None]
+        slot = jnp.int32(0)
+        _zero_slot.lower(self.pools, slot).compile()
+        states, kv = self.take(0, SCRATCH_BLOCK)
+        _put.lower(self.pools, slot, states, jnp.int32(SCRATCH_BLOCK), kv).compile()
+
+    def _run_like_logits(self, rows: int, vocab: int) -> jax.Array:
+        """Zero logits [rows, vocab] placed as the model program leaves them (replicated on a mesh)."""
+        logits = jnp.zeros((rows, vocab), jnp.float32)
+        if self.pool_shardings is None:
+            return jax.device_put(logits, jax.devices()[0])
+        mesh = jax.tree.leaves(self.pool_shardings)[0].mesh
+        return jax.device_put(logits, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
     def _table(self, req: Request, width: int) -> np.ndarray:
         row = np.full((width,), SCRATCH_BLOCK, np.int32)
