@@ -330,13 +330,25 @@ class Engine:
         return self.runner.compiled_programs()
 
     def compile_program(self, program: ProgramShape) -> bool:
-        """Compile one model program ahead of its first use, changing no state; False if it already was."""
-        return self.runner.compile_program(program)
+        """Compile one model program ahead of its first use (and, while no request is in the engine, run it
+        once on rows that touch only idle slots and the scratch block); False if it already was compiled."""
+        return self._ahead(lambda: self.runner.compile_program(program, run_once=not self.has_unfinished()))
 
     def compile_helpers(self) -> None:
         """Compile the small programs every request meets (sampling per batch size, slot reset, checkpoint
-        copy and restore), changing no state."""
-        self.runner.compile_helpers(tuple(sorted({1, *self.shape.decode_buckets})))
+        copy and restore), changing no request's state."""
+        rows = tuple(sorted({1, *self.shape.decode_buckets}))
+        self._ahead(lambda: self.runner.compile_helpers(rows, run_once=not self.has_unfinished()))
+
+    def _ahead(self, fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception:
+            if self.runner.pools_lost():  # a failed run took the (idle) pools with it
+                if self.store is not None:
+                    self.store.forget_blocks()
+                self.runner.rebuild()
+            raise
 
     # --- batch API -----------------------------------------------------------------------------------------
     def generate(

@@ -3,9 +3,11 @@
 Without it the first request that meets a program shape (a prefill bucket, a decode batch, a block-table
 width) pays its compilation, seconds each. `Warmup` compiles them one at a time, on the thread that owns
 the engine, between its steps: the helpers every request meets first, then per block-table width (short
-contexts first) the prefill chunks and the decode steps. Nothing it does changes the engine's state (the
-model programs are compiled ahead of time, not run), so requests may be served while it goes on; a program
-a request needs before its turn is compiled by that request as before, and skipped here.
+contexts first) the prefill chunks and the decode steps. Nothing it does changes a request's state: each
+program is compiled ahead of time and, while no request is in the engine, run once on rows with no real
+token (idle slots, the scratch block) so that its first real run is not slower either. Requests may be
+served while it goes on; a program a request needs before its turn is compiled by that request as before,
+and skipped here.
 """
 
 from __future__ import annotations

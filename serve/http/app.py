@@ -6,7 +6,8 @@ asyncio queue of the request it belongs to (`loop.call_soon_threadsafe`). Handle
 engine: requests only wait for each other as much as the engine's batching makes them.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus).
+events ending in `data: [DONE]`), GET /v1/models, GET /health (200 with status "ok", or "warming" while the
+start-up warm-up compiles programs; 503 when the engine is down or a step stalled), GET /metrics (Prometheus).
 
 Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid fields,
 values, an unknown model or a prompt over the context; 429 when more than `max_waiting` requests would
