@@ -468,10 +468,12 @@ def test_jaxhybrid_serve_with_no_arguments():
         while True:
             assert proc.poll() is None, proc.stdout.read()
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                health = httpx.get(f"{url}/health", timeout=2)
+                if health.status_code == 200:
                     break
             assert time.monotonic() < deadline, "the server did not become healthy"
             time.sleep(0.25)
+        assert health.json()["status"] == "warming"  # compiling in the background, and serving meanwhile
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=120)
         assert r.status_code == 200 and r.json()["model"] == "stdlib-small"  # the shipped model
         assert r.json()["usage"]["completion_tokens"] >= 1
@@ -479,6 +481,9 @@ def test_jaxhybrid_serve_with_no_arguments():
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         assert "embedded default" in out and "shipped model" in out
+        assert (
+            "warm-up (--warmup all)" in out and "warm-up stopped at shutdown" in out
+        )  # SIGTERM while warming
         assert "Traceback" not in out
         # quiet by default: our own few lines, no library INFO chatter (absl/Orbax, JAX, uvicorn)
         lines = [line for line in out.splitlines() if line.strip()]

@@ -34,6 +34,7 @@ class Served:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
         self.log = tmp_path / f"{name}.log"
         cmd = [sys.executable, "-m", "serve.cli", "serve", "--config", "tiny", "--port", str(self.port)]
+        cmd += ["--warmup", "none"]  # the memory figures are of serving, not of compiling in the background
         self.proc = subprocess.Popen(
             [*cmd, *flags],
             env=env,

@@ -1,7 +1,7 @@
 """`jaxhybrid bench compare A.json B.json [...] --out-dir DIR`: several results of one bench side by side.
 
 Reads JSON results written by `jaxhybrid bench KIND --out FILE` (all of one kind: throughput, decode,
-ttft, prefix, mesh or load), prints one table with a column per file for each metric (files are named
+ttft, prefix, mesh, load or serve), prints one table with a column per file for each metric (files are named
 A, B, ... with a legend; the headline metric also gets each file's ratio to A), and with --out-dir writes
 PNG plots (matplotlib, Agg), one line or bar series per file. Runs nothing; only reads the files.
 """
@@ -160,6 +160,55 @@ KINDS: dict[str, tuple[tuple[Section, ...], tuple[Plot, ...]]] = {
             ),
         ),
     ),
+    "serve": (
+        (
+            Section(
+                "rows",
+                ("request_rate",),
+                (
+                    "output_throughput",
+                    "request_throughput",
+                    "ttft_p50_ms",
+                    "ttft_p99_ms",
+                    "tpot_p50_ms",
+                    "tpot_p99_ms",
+                    "itl_p50_ms",
+                    "itl_p99_ms",
+                    "prefix_hit_tokens",
+                    "failed",
+                ),
+            ),
+        ),
+        (
+            Plot(
+                "ttft",
+                "rows",
+                "request_rate",
+                "ttft_p50_ms",
+                "Median time to first token vs request rate",
+                "request rate (requests/s)",
+                "time to first token, p50 (ms)",
+            ),
+            Plot(
+                "tpot",
+                "rows",
+                "request_rate",
+                "tpot_p50_ms",
+                "Median time per output token vs request rate",
+                "request rate (requests/s)",
+                "time per output token, p50 (ms)",
+            ),
+            Plot(
+                "throughput",
+                "rows",
+                "request_rate",
+                "output_throughput",
+                "Output-token throughput vs request rate",
+                "request rate (requests/s)",
+                "output tokens/s",
+            ),
+        ),
+    ),
     "load": (
         (Section("rows", ("format",), ("load_s", "peak_rss_bytes", "checkpoint_bytes")),),
         (
@@ -215,7 +264,12 @@ def labels_for(paths: list[str], results: list[dict[str, Any]]) -> list[str]:
     base = []
     for r in results:
         env = r.get("environment", {})
-        parts = [env.get("device_kind") or env.get("platform"), r.get("dtype"), r.get("config")]
+        parts = [
+            env.get("device_kind") or env.get("platform"),
+            r.get("dtype"),
+            r.get("config"),
+            r.get("label"),
+        ]
         base.append(" ".join(str(p) for p in parts if p) or "result")
     return [
         f"{b} ({Path(p).name})" if base.count(b) > 1 or b == "result" else b

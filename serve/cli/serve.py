@@ -95,6 +95,8 @@ def serve_replicated(args: argparse.Namespace, engine: Any, tokenizer: Any) -> i
             rep.engine.close()  # this process's part of the prefix store's pending saves
             status = 0
             return 0
+        if args.warmup != "none":
+            log.info("warm-up is off with several processes: each program compiles on first use")
         status, failed = serve_http(args, rep, tokenizer)
 
         def release_followers() -> None:
@@ -145,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
     if args.default_max_tokens < 1:
         print(f"error: --default-max-tokens must be >= 1, got {args.default_max_tokens}", file=sys.stderr)
         return 2
+    if not args.warmup_timeout > 0:
+        print(f"error: --warmup-timeout must be > 0, got {args.warmup_timeout}", file=sys.stderr)
+        return 2
 
     import jax
     import uvicorn  # noqa: F401  (fail here, before loading a model, when it is missing)
@@ -191,12 +196,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if multi:
         return serve_replicated(args, engine, tokenizer)
-    return serve_http(args, engine, tokenizer)[0]
+    from serve.engine.warmup import Warmup, WarmupLevel
+
+    warmup = Warmup(engine, WarmupLevel(args.warmup), args.warmup_timeout)
+    return serve_http(args, engine, tokenizer, warmup)[0]
 
 
-def serve_http(args: argparse.Namespace, engine: Any, tokenizer: Any) -> tuple[int, str | None]:
-    """Run the HTTP server on `engine` (an Engine, or a ReplicatedEngine on process 0) until shutdown;
-    (exit status, why the engine went down or None)."""
+def serve_http(
+    args: argparse.Namespace, engine: Any, tokenizer: Any, warmup: Any = None
+) -> tuple[int, str | None]:
+    """Run the HTTP server on `engine` (an Engine, or a ReplicatedEngine on process 0) until shutdown,
+    compiling `warmup`'s programs in the background; (exit status, why the engine went down or None)."""
     import uvicorn
 
     from serve.http.app import create_app
@@ -212,6 +222,7 @@ def serve_http(args: argparse.Namespace, engine: Any, tokenizer: Any) -> tuple[i
         stop_timeout=args.shutdown_timeout + 60.0,
         max_connections=args.max_connections,
         stall_timeout=args.stall_timeout,
+        warmup=warmup,
     )
     log.info(
         "model '%s': %d slots, block size %d, context %d tokens, prefix cache %s; listening on http://%s:%d",
@@ -298,6 +309,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=10.0,
         help="seconds running requests get to finish on SIGTERM before they are cancelled",
+    )
+    s.add_argument(
+        "--warmup",
+        choices=("none", "decode", "all"),
+        default="all",
+        help="programs compiled at start-up, in the background while requests are served (/health says "
+        "'warming' until done): none; decode (every decode step; prefill chunks compile on first use); "
+        "all (every prefill chunk and decode step, short contexts first)",
+    )
+    s.add_argument(
+        "--warmup-timeout",
+        type=float,
+        default=300.0,
+        help="seconds the warm-up may take; what is left then compiles on first use",
     )
     s.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log verbosity"

@@ -61,6 +61,20 @@ def table_buckets(max_blocks: int) -> tuple[int, ...]:
     return (*(w for w in (2**i for i in range(31)) if w < max_blocks), max_blocks)
 
 
+@dataclasses.dataclass(frozen=True, order=True)
+class ProgramShape:
+    """One static shape of the model program: `rows` sequences of `length` tokens each, with block tables
+    `width` entries wide. A decode step is (decode rows, 1, width); a prefill chunk (1, bucket, width)."""
+
+    rows: int
+    length: int
+    width: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.length == 1
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineShape:
     """What an EngineConfig means for one model: every size the scheduler and the runner share."""
@@ -87,6 +101,21 @@ class EngineShape:
 
     def table_width(self, blocks: int) -> int:
         return next(w for w in self.table_buckets if w >= blocks)
+
+    def decode_programs(self) -> list[ProgramShape]:
+        """Every decode program the engine can run, narrow tables (short contexts) first."""
+        return [ProgramShape(rows, 1, w) for w in self.table_buckets for rows in self.decode_buckets]
+
+    def prefill_programs(self) -> list[ProgramShape]:
+        """Every prefill program the engine can run, narrow tables first. A chunk of bucket b holds more
+        tokens than the bucket below, so it needs at least that many blocks (narrower tables never occur)."""
+        out = []
+        for w in self.table_buckets:
+            for i, b in enumerate(self.buckets):
+                need = math.ceil((self.buckets[i - 1] + 1 if i else 1) / self.block_size)
+                if need <= self.table_buckets[-1] and w >= self.table_width(need):
+                    out.append(ProgramShape(1, b, w))
+        return out
 
     @classmethod
     def resolve(cls, config: EngineConfig, model: ModelConfig) -> EngineShape:

@@ -23,7 +23,7 @@ import numpy as np
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import HybridLM
 from serve.engine.blocks import BlockAllocator
-from serve.engine.config import EngineConfig, EngineShape
+from serve.engine.config import EngineConfig, EngineShape, ProgramShape
 from serve.engine.requests import (
     FinishReason,
     GenerateResult,
@@ -324,6 +324,32 @@ class Engine:
                 self.store.forget_blocks()
             self.runner.rebuild()
         return outputs
+
+    # --- compiling ahead of use (the server's warm-up; call between steps) -------------------------------
+    def compiled_programs(self) -> frozenset[ProgramShape]:
+        """Model-program shapes compiled for this engine: running one of them compiles nothing."""
+        return self.runner.compiled_programs()
+
+    def compile_program(self, program: ProgramShape) -> bool:
+        """Compile one model program ahead of its first use (and, while no request is in the engine, run it
+        once on rows that touch only idle slots and the scratch block); False if it already was compiled."""
+        return self._ahead(lambda: self.runner.compile_program(program, run_once=not self.has_unfinished()))
+
+    def compile_helpers(self) -> None:
+        """Compile the small programs every request meets (sampling per batch size, slot reset, checkpoint
+        copy and restore), changing no request's state."""
+        rows = tuple(sorted({1, *self.shape.decode_buckets}))
+        self._ahead(lambda: self.runner.compile_helpers(rows, run_once=not self.has_unfinished()))
+
+    def _ahead(self, fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception:
+            if self.runner.pools_lost():  # a failed run took the (idle) pools with it
+                if self.store is not None:
+                    self.store.forget_blocks()
+                self.runner.rebuild()
+            raise
 
     # --- batch API -----------------------------------------------------------------------------------------
     def generate(

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, PagedMLACache, kda_zero_state
 from jaxhybrid.model import HybridLM
-from serve.engine.config import EngineShape
+from serve.engine.config import EngineShape, ProgramShape
 from serve.engine.requests import Request
 from serve.engine.sampling import batch_arrays, sample
 
@@ -193,6 +193,7 @@ class Runner:
         self.programs = _programs(graphdef, cfg.layer_types, self.pool_shardings)
         self.pools = self._new_pools()
         self._restore_shardings: list[tuple[Any, Any]] | None = None
+        self._compiled: set[ProgramShape] = set()  # program shapes this runner has run or compiled
 
     def _new_pools(self) -> tuple[Any, ...]:
         cfg, shape = self.model_config, self.shape
@@ -202,7 +203,8 @@ class Runner:
             else jnp.zeros((shape.num_blocks, shape.block_size, cfg.latent_dim), shape.kv_dtype)
             for kind in cfg.layer_types
         )
-        return pools if self.pool_shardings is None else jax.device_put(pools, self.pool_shardings)
+        # placed (committed) as the programs return them, so the first call compiles what every later one uses
+        return jax.device_put(pools, self.pool_shardings or jax.devices()[0])
 
     # --- what the scheduler planned ------------------------------------------------------------------
     def reset_slot(self, slot: int) -> None:
@@ -241,22 +243,85 @@ class Runner:
         """Run `tokens` [B, T] for slots `slot_ids` (block tables [B, W], positions from `start`, `valid` real
         tokens per row); updates the pools, returns the logits after each row's last real token."""
         kinds = self.model_config.layer_types
-        kda = tuple(p for kind, p in zip(kinds, self.pools, strict=True) if kind == "kda")
-        mla = tuple(p for kind, p in zip(kinds, self.pools, strict=True) if kind != "kda")
-        slots = jnp.asarray(slot_ids, jnp.int32)
-        logits, rows, mla = self.programs.run(
-            self.params,
-            kda,
-            mla,
-            jnp.asarray(tokens, jnp.int32),
-            slots,
-            jnp.asarray(tables, jnp.int32),
-            jnp.asarray(start, jnp.int32),
-            jnp.asarray(valid, jnp.int32),
-        )
+        kda, mla = self._split_pools()
+        slots = jnp.asarray(np.asarray(slot_ids, np.int32))
+        host = (tokens, tables, start, valid)  # int32 on the host: no conversion on the device
+        tokens_, tables_, start_, valid_ = (jnp.asarray(np.asarray(a, np.int32)) for a in host)
+        logits, rows, mla = self.programs.run(self.params, kda, mla, tokens_, slots, tables_, start_, valid_)
         kda_it, mla_it = iter(self.programs.write_rows(kda, slots, rows)), iter(mla)
         self.pools = tuple(next(kda_it) if kind == "kda" else next(mla_it) for kind in kinds)
+        self._compiled.add(ProgramShape(*tokens.shape, tables.shape[1]))
         return logits
+
+    # --- compiling ahead of use (the server's warm-up) -------------------------------------------------
+    def compiled_programs(self) -> frozenset[ProgramShape]:
+        """The model-program shapes this runner has run or compiled (calling one compiles nothing)."""
+        return frozenset(self._compiled)
+
+    def compile_program(self, program: ProgramShape, run_once: bool = False) -> bool:
+        """Compile the model program of `program`'s shape ahead of its first use; False if it already was.
+
+        Without `run_once` nothing runs (the pools are only looked at for their shapes). With it (only while
+        no request holds a slot) the program also runs once, on rows with no real token whose block tables
+        point at the scratch block: XLA:CPU's first run of a program costs more than later ones (about
+        0.15 s for the shipped model), and the first request should not pay that either."""
+        if program in self._compiled:
+            return False
+        rows = program.rows
+        args = (
+            np.zeros((rows, program.length), np.int32),
+            np.arange(rows, dtype=np.int32),  # distinct slots, as a decode step's padding rows take
+            np.full((rows, program.width), SCRATCH_BLOCK, np.int32),
+            np.zeros((rows,), np.int32),
+            np.zeros((rows,), np.int32),  # no real token in any row
+        )
+        if run_once:
+            jax.block_until_ready(self.run_program(*args))
+        else:
+            kda, mla = self._split_pools()
+            tokens, slots, tables, start, valid = (jnp.asarray(a) for a in args)
+            run = self.programs.run.lower(self.params, kda, mla, tokens, slots, tables, start, valid)
+            _, rows, _ = jax.eval_shape(
+                self.programs.run, self.params, kda, mla, tokens, slots, tables, start, valid
+            )
+            run.compile()
+            self.programs.write_rows.lower(kda, slots, rows).compile()
+            self._compiled.add(program)
+        return True
+
+    def compile_helpers(self, sample_rows: tuple[int, ...], run_once: bool = False) -> None:
+        """Compile the small programs around the model program: sampling for each batch of `sample_rows`,
+        logits slicing, a checkpoint's copy, a slot reset and a restore (the last two also run on slot 0 with
+        `run_once`, only while no request holds a slot)."""
+        vocab = self.model_config.vocab_size
+        for rows in sample_rows:
+            logits = self._run_like_logits(rows, vocab)
+            self.sample(logits, [None] * rows)
+            # a prompt-end checkpoint keeps logits[0]; a full hit samples [None] of that
+            jax.block_until_ready(logits[0][None])
+        slot, scratch = jnp.int32(0), jnp.int32(SCRATCH_BLOCK)
+        states, kv = self.take(0, SCRATCH_BLOCK)
+        if run_once:
+            self.pools = _put(_zero_slot(self.pools, slot), slot, states, scratch, kv)
+            jax.block_until_ready(self.pools)
+        else:
+            _zero_slot.lower(self.pools, slot).compile()
+            _put.lower(self.pools, slot, states, scratch, kv).compile()
+
+    def _run_like_logits(self, rows: int, vocab: int) -> jax.Array:
+        """Zero logits [rows, vocab] placed as the model program leaves them (replicated on a mesh)."""
+        logits = jnp.zeros((rows, vocab), jnp.float32)
+        if self.pool_shardings is None:
+            return jax.device_put(logits, jax.devices()[0])
+        mesh = jax.tree.leaves(self.pool_shardings)[0].mesh
+        return jax.device_put(logits, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    def _split_pools(self) -> tuple[tuple[KDACache, ...], tuple[jax.Array, ...]]:
+        """(KDA state pools, MLA latent pools), each in layer order: what `run` reads and donates."""
+        kinds = self.model_config.layer_types
+        kda = tuple(p for kind, p in zip(kinds, self.pools, strict=True) if kind == "kda")
+        mla = tuple(p for kind, p in zip(kinds, self.pools, strict=True) if kind != "kda")
+        return kda, mla
 
     def _table(self, req: Request, width: int) -> np.ndarray:
         row = np.full((width,), SCRATCH_BLOCK, np.int32)

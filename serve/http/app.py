@@ -6,7 +6,8 @@ asyncio queue of the request it belongs to (`loop.call_soon_threadsafe`). Handle
 engine: requests only wait for each other as much as the engine's batching makes them.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus).
+events ending in `data: [DONE]`), GET /v1/models, GET /health (200 with status "ok", or "warming" while the
+start-up warm-up compiles programs; 503 when the engine is down or a step stalled), GET /metrics (Prometheus).
 
 Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid fields,
 values, an unknown model or a prompt over the context; 429 when more than `max_waiting` requests would
@@ -35,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.engine.engine import EngineAPI
 from serve.engine.requests import RequestError
+from serve.engine.warmup import Warmup, WarmupState
 from serve.http.errors import APIError, JSONResponse, QueueFull, Unavailable, error_body
 from serve.http.loop import EngineLoop, Event, Sink
 from serve.http.metrics import ServerMetrics
@@ -81,11 +83,12 @@ class Server:
         default_max_tokens: int = 1024,
         max_body_bytes: int = MAX_BODY_BYTES,
         stall_timeout: float = 300.0,
+        warmup: Warmup | None = None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.loop = EngineLoop(engine, max_waiting, stall_timeout=stall_timeout)
+        self.loop = EngineLoop(engine, max_waiting, stall_timeout=stall_timeout, warmup=warmup)
         self.parser = RequestParser(engine, tokenizer, model_name, default_max_tokens)
         self.metrics = ServerMetrics()
         self.decode = decoder(tokenizer) if tokenizer is not None else None
@@ -395,13 +398,15 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     max_connections: int | None = 1024,
     stall_timeout: float = 300.0,
+    warmup: Warmup | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app. The engine loop starts with the app's lifespan and stops (aborting what
     is left, flushing pending saves) when it ends. `max_waiting`: requests that may wait for a slot before
     new ones get 429 (None: unlimited). `default_max_tokens`: chat completions without max_tokens generate
     up to this many (or what the context leaves). `max_connections`: HTTP requests in progress at once
     (streams included); one more gets 503 (None: unlimited). `stall_timeout`: seconds an engine step may
-    run before /health reports the engine stalled."""
+    run before /health reports the engine stalled. `warmup`: compiled on the engine thread while it has no
+    request to serve; /health answers 200 with status "warming" until it ends, then "ok"."""
     server = Server(
         engine,
         tokenizer,
@@ -410,7 +415,10 @@ def create_app(
         default_max_tokens=default_max_tokens,
         max_body_bytes=max_body_bytes,
         stall_timeout=stall_timeout,
+        warmup=warmup,
     )
+    prefix = engine.config.prefix
+    prefix_cache = prefix is not None and prefix.enabled
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -472,6 +480,7 @@ def create_app(
                     "created": server.created,
                     "owned_by": "jaxhybrid",
                     "max_model_len": engine.max_model_len,
+                    "vocab_size": engine.model_config.vocab_size,
                 }
             ],
         }
@@ -483,7 +492,13 @@ def create_app(
             server.count("/health", 503)
             return JSONResponse(error_body(reason, "server_error", None, "unavailable"), status_code=503)
         server.count("/health", 200)
-        return JSONResponse({"status": "ok", "model": model_name})
+        body: dict[str, Any] = {"status": "ok", "model": model_name, "prefix_cache": prefix_cache}
+        progress = server.loop.warmup_progress()
+        if progress is not None:
+            body["warmup"] = progress.as_json()
+            if progress.state is WarmupState.WARMING:
+                body["status"] = "warming"  # serving: requests may meet a program not compiled yet
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:

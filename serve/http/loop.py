@@ -23,6 +23,7 @@ from typing import Any
 from serve.engine.engine import EngineAPI
 from serve.engine.requests import RequestError
 from serve.engine.sampling import SamplingParams
+from serve.engine.warmup import Warmup, WarmupProgress
 from serve.http.errors import QueueFull, Unavailable
 from serve.http.text import Event
 
@@ -99,7 +100,10 @@ class EngineLoop:
     others go on. A step that raises is logged with its cause and ends the requests it was running (the
     engine's `recover`); after `max_step_failures` failed steps with no request completed in between the
     engine is down: every request gets an error and `/health` answers 503. A step running longer than
-    `stall_timeout` seconds makes `/health` answer 503 ("stalled") until it returns."""
+    `stall_timeout` seconds makes `/health` answer 503 ("stalled") until it returns.
+
+    `warmup`: compiled one program at a time whenever no request is in the engine (a request waits at most
+    for the one compile in progress); its progress is `warmup_progress()`."""
 
     def __init__(
         self,
@@ -108,6 +112,7 @@ class EngineLoop:
         *,
         stall_timeout: float = 300.0,
         max_step_failures: int = 3,
+        warmup: Warmup | None = None,
     ):
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
@@ -115,6 +120,7 @@ class EngineLoop:
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
         self.max_step_failures = max_step_failures
+        self.warmup = warmup
         self.failed: str | None = None
         self.step_failures = 0  # failed steps since a request last completed
         self.last_error: str | None = None
@@ -147,6 +153,10 @@ class EngineLoop:
         if started is not None and time.monotonic() - started > self.stall_timeout:
             return f"stalled: the current engine step has run for {time.monotonic() - started:.0f} s"
         return None
+
+    def warmup_progress(self) -> WarmupProgress | None:
+        """The warm-up's progress, or None when the server has none."""
+        return None if self.warmup is None else self.warmup.progress()
 
     def submit(
         self,
@@ -198,7 +208,8 @@ class EngineLoop:
         engine = self.engine
         while True:
             busy = self.failed is None and engine.has_unfinished()
-            commands = [] if busy else [self._commands.get()]
+            warming = not busy and self.failed is None and self.warmup is not None and self.warmup.pending
+            commands = [] if busy or warming else [self._commands.get()]
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -214,6 +225,16 @@ class EngineLoop:
                 return
             if self.failed is None and engine.has_unfinished():
                 self._step()
+            elif warming:
+                self._warm()
+
+    def _warm(self) -> None:
+        """One warm-up compile; it counts as a step for the stall check."""
+        self._step_started = time.monotonic()
+        try:
+            self.warmup.step()
+        finally:
+            self._step_started = None
 
     def _step(self) -> None:
         self._step_started = time.monotonic()
@@ -353,6 +374,8 @@ class EngineLoop:
 
     def _shutdown(self) -> None:
         engine = self.engine
+        if self.warmup is not None:
+            self.warmup.stop()
         try:
             self._abort_all()
         except Exception:
