@@ -45,9 +45,27 @@ class PagedMLACache(NamedTuple):
     length: jax.Array
 
 
+class MLAView(NamedTuple):
+    """One MLA layer's paged pool as its rows read it, for a program that writes the pool outside the layer
+    (the scanned engine program, where the layers' pools are not scan inputs): view [B, S, L] (`read_paged`
+    of the pool through the block tables), length [B] int32 tokens already written. The layer returns an
+    `MLAWrite`."""
+
+    view: jax.Array
+    length: jax.Array
+
+
+class MLAWrite(NamedTuple):
+    """What an MLA layer run on an `MLAView` leaves to write: its new latents [B, T, L] as attention read
+    them (`write_paged` puts them into the pool) and length [B] after them."""
+
+    new: jax.Array
+    length: jax.Array
+
+
 SCRATCH_BLOCK = 0
 
-LayerCache = KDACache | MLACache | PagedMLACache
+LayerCache = KDACache | MLACache | PagedMLACache | MLAView | MLAWrite
 
 
 def kda_zero_state(cfg: ModelConfig, batch: int, dtype: jnp.dtype = jnp.float32) -> KDACache:

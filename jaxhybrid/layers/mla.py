@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxhybrid.cache import SCRATCH_BLOCK, MLACache, PagedMLACache
+from jaxhybrid.cache import SCRATCH_BLOCK, MLACache, MLAView, MLAWrite, PagedMLACache
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import Linear, RMSNorm
 from jaxhybrid.ops.mla import causal_mask, mla_attention_absorbed, mla_attention_expanded
@@ -120,21 +120,42 @@ class MultiHeadLatentAttention(nnx.Module):
             o = (o.astype(jnp.float32) * gate).astype(o.dtype)
         return self.o_proj(o)
 
+    def attend_rows(
+        self,
+        x: jax.Array,
+        q: jax.Array,
+        new: jax.Array,
+        view: jax.Array,
+        start: jax.Array,
+        lengths: jax.Array | None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Attention over the rows' pool view [B, S, L] with the new latents patched in at `start`: (y, the
+        new latents as read back from the view, what goes into the pool)."""
+        kv, written = patch_rows(view, new, start)
+        mask = causal_mask(start, x.shape[1], kv.shape[1], lengths)
+        return self.attend(q, kv.astype(x.dtype), mask, absorbed=(x.shape[1] == 1), x=x), written
+
     def __call__(
-        self, x: jax.Array, cache: MLACache | PagedMLACache | None = None, lengths: jax.Array | None = None
-    ) -> tuple[jax.Array, MLACache | PagedMLACache]:
-        """x [B, T, D] -> (y, cache). No cache: causal attention within x. T == 1 uses the absorbed form."""
+        self,
+        x: jax.Array,
+        cache: MLACache | PagedMLACache | MLAView | None = None,
+        lengths: jax.Array | None = None,
+    ) -> tuple[jax.Array, MLACache | PagedMLACache | MLAWrite]:
+        """x [B, T, D] -> (y, cache). No cache: causal attention within x. T == 1 uses the absorbed form.
+        An `MLAView` returns the latents to write (`MLAWrite`), the pool stays with the caller."""
         B, T, _ = x.shape
         q, new = self.query(x), self.latent(x)
         added = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
         if isinstance(cache, PagedMLACache):
             # Read the pool before writing it and put the new latents into the read copy: the write then
             # updates the pool in place (read after the write, XLA reads the old pool and copies it whole).
-            kv, written = patch_rows(read_paged(cache.pool, cache.block_table), new, cache.length)
+            view = read_paged(cache.pool, cache.block_table)
+            y, written = self.attend_rows(x, q, new, view, cache.length, lengths)
             pool = write_paged(cache, written, lengths)
-            mask = causal_mask(cache.length, T, kv.shape[1], lengths)
-            y = self.attend(q, kv.astype(x.dtype), mask, absorbed=(T == 1), x=x)
             return y, PagedMLACache(pool=pool, block_table=cache.block_table, length=cache.length + added)
+        if isinstance(cache, MLAView):
+            y, written = self.attend_rows(x, q, new, cache.view, cache.length, lengths)
+            return y, MLAWrite(new=written, length=cache.length + added)
         if cache is None:
             start = jnp.zeros((B,), jnp.int32)
             kv = new

@@ -12,6 +12,8 @@ from jaxhybrid.cache import kda_state_bytes
 from jaxhybrid.config import ModelConfig
 from serve.prefix.store import PrefixStoreConfig
 
+SCAN_MODES = ("off", "prefill", "all")
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -27,6 +29,10 @@ class EngineConfig:
     max_batched_tokens: int | None = None
     kv_dtype: str = "float32"
     seed: int = 0
+    # Run the repeated layer groups (K K K M) as a scan (`jaxhybrid.scan`: compile time independent of depth):
+    # "off", "prefill" (prefill programs; decode unrolled) or "all". Not "all" by default: on XLA:CPU the
+    # scan copies each layer's weights (all its experts) per step, which a bandwidth-bound decode feels.
+    scan_layers: str = "off"
     prefix: PrefixStoreConfig | None = dataclasses.field(default_factory=PrefixStoreConfig)
 
     def validate(self) -> None:
@@ -40,6 +46,10 @@ class EngineConfig:
                 raise ValueError(
                     f"engine setting '{name}' must be a positive integer or unset, got {value!r}"
                 )
+        if self.scan_layers not in SCAN_MODES:
+            raise ValueError(
+                f"engine setting 'scan_layers' must be one of {SCAN_MODES}, got {self.scan_layers!r}"
+            )
         if self.num_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("set either num_blocks or kv_memory_bytes, not both")
 
@@ -91,6 +101,7 @@ class EngineShape:
     buckets: tuple[int, ...]  # prefill program lengths
     table_buckets: tuple[int, ...]  # block-table widths: a step reads what its longest sequence holds
     decode_buckets: tuple[int, ...]  # decode program rows: the running requests, not every slot
+    scan_layers: str = "off"  # which programs scan the repeated layer groups (`jaxhybrid.scan`)
 
     def decode_rows(self, running: int) -> int:
         return next(b for b in self.decode_buckets if b >= running)
@@ -147,4 +158,5 @@ class EngineShape:
             buckets=prefill_buckets(config.prefill_chunk),
             table_buckets=table_buckets(per_seq),
             decode_buckets=decode_buckets(config.max_slots),
+            scan_layers=config.scan_layers,
         )

@@ -18,8 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, PagedMLACache, kda_zero_state
+from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, MLAView, PagedMLACache, kda_zero_state
+from jaxhybrid.layers.mla import read_paged, write_paged
 from jaxhybrid.model import HybridLM
+from jaxhybrid.scan import ScanDefs, forward_scanned, scan_layout, split_for_scan
 from serve.engine.config import EngineShape, ProgramShape
 from serve.engine.requests import Request
 from serve.engine.sampling import batch_arrays, sample
@@ -80,6 +82,7 @@ class Programs:
     run: Any
     write_rows: Any
     sample: Any
+    run_scanned: Any = None  # `run` over the scanned form (`jaxhybrid.scan`), when the engine scans
 
 
 def _write_rows(kda_pools: tuple[KDACache, ...], slot_ids: jax.Array, rows: tuple[KDACache, ...]) -> Any:
@@ -92,31 +95,54 @@ def _write_rows(kda_pools: tuple[KDACache, ...], slot_ids: jax.Array, rows: tupl
     )
 
 
-@functools.lru_cache(maxsize=16)
-def _programs(graphdef: Any, layer_types: tuple[str, ...], pool_shardings: Any = None) -> Programs:
-    """The Programs jitted once per model structure (and pool layout on a mesh, where they keep the pools
-    in their shardings)."""
+def _run_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
+    """The `run` program's function: `model_def` an nnx GraphDef (params: the model's state) or, for the
+    scanned form, `ScanDefs` (params: `ScanParams`). The scanned form reads each MLA layer's rows' view
+    (`MLAView`) before the scan and writes the new latents into the pools after it: the pools themselves
+    are not scan inputs, and each write still depends on its read (so the pool is updated in place)."""
+    scanned = isinstance(model_def, ScanDefs)
 
     def run(params, kda_pools, mla_pools, tokens, slot_ids, block_tables, start, num_valid):
-        model = nnx.merge(graphdef, params)
         kda_it, mla_it = iter(kda_pools), iter(mla_pools)
         cache = []
         for kind in layer_types:
             if kind == "kda":
                 pool = next(kda_it)
                 cache.append(KDACache(conv=pool.conv[slot_ids], state=pool.state[slot_ids]))
+            elif scanned:
+                cache.append(MLAView(view=read_paged(next(mla_it), block_tables), length=start))
             else:
                 cache.append(PagedMLACache(pool=next(mla_it), block_table=block_tables, length=start))
-        logits, new = model.forward_cached(tokens, tuple(cache), num_valid)
+        if scanned:
+            logits, new = forward_scanned(model_def, params, tokens, tuple(cache), num_valid)
+        else:
+            model = nnx.merge(model_def, params)
+            logits, new = model.forward_cached(tokens, tuple(cache), num_valid)
         rows = tuple(c for kind, c in zip(layer_types, new, strict=True) if kind == "kda")
-        new_mla = tuple(c.pool for kind, c in zip(layer_types, new, strict=True) if kind != "kda")
+        mla_new = tuple(c for kind, c in zip(layer_types, new, strict=True) if kind != "kda")
+        if scanned:
+            new_mla = tuple(
+                write_paged(PagedMLACache(pool, block_tables, start), w.new, num_valid)
+                for pool, w in zip(mla_pools, mla_new, strict=True)
+            )
+        else:
+            new_mla = tuple(c.pool for c in mla_new)
         last = jnp.maximum(num_valid - 1, 0)[:, None, None]
         return jnp.take_along_axis(logits, last, axis=1)[:, 0].astype(jnp.float32), rows, new_mla
 
+    return run
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(
+    graphdef: Any, layer_types: tuple[str, ...], pool_shardings: Any = None, scan: ScanDefs | None = None
+) -> Programs:
+    """The Programs jitted once per model structure (and scanned form, and pool layout on a mesh, where they
+    keep the pools in their shardings)."""
+    fns = [_run_fn(graphdef, layer_types)] + ([_run_fn(scan, layer_types)] if scan is not None else [])
     if pool_shardings is None:
-        return Programs(
-            jax.jit(run, donate_argnums=(2,)), jax.jit(_write_rows, donate_argnums=(0,)), jax.jit(sample)
-        )
+        runs = [jax.jit(fn, donate_argnums=(2,)) for fn in fns]
+        return Programs(runs[0], jax.jit(_write_rows, donate_argnums=(0,)), jax.jit(sample), *runs[1:])
     kda_shardings = tuple(s for kind, s in zip(layer_types, pool_shardings, strict=True) if kind == "kda")
     mla_shardings = tuple(s for kind, s in zip(layer_types, pool_shardings, strict=True) if kind != "kda")
     # Logits and sampled ids replicated: every process reads them (a mesh may span several processes); the
@@ -124,10 +150,13 @@ def _programs(graphdef: Any, layer_types: tuple[str, ...], pool_shardings: Any =
     replicated = jax.sharding.NamedSharding(
         jax.tree.leaves(pool_shardings)[0].mesh, jax.sharding.PartitionSpec()
     )
+    out = (replicated, None, mla_shardings)
+    runs = [jax.jit(fn, donate_argnums=(2,), out_shardings=out) for fn in fns]
     return Programs(
-        jax.jit(run, donate_argnums=(2,), out_shardings=(replicated, None, mla_shardings)),
+        runs[0],
         jax.jit(_write_rows, donate_argnums=(0,), out_shardings=kda_shardings),
         jax.jit(sample, out_shardings=replicated),
+        *runs[1:],
     )
 
 
@@ -183,6 +212,10 @@ class Runner:
         self.shape = shape
         self.model_config = cfg = model.config
         graphdef, self.params = nnx.split(model)
+        # The scanned form (`shape.scan_layers`), built once here, never inside a program: with "prefill" the
+        # prefill programs run it and decode the unrolled layers, with "all" every program.
+        layout = scan_layout(model) if shape.scan_layers != "off" else None
+        scan_defs, self.scan_params = split_for_scan(model, layout) if layout else (None, None)
         self.pool_shardings = None
         if mesh is not None:
             from sharding.placement import pool_shardings
@@ -190,7 +223,7 @@ class Runner:
             self.pool_shardings = pool_shardings(
                 cfg, mesh, slots=shape.slots, num_blocks=shape.num_blocks, block_size=shape.block_size
             )
-        self.programs = _programs(graphdef, cfg.layer_types, self.pool_shardings)
+        self.programs = _programs(graphdef, cfg.layer_types, self.pool_shardings, scan_defs)
         self.pools = self._new_pools()
         self._restore_shardings: list[tuple[Any, Any]] | None = None
         self._compiled: set[ProgramShape] = set()  # program shapes this runner has run or compiled
@@ -247,7 +280,8 @@ class Runner:
         slots = jnp.asarray(np.asarray(slot_ids, np.int32))
         host = (tokens, tables, start, valid)  # int32 on the host: no conversion on the device
         tokens_, tables_, start_, valid_ = (jnp.asarray(np.asarray(a, np.int32)) for a in host)
-        logits, rows, mla = self.programs.run(self.params, kda, mla, tokens_, slots, tables_, start_, valid_)
+        run, params = self._program(tokens.shape[1])
+        logits, rows, mla = run(params, kda, mla, tokens_, slots, tables_, start_, valid_)
         kda_it, mla_it = iter(self.programs.write_rows(kda, slots, rows)), iter(mla)
         self.pools = tuple(next(kda_it) if kind == "kda" else next(mla_it) for kind in kinds)
         self._compiled.add(ProgramShape(*tokens.shape, tables.shape[1]))
@@ -279,13 +313,11 @@ class Runner:
             jax.block_until_ready(self.run_program(*args))
         else:
             kda, mla = self._split_pools()
-            tokens, slots, tables, start, valid = (jnp.asarray(a) for a in args)
-            run = self.programs.run.lower(self.params, kda, mla, tokens, slots, tables, start, valid)
-            _, rows, _ = jax.eval_shape(
-                self.programs.run, self.params, kda, mla, tokens, slots, tables, start, valid
-            )
-            run.compile()
-            self.programs.write_rows.lower(kda, slots, rows).compile()
+            run, params = self._program(program.length)
+            inputs = (params, kda, mla, *(jnp.asarray(a) for a in args))
+            run.lower(*inputs).compile()
+            _, rows, _ = jax.eval_shape(run, *inputs)
+            self.programs.write_rows.lower(kda, inputs[4], rows).compile()
             self._compiled.add(program)
         return True
 
@@ -315,6 +347,12 @@ class Runner:
             return jax.device_put(logits, jax.devices()[0])
         mesh = jax.tree.leaves(self.pool_shardings)[0].mesh
         return jax.device_put(logits, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    def _program(self, length: int) -> tuple[Any, Any]:
+        """(model program, its parameters) for chunks of `length` tokens: scanned over the layer groups when
+        the engine's `scan_layers` says so for this length, else unrolled."""
+        scanned = self.scan_params is not None and (self.shape.scan_layers == "all" or length > 1)
+        return (self.programs.run_scanned, self.scan_params) if scanned else (self.programs.run, self.params)
 
     def _split_pools(self) -> tuple[tuple[KDACache, ...], tuple[jax.Array, ...]]:
         """(KDA state pools, MLA latent pools), each in layer order: what `run` reads and donates."""

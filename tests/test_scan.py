@@ -1,0 +1,69 @@
+"""The scanned form of the model (`jaxhybrid.scan`): the same logits and caches as the unrolled layers, and
+the engine running it serves the full pass's tokens and logprobs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from oracles import FullPass, assert_matches_full_pass
+
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM, pure_fn
+from jaxhybrid.scan import ScanLayout, forward_scanned, scan_layout, split_for_scan
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
+
+
+def deep_tiny(layers: int):
+    """`tiny` widths at another depth, every 4th layer MLA (1 dense lead layer)."""
+    kda = tuple(i for i in range(1, layers + 1) if i % 4)
+    mla = tuple(i for i in range(1, layers + 1) if i % 4 == 0)
+    return load_config("tiny").replace(num_hidden_layers=layers, kda_layers=kda, full_attn_layers=mla)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HybridLM(deep_tiny(10), rngs=nnx.Rngs(0))
+
+
+def test_layout_scans_the_repeated_groups(model):
+    # layer 0 dense (lead), layers 1-8 two groups of K K M K, layer 9 the partial group (tail)
+    assert scan_layout(model) == ScanLayout(num_layers=10, start=1, period=4, groups=2)
+    assert scan_layout(HybridLM(load_config("tiny"), rngs=nnx.Rngs(0))) is None  # one group: nothing to scan
+    k3 = nnx.eval_shape(lambda: HybridLM(load_config("tiny-k3"), rngs=nnx.Rngs(0)))
+    assert scan_layout(k3) is None  # attention residuals: not scanned
+
+
+def test_scanned_forward_equals_forward_cached(model):
+    defs, params = split_for_scan(model, scan_layout(model))
+    cached, state = pure_fn(model, "forward_cached")
+    scanned = jax.jit(lambda p, *a: forward_scanned(defs, p, *a))
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 3, 512)
+    lengths = jnp.array([24, 13])
+    want, want_cache = cached(state, tokens, model.init_cache(2, 32), lengths)
+    got, got_cache = scanned(params, tokens, model.init_cache(2, 32), lengths)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    step = tokens[:, :1]  # one decode step on those caches
+    got_step, want_step = scanned(params, step, got_cache, None)[0], cached(state, step, want_cache, None)[0]
+    np.testing.assert_allclose(got_step, want_step, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # compiles 10-layer engine programs (about 30 s quiet, 100 s loaded)
+def test_scanning_engine_serves_the_full_pass(model):
+    config = EngineConfig(max_slots=2, block_size=8, prefill_chunk=16, max_model_len=40, scan_layers="all")
+    eng = Engine(model, config)
+    assert eng.runner.programs.run_scanned is not None
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 512, 21).tolist()]  # two prefill chunks (16 + 5), then decode
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=True)
+    full = FullPass(model, pad=32)
+    for prompt, res in zip(prompts, eng.generate(prompts, greedy), strict=True):
+        assert_matches_full_pass(full, prompt, res.token_ids, res.logprobs)
+
+
+def test_scan_setting_is_checked():
+    with pytest.raises(ValueError, match="scan_layers"):
+        EngineConfig(scan_layers="yes").validate()
