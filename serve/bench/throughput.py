@@ -128,17 +128,16 @@ def active_params(cfg: Any, params: dict[str, int]) -> tuple[float, float]:
     return active, active - params["embedding"]
 
 
-def prefill_flops(cfg: Any, matmul_params: float, tokens: int) -> dict[str, float]:
-    """Model FLOPs of a prefill of `tokens` tokens from an empty cache (see COUNTING)."""
+def prefill_flops(cfg: Any, matmul_params: float, tokens: int, start: int = 0) -> dict[str, float]:
+    """Model FLOPs of a prefill of `tokens` tokens after `start` tokens already in the cache (see COUNTING;
+    each new token attends to every cached one and to the new ones up to itself)."""
     dense = 2.0 * matmul_params * tokens
     mla = (
         cfg.num_mla_layers
         * 2.0
         * cfg.num_attention_heads
         * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
-        * tokens
-        * (tokens + 1)
-        / 2
+        * (tokens * start + tokens * (tokens + 1) / 2)
     )
     kda = cfg.num_kda_layers * 6.0 * cfg.kda_num_heads * cfg.kda_head_dim**2 * tokens
     return {

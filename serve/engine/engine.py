@@ -33,6 +33,7 @@ from serve.engine.requests import (
     RequestOutput,
     check_cache_salt,
     check_request,
+    stop_reason,
 )
 from serve.engine.runner import Runner
 from serve.engine.sampling import SamplingParams
@@ -275,12 +276,7 @@ class Engine:
             req.first_token_time = time.perf_counter()
         req.generated.append(token)
         req.logprobs.append(logprob)
-        p = req.params
-        reason = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token == self.model_config.eos_token_id):
-            reason = FinishReason.STOP
-        elif len(req.generated) >= p.max_tokens or len(req.tokens) >= self.max_model_len:
-            reason = FinishReason.LENGTH
+        reason = stop_reason(req, token, self.model_config.eos_token_id, self.max_model_len)
         if reason is not None:
             if self.store is not None and req.slot is not None:
                 self.store.on_finished(req, self.runner)

@@ -147,6 +147,19 @@ class Request:
         }
 
 
+def stop_reason(
+    req: Request, token: int, eos_token_id: int | None, max_model_len: int
+) -> FinishReason | None:
+    """Why `req` ends after `token` was appended to it (a stop token or EOS, its max_tokens or the
+    context), or None: it goes on. The engine and the simulator (`serve.bench.simulate`) share it."""
+    p = req.params
+    if token in p.stop_token_ids or (not p.ignore_eos and token == eos_token_id):
+        return FinishReason.STOP
+    if len(req.generated) >= p.max_tokens or len(req.prompt) + len(req.generated) >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """What one engine step produced for one request (the streaming unit)."""
