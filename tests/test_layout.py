@@ -7,7 +7,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PREFIX_INTERFACE = {"serve.prefix.store", "serve.prefix.fingerprint"}
+# the store, its weights fingerprint, and the analytic account of what it keeps (`memory --turns`)
+PREFIX_INTERFACE = {"serve.prefix.store", "serve.prefix.fingerprint", "serve.prefix.ledger"}
 
 
 def imports(path: Path) -> set[str]:

@@ -36,8 +36,7 @@ from serve.engine.config import EngineConfig, EngineShape
 from serve.engine.requests import GenerateResult, Request, RequestError, stop_reason
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import Scheduler, StepPlan
-from serve.prefix.checkpoints import KindTally
-from serve.prefix.store import PrefixStore
+from serve.prefix.store import PrefixStore, empty_ledger
 
 # what a checkpoint keeps where the engine keeps next-token logits (the store only tests it for None and the
 # scheduler indexes it with [None])
@@ -150,12 +149,8 @@ class SimEngine:
         out: dict[str, Any] = {
             "live_kv_bytes": len(live) * self.shape.block_bytes,
             "live_state_bytes": len(self.scheduler.running) * self.shape.state_bytes,
-            "cached_kv_blocks": 0,
-            "cached_kv_bytes": 0,
-            "checkpoint_bytes": {"device": 0, "host": 0, "disk": 0},
-            "checkpoints": {"device": 0, "host": 0, "disk": 0},
             "prefix_cache": self.store is not None,
-            **KindTally().ledger(),
+            **empty_ledger(),
         }
         if self.store is not None:
             out.update(self.store.ledger(live))

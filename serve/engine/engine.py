@@ -38,9 +38,8 @@ from serve.engine.requests import (
 from serve.engine.runner import Runner
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import Scheduler
-from serve.prefix.checkpoints import KindTally
 from serve.prefix.fingerprint import model_fingerprint
-from serve.prefix.store import PrefixStore
+from serve.prefix.store import PrefixStore, empty_ledger
 from sharding.multihost import Peers
 
 log = logging.getLogger("jaxhybrid.engine")
@@ -389,12 +388,8 @@ class Engine:
         out: dict[str, Any] = {
             "live_kv_bytes": len(live_blocks) * self.shape.block_bytes,
             "live_state_bytes": len(self.running) * self.shape.state_bytes,
-            "cached_kv_blocks": 0,
-            "cached_kv_bytes": 0,
-            "checkpoint_bytes": {"device": 0, "host": 0, "disk": 0},
-            "checkpoints": {"device": 0, "host": 0, "disk": 0},
             "prefix_cache": self.store is not None,
-            **KindTally().ledger(),
+            **empty_ledger(),
         }
         if self.store is not None:
             out.update(self.store.ledger(live_blocks))

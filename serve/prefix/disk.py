@@ -43,6 +43,7 @@ from typing import Any
 
 from jaxhybrid.weights.orbax_io import checkpointer
 from serve.prefix import files
+from serve.prefix.checkpoints import KindTally, Tier
 from serve.prefix.entries import DiskEntry, read_arrays, read_entry, write_entry
 from serve.prefix.files import (
     FULL_RETRY_S,
@@ -342,6 +343,18 @@ class DiskTier:
         if entry.key in self.entries and not entry.holders:
             self._drop(entry)
         return None
+
+    def ledger(self, by_kind: KindTally) -> dict[str, Any]:
+        """This tier's part of the store's ledger (committed entries: states + KV of their prefixes + files;
+        saves on their way); adds each entry's bytes to `by_kind`."""
+        for entry in self.entries.values():
+            by_kind.add(entry.kind, Tier.DISK, entry.disk_bytes)
+        return {
+            "disk_pending": len(self.pending),
+            "disk_pending_bytes": self.pending_bytes,
+            "disk_ignored": len(self.ignored),
+            "store_dir": str(self.dir),
+        }
 
     def close(self) -> None:
         """Finish pending saves and reads, release the namespace's lock."""

@@ -134,6 +134,18 @@ class Attachment:
     fill_kv: Any = None  # per MLA layer [full blocks, block_size, latent] from disk
 
 
+def empty_ledger() -> dict[str, Any]:
+    """The ledger's checkpoint and cached-KV entries with nothing held (what an engine without a store
+    reports, and where a store's own ledger starts)."""
+    return {
+        "cached_kv_blocks": 0,
+        "cached_kv_bytes": 0,
+        "checkpoint_bytes": {"device": 0, "host": 0, "disk": 0},
+        "checkpoints": {"device": 0, "host": 0, "disk": 0},
+        **KindTally().ledger(),
+    }
+
+
 class PrefixStore:
     def __init__(
         self,
@@ -445,28 +457,19 @@ class PrefixStore:
         """Bytes and counts per tier and per checkpoint kind and tier, and what reuse saved or cost (blocks in
         `live_blocks` count as live)."""
         cached = [b for b in self.held_blocks if b not in live_blocks]
-        out: dict[str, Any] = {
-            "cached_kv_blocks": len(cached),
-            "cached_kv_bytes": len(cached) * self.block_bytes,
-            "checkpoint_bytes": {t: self.checkpoints.bytes(t) for t in (Tier.DEVICE, Tier.HOST)},
-            "checkpoints": {t: self.checkpoints.count(t) for t in (Tier.DEVICE, Tier.HOST)},
-            "checkpoint_interval": self.config.checkpoint_interval,
-        }
-        out["checkpoint_bytes"]["disk"] = out["checkpoints"]["disk"] = 0
+        out = empty_ledger()
         by_kind = self.checkpoints.tally(KindTally())
+        for tier in (Tier.DEVICE, Tier.HOST):
+            out["checkpoint_bytes"][tier] = self.checkpoints.bytes(tier)
+            out["checkpoints"][tier] = self.checkpoints.count(tier)
+        out.update(cached_kv_blocks=len(cached), cached_kv_bytes=len(cached) * self.block_bytes)
         out.update(flatten(self.lookups, self.memory_stats, None if self.disk is None else self.disk.stats))
-        disk = self.disk
-        if disk is not None:  # bytes of the committed entries (states + KV of their prefixes + files)
-            out["checkpoint_bytes"]["disk"] = disk.bytes
-            out["checkpoints"]["disk"] = len(disk.entries)
-            out["disk_pending"] = len(disk.pending)
-            out["disk_pending_bytes"] = disk.pending_bytes
-            out["disk_ignored"] = len(disk.ignored)
-            out["store_dir"] = str(disk.dir)
-            for entry in disk.entries.values():
-                by_kind.add(entry.kind, Tier.DISK, entry.disk_bytes)
-        out.update(by_kind.ledger())
-        return out
+        out["checkpoint_interval"] = self.config.checkpoint_interval
+        if self.disk is not None:
+            out["checkpoint_bytes"][Tier.DISK] = self.disk.bytes
+            out["checkpoints"][Tier.DISK] = len(self.disk.entries)
+            out.update(self.disk.ledger(by_kind))
+        return out | by_kind.ledger()
 
     def close(self) -> None:
         if self.disk is not None:
