@@ -35,6 +35,7 @@ def test_layout_scans_the_repeated_groups(model):
     assert scan_layout(k3) is None  # attention residuals: not scanned
 
 
+@pytest.mark.slow  # compiles both forms of a 10-layer model (about 20 s); the setting is off by default
 def test_scanned_forward_equals_forward_cached(model):
     defs, params = split_for_scan(model, scan_layout(model))
     cached, state = pure_fn(model, "forward_cached")
