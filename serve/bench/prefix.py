@@ -40,24 +40,17 @@ def settings(args: argparse.Namespace) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = [("off", None)]
     for policy in policies:
         tag = f" ({policy})" if len(policies) > 1 else ""
-        for interval in intervals:
-            cfg = PrefixStoreConfig(
-                checkpoint_interval=interval,
-                prompt_end_checkpoints=False,
-                sequence_end_checkpoints=False,
-                eviction=policy,
-                **budgets,
-            )
-            out.append((f"interval {interval}{tag}", cfg))
-        for interval in ends_intervals:
-            cfg = PrefixStoreConfig(
-                checkpoint_interval=interval,
-                prompt_end_checkpoints=True,
-                sequence_end_checkpoints=True,
-                eviction=policy,
-                **budgets,
-            )
-            out.append((f"prompt/sequence-end + interval {interval}{tag}", cfg))
+        for at_ends, spacing in ((False, intervals), (True, ends_intervals)):
+            for interval in spacing:
+                cfg = PrefixStoreConfig(
+                    checkpoint_interval=interval,
+                    prompt_end_checkpoints=at_ends,
+                    sequence_end_checkpoints=at_ends,
+                    eviction=policy,
+                    **budgets,
+                )
+                name = f"prompt/sequence-end + interval {interval}" if at_ends else f"interval {interval}"
+                out.append((name + tag, cfg))
     return out
 
 
