@@ -101,3 +101,26 @@ def test_bench_prefix_simulate_runs_the_k3_shape_in_seconds(capsys):
     assert rows["off"]["hit_tokens"] == 0 and ends["hit_rate"] > rows["interval 4096"]["hit_rate"] > 0
     assert ends["sequences_fit"] < ends["sequences_fit_without_checkpoints"]
     assert ends["prefill_flops"] < rows["off"]["prefill_flops"]
+
+
+def test_a_request_that_preempts_itself_at_admission_ends_the_admissions_of_that_step():
+    """A 5-block pool (4 usable) and a prefix hit: the admitted request needed more blocks than could be
+    freed, preempted itself, went back to the front of the queue with its slot free, and `_admit` took it
+    again, forever, inside one `schedule()` (found with the simulator; the engine runs the same scheduler).
+    Now admission stops for that step, and every request is served."""
+    import threading
+
+    from serve.bench.simulate import random_answers
+
+    workload = ChatWorkload(
+        seed=3, conversations=4, turns=3, system_len=8, user_min=2, user_max=5, max_tokens=2, branch_prob=0.5
+    )
+    shape = {**SHAPE, "num_blocks": 5}
+    config = EngineConfig(**shape, prefix=PrefixStoreConfig(checkpoint_interval=8, **NO_ENDS))
+    sim = SimEngine(CFG, config, random_answers(CFG.vocab_size, 0), CostModel.of(CFG, 0.0))
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(r=replay(sim, workload, CFG.vocab_size)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the scheduler did not return"
+    assert len(out["r"].stats) == 12

@@ -131,9 +131,9 @@ class Scheduler:
                 budget -= n
 
     def _admit_one(self, req: Request, budget: int) -> tuple[bool, int | None]:
-        """Admit the first waiting request: (False, None) when it does not fit now (admission stops), else
-        (True, its first chunk), or (True, None) when it left the queue without a job (preempted again for
-        blocks, or waiting for its prefix to be read from disk)."""
+        """Admit the first waiting request: (False, None) when it does not fit now (admission stops; also when
+        it was admitted and had to preempt itself for blocks), else (True, its first chunk), or (True, None)
+        when it left the queue without a job (waiting for its prefix to be read from disk)."""
         store, bs = self.store, self.shape.block_size
         hit = store.match(req.tokens, req.cache_salt) if store is not None else None
         load = req.load
@@ -169,8 +169,10 @@ class Scheduler:
         if hit is not None:
             req.recomputed_tokens += hit.recomputed
         n = self._chunk(req, budget)
-        if not req.running or not self._ensure_blocks(req, req.num_computed + n):
-            return True, None
+        if not self._ensure_blocks(req, req.num_computed + n):
+            # It preempted itself: it is first in the queue again with its slot free, and taking it again
+            # in this step would repeat exactly this; the running requests free blocks as they go on.
+            return False, None
         return True, n
 
     def _give_prefix(self, req: Request, att: Attachment) -> Restore | None:
