@@ -36,7 +36,7 @@ from serve.engine.config import EngineConfig, EngineShape
 from serve.engine.requests import GenerateResult, Request, RequestError, stop_reason
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import Scheduler, StepPlan
-from serve.prefix.store import PrefixStore, empty_ledger
+from serve.prefix.store import PrefixStore
 
 # what a checkpoint keeps where the engine keeps next-token logits (the store only tests it for None and the
 # scheduler indexes it with [None])
@@ -145,16 +145,7 @@ class SimEngine:
 
     def ledger(self) -> dict[str, Any]:
         """The engine's ledger (`Engine.ledger`): live bytes, and the store's accounts."""
-        live = {b for r in self.scheduler.running for b in r.blocks}
-        out: dict[str, Any] = {
-            "live_kv_bytes": len(live) * self.shape.block_bytes,
-            "live_state_bytes": len(self.scheduler.running) * self.shape.state_bytes,
-            "prefix_cache": self.store is not None,
-            **empty_ledger(),
-        }
-        if self.store is not None:
-            out.update(self.store.ledger(live))
-        return out
+        return self.scheduler.ledger()
 
     # --- one step, as Engine.step: plan -> (simulated) run -> update ----------------------------------------
     def step(self) -> None:

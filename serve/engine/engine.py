@@ -39,7 +39,7 @@ from serve.engine.runner import Runner
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import Scheduler
 from serve.prefix.fingerprint import model_fingerprint
-from serve.prefix.store import PrefixStore, empty_ledger
+from serve.prefix.store import PrefixStore
 from sharding.multihost import Peers
 
 log = logging.getLogger("jaxhybrid.engine")
@@ -384,17 +384,7 @@ class Engine:
     # --- memory account ------------------------------------------------------------------------------------
     def ledger(self) -> dict[str, Any]:
         """Every byte the engine and its prefix store hold, and what reuse saved or cost."""
-        live_blocks = {b for r in self.running for b in r.blocks}
-        out: dict[str, Any] = {
-            "live_kv_bytes": len(live_blocks) * self.shape.block_bytes,
-            "live_state_bytes": len(self.running) * self.shape.state_bytes,
-            "prefix_cache": self.store is not None,
-            **empty_ledger(),
-        }
-        if self.store is not None:
-            out.update(self.store.ledger(live_blocks))
-            out["disk_loading"] = len(self.scheduler.loading)
-        return out
+        return self.scheduler.ledger()
 
     def memory(self) -> dict[str, Any]:
         """Bytes held by the engine: KV blocks (used/free), live KDA states, and per running request."""

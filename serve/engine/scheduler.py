@@ -25,7 +25,7 @@ from serve.engine.blocks import BlockAllocator
 from serve.engine.config import EngineShape
 from serve.engine.requests import FinishReason, QueueState, Request, RequestStatus
 from serve.engine.runner import Restore
-from serve.prefix.store import Attachment, Hit, PrefixStore
+from serve.prefix.store import Attachment, Hit, PrefixStore, empty_ledger
 
 
 @dataclasses.dataclass
@@ -114,6 +114,21 @@ class Scheduler:
         plan.admissions = kept
         self._plan = None
         return plan
+
+    def ledger(self) -> dict[str, Any]:
+        """Every byte the running requests and the prefix store hold, and what reuse saved or cost (the
+        engine's ledger, and the simulator's)."""
+        live_blocks = {b for r in self.running for b in r.blocks}
+        out: dict[str, Any] = {
+            "live_kv_bytes": len(live_blocks) * self.shape.block_bytes,
+            "live_state_bytes": len(self.running) * self.shape.state_bytes,
+            "prefix_cache": self.store is not None,
+            **empty_ledger(),
+        }
+        if self.store is not None:
+            out.update(self.store.ledger(live_blocks))
+            out["disk_loading"] = len(self.loading)
+        return out
 
     def _admit(self, budget: int, planned: list[tuple[Request, int, int]]) -> None:
         while self.waiting and self.free_slots and budget > 0:
