@@ -116,7 +116,7 @@ def test_chat_ledger_by_kind_matches_a_real_engine():
     ledger = engine.ledger()
     checkpoints = list(engine.store.checkpoints)
     assert {ck.position: ck.kind for ck in checkpoints} == chat_checkpoints(chat, policy)
-    assert report["checkpoints_by_kind"] == {"interval": 3, "prompt_end": 2, "sequence_end": 2}
+    assert report["checkpoints_by_kind"] == {"interval": 3, "prompt_end": 2, "sequence_end": 2, "junction": 0}
     for kind in CheckpointKind:
         mine = [ck for ck in checkpoints if ck.kind is kind]
         held = sum(

@@ -138,9 +138,19 @@ def test_chat_checkpoints_by_kind_equal_a_hand_count():
         119: CheckpointKind.SEQUENCE_END,
     }
     rep = chat_report(cfg, chat, policy, jnp.float32, hbm_bytes=10**6)
-    assert rep["checkpoints_by_kind"] == {"interval": 3, "prompt_end": 2, "sequence_end": 3}
-    assert rep["checkpoint_tails_by_kind"] == {"interval": 0, "prompt_end": 1, "sequence_end": 3}
-    by_kind = {"interval": 3 * state, "prompt_end": 2 * state + block, "sequence_end": 3 * (state + block)}
+    assert rep["checkpoints_by_kind"] == {"interval": 3, "prompt_end": 2, "sequence_end": 3, "junction": 0}
+    assert rep["checkpoint_tails_by_kind"] == {
+        "interval": 0,
+        "prompt_end": 1,
+        "sequence_end": 3,
+        "junction": 0,
+    }
+    by_kind = {
+        "interval": 3 * state,
+        "prompt_end": 2 * state + block,
+        "sequence_end": 3 * (state + block),
+        "junction": 0,
+    }
     assert rep["checkpoint_bytes_by_kind"] == by_kind
     checkpoints = 8 * state + 4 * block
     assert (rep["num_checkpoints"], rep["checkpoint_bytes"], rep["checkpoint_tail_kv_bytes"]) == (
@@ -180,7 +190,7 @@ def test_memory_chat_cli(capsys):
     assert main([*args, "--interval", "32", "--dtype", "float32", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["context"] == 120 and rep["num_checkpoints"] == 8
-    assert rep["checkpoints_by_kind"] == {"interval": 3, "prompt_end": 2, "sequence_end": 3}
+    assert rep["checkpoints_by_kind"] == {"interval": 3, "prompt_end": 2, "sequence_end": 3, "junction": 0}
     assert rep["chat"]["prompt_end_checkpoints"] and rep["chat"]["block_size"] == 16
     assert main([*args, "--interval", "32", "--no-sequence-end-checkpoints", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["checkpoints_by_kind"]["sequence_end"] == 0

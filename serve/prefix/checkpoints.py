@@ -29,6 +29,7 @@ class CheckpointKind(StrEnum):
     INTERVAL = "interval"  # a multiple of the checkpoint interval
     PROMPT_END = "prompt_end"  # the end of a prompt (keeps its next-token logits)
     SEQUENCE_END = "sequence_end"  # the last computed position of a finished sequence
+    JUNCTION = "junction"  # where a prompt leaves a prefix others hold or compute (adaptive policy)
 
 
 @dataclasses.dataclass

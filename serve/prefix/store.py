@@ -36,6 +36,8 @@ from serve.prefix.index import BlockIndex, ChainHasher, TailIndex
 from serve.prefix.policies import POLICIES, make_policy
 from serve.prefix.stats import LookupStats, MemoryStats, flatten
 
+CHECKPOINT_POLICIES = ("fixed", "adaptive")
+
 
 @dataclasses.dataclass
 class PrefixStoreConfig:
@@ -50,7 +52,23 @@ class PrefixStoreConfig:
     disk_max_pending: int = 64  # saves queued at most; a checkpoint beyond that is not written
     disk_max_pending_bytes: int = 1 << 30  # and the device bytes those queued saves may hold
     max_tails: int = 16384  # partial blocks remembered (for how far a prompt matches), least recent dropped
-    eviction: str = "lru"  # the memory tiers' eviction policy (serve.prefix.policies)
+    eviction: str | None = None  # the memory tiers' eviction policy (serve.prefix.policies); None: the
+    # checkpoint policy's own ("lru" for fixed, "value" for adaptive)
+    # "fixed": checkpoints at interval multiples, prompt ends and sequence ends (as configured), LRU order.
+    # "adaptive": checkpoint_interval is the finest spacing; junctions (where a prompt leaves what is cached
+    # or what another request is computing) are added, requests that share a prefix being computed wait for
+    # its checkpoint, and eviction weighs what a checkpoint saves per byte by how often its kind is reused.
+    checkpoint_policy: str = "fixed"
+
+    @property
+    def eviction_policy(self) -> str:
+        if self.eviction is not None:
+            return self.eviction
+        return "value" if self.checkpoint_policy == "adaptive" else "lru"
+
+    @property
+    def adaptive(self) -> bool:
+        return self.checkpoint_policy == "adaptive"
 
     def validate(self, block_size: int) -> None:
         if self.checkpoint_interval < 1 or self.checkpoint_interval % block_size:
@@ -63,8 +81,15 @@ class PrefixStoreConfig:
                 raise ValueError(f"prefix store setting '{name}' must be >= 0")
         if self.disk_max_pending < 1:
             raise ValueError("prefix store setting 'disk_max_pending' must be >= 1")
-        if self.eviction not in POLICIES:
-            raise ValueError(f"unknown eviction policy {self.eviction!r} (known: {', '.join(POLICIES)})")
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(
+                f"unknown eviction policy {self.eviction_policy!r} (known: {', '.join(POLICIES)})"
+            )
+        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
+            raise ValueError(
+                f"unknown checkpoint policy {self.checkpoint_policy!r} "
+                f"(known: {', '.join(CHECKPOINT_POLICIES)})"
+            )
         if self.store_dir is not None and Path(self.store_dir).exists() and not Path(self.store_dir).is_dir():
             raise ValueError(f"prefix store directory '{self.store_dir}' is not a directory")
 
@@ -171,7 +196,7 @@ class PrefixStore:
         self.tails = TailIndex(config.max_tails)
         self.lookups, self.memory_stats = LookupStats(), MemoryStats()
         self.checkpoints = CheckpointTiers(
-            config.device_bytes, config.host_bytes, make_policy(config.eviction), self.memory_stats
+            config.device_bytes, config.host_bytes, make_policy(config.eviction_policy), self.memory_stats
         )
         self.disk: DiskTier | None = None
         if config.store_dir is not None:  # entries are valid only for this model and cache layout
