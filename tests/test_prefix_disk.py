@@ -90,7 +90,7 @@ def test_restart_serves_hits_from_disk_with_identical_output(model, full_pass, t
     # by kind (interval 16 of each prompt and 32, the prompt ends 21 and 37, the sequence ends 24, 40, 19), in
     # memory and on disk, where the manifests keep the kinds' plain strings
     per_tier = lambda ledger, tier: {k: v[tier] for k, v in ledger["checkpoints_by_kind"].items()}
-    kinds = {"interval": 4, "prompt_end": 2, "sequence_end": 3}
+    kinds = {"interval": 4, "prompt_end": 2, "sequence_end": 3, "junction": 0}
     assert per_tier(la, "device") == per_tier(la, "disk") == kinds
     manifests = [json.loads(m.read_text()) for m in tmp_path.glob(f"*/*/{MANIFEST}")]
     assert {k: sum(m["kind"] == k for m in manifests) for k in kinds} == kinds

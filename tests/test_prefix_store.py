@@ -224,15 +224,17 @@ def shared_prefix_workloads(draw):
     host_states=st.sampled_from([0, 2, 64]),
     num_blocks=st.sampled_from([None, 40]),
     prompt_end=st.booleans(),
+    policy=st.sampled_from(["fixed", "adaptive"]),
 )
 def test_store_on_equals_store_off_for_generated_workloads(
-    model, full_pass, rounds, interval, device_states, host_states, num_blocks, prompt_end
+    model, full_pass, rounds, interval, device_states, host_states, num_blocks, prompt_end, policy
 ):
-    """Any shared-prefix workload, checkpoint spacing, tier budgets (down to nothing) and pool size (40
-    blocks: cached blocks are evicted): the same greedy tokens as without the store, and tokens and
+    """Any shared-prefix workload, checkpoint policy and spacing, tier budgets (down to nothing) and pool
+    size (40 blocks: cached blocks are evicted): the same greedy tokens as without the store, and tokens and
     logprobs as the full causal pass (a resumed prefill sums in another order: LOGPROB_TOL)."""
     state = kda_state_bytes(model.config, jnp.float32)["total"]
     cfg = PrefixStoreConfig(
+        checkpoint_policy=policy,
         checkpoint_interval=interval,
         prompt_end_checkpoints=prompt_end,
         device_bytes=device_states * state,

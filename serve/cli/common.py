@@ -27,6 +27,21 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
         help="keep a KDA state checkpoint every N tokens (a multiple of --block-size; default 32768)",
     )
     g.add_argument(
+        "--checkpoint-policy",
+        choices=("fixed", "adaptive"),
+        default="fixed",
+        help="fixed: a checkpoint every --checkpoint-interval tokens and at prompt / sequence ends, least "
+        "recently used evicted first; adaptive: --checkpoint-interval is the finest spacing, junctions where "
+        "prompts leave a shared prefix are added, requests sharing a prefix being computed wait for its "
+        "checkpoint, and what saves the least prefill per byte is evicted first (default fixed)",
+    )
+    g.add_argument(
+        "--eviction",
+        choices=("lru", "value"),
+        default=None,
+        help="checkpoint eviction order (default: lru with --checkpoint-policy fixed, value with adaptive)",
+    )
+    g.add_argument(
         "--no-prompt-end-checkpoints",
         action="store_true",
         help="do not checkpoint the state at the end of every prompt",
@@ -69,6 +84,8 @@ def prefix_config(args: argparse.Namespace):  # -> PrefixStoreConfig | None
         store_dir=args.store_dir,
         disk_bytes=int(args.disk_cache_mb * 2**20),
         checkpoint_interval=args.checkpoint_interval,
+        checkpoint_policy=args.checkpoint_policy,
+        eviction=args.eviction,
         prompt_end_checkpoints=not args.no_prompt_end_checkpoints,
         sequence_end_checkpoints=not args.no_sequence_end_checkpoints,
         device_bytes=int(args.device_cache_mb * 2**20),

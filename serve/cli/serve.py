@@ -230,7 +230,9 @@ def serve_http(
         cfg.max_slots,
         cfg.block_size,
         engine.max_model_len,
-        "off" if cfg.prefix is None else f"on (checkpoint interval {cfg.prefix.checkpoint_interval})",
+        "off"
+        if cfg.prefix is None
+        else f"on ({cfg.prefix.checkpoint_policy} checkpoints, interval {cfg.prefix.checkpoint_interval})",
         args.host,
         args.port,
     )

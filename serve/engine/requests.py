@@ -110,6 +110,8 @@ class Request:
     recomputed_tokens: int = 0
     error: str | None = None  # why the engine failed this request (finish_reason "error")
     load: Any = None  # the prefix store's read of this request's prefix from disk, while it waits for it
+    cuts: set[int] = dataclasses.field(default_factory=set)  # junctions it checkpoints at (adaptive policy)
+    checkpoint_base: bytes | None = None  # the prefix store's last checkpoint on its path
 
     @property
     def tokens(self) -> list[int]:

@@ -2,13 +2,15 @@
 matches) it plans one engine step: admissions (with the prefix restores they need), decode rows, prefill
 chunks, and the preemptions that made room. It runs no model; the runner executes the plan.
 
-Policy: requests are admitted in arrival order while a slot, the blocks for their first chunk and the
-token budget allow (a request whose prefix is on disk waits for it in the background and lets the next
-one go first). Every running request with one token to extend is decoded; prefill chunks (continuing ones
-in admission order first, then the newly admitted) share the rest of the budget and end on checkpoint
-positions. When blocks run out, cached blocks only the store holds are evicted first, then the newest
-running request is preempted (recomputed from its tokens when it is readmitted). The plan is fixed only
-once admission is done: a request preempted meanwhile keeps no job, one readmitted keeps only its newest.
+Policy: requests are admitted in arrival order while a slot, the blocks for their first chunk and the token
+budget allow (a request whose prefix is on disk waits for it in the background and lets the next one go
+first). Every running request with one token to extend is decoded; prefill chunks (continuing ones in
+admission order first, then the newly admitted) share the rest of the budget and end on checkpoint positions.
+With the adaptive checkpoint policy a waiting request whose prompt shares a prefix that a running request is
+still computing is passed over until that request has checkpointed the shared part (in-batch sharing; the
+requests behind it go first). When blocks run out, cached blocks only the store holds are evicted first, then
+the newest running request is preempted (recomputed from its tokens when it is readmitted). The plan is fixed
+only once admission is done: a request preempted meanwhile keeps no job, one readmitted keeps only its newest.
 """
 
 from __future__ import annotations
@@ -131,8 +133,12 @@ class Scheduler:
         return out
 
     def _admit(self, budget: int, planned: list[tuple[Request, int, int]]) -> None:
+        deferred: list[Request] = []  # waiting for a running request's checkpoint of a shared prefix
         while self.waiting and self.free_slots and budget > 0:
             req = self.waiting[0]
+            if self._waits_for_shared_prefix(req, planned):
+                deferred.append(self.waiting.popleft())
+                continue
             try:
                 admitted, n = self._admit_one(req, budget)
             except Exception as exc:  # noqa: BLE001 - e.g. an unreadable prefix: this request only
@@ -144,6 +150,21 @@ class Scheduler:
             if n is not None:
                 planned.append((req, n, req.order))
                 budget -= n
+        self.waiting.extendleft(reversed(deferred))
+
+    def _waits_for_shared_prefix(self, req: Request, planned: list[tuple[Request, int, int]]) -> bool:
+        """In-batch sharing (the adaptive checkpoint policy): when a running request is computing a prefix
+        `req` shares, `req` waits for that request's checkpoint at the end of the shared part (it is cut
+        there, this step's chunk too) instead of computing the prefix a second time."""
+        found = self.store.shared_prefix(req, self.running) if self.store is not None else None
+        if found is None:
+            return False
+        leader, shared = found
+        leader.cuts.add(shared)
+        for i, (r, n, order) in enumerate(planned):
+            if r is leader and r.num_computed < shared < r.num_computed + n:
+                planned[i] = (r, shared - r.num_computed, order)
+        return True
 
     def _admit_one(self, req: Request, budget: int) -> tuple[bool, int | None]:
         """Admit the first waiting request: (False, None) when it does not fit now (admission stops; also when
@@ -183,6 +204,9 @@ class Scheduler:
             store.missed(hit)
         if hit is not None:
             req.recomputed_tokens += hit.recomputed
+            cut = store.junction(req, hit)
+            if cut is not None:
+                req.cuts.add(cut)
         n = self._chunk(req, budget)
         if not self._ensure_blocks(req, req.num_computed + n):
             # It preempted itself: it is first in the queue again with its slot free, and taking it again
@@ -248,7 +272,7 @@ class Scheduler:
         """Next prefill piece: bounded by the chunk and the budget, and ending on a checkpoint position."""
         n = min(req.pending, self.shape.prefill_chunk, budget)
         if self.store is not None:
-            n = min(n, self.store.chunk_limit(req.num_computed))
+            n = min(n, self.store.chunk_limit(req))
         return n
 
     def _ensure_blocks(self, req: Request, upto: int) -> bool:
@@ -270,6 +294,7 @@ class Scheduler:
         """Give back the request's slot and blocks; it is recomputed from its tokens when readmitted."""
         self._release(req)
         req.status, req.num_computed, req.stored_logits = RequestStatus.WAITING, 0, None
+        req.checkpoint_base = None
         req.preemptions += 1
         self.waiting.appendleft(req)
         if self._plan is not None:

@@ -82,7 +82,9 @@ class EngineCollector(Collector):
             ("jaxhybrid_checkpoints_by_kind", "checkpoints_by_kind", "state checkpoints held"),
         ):
             g = GaugeMetricFamily(
-                name, f"{doc} by kind (interval, prompt_end, sequence_end) and tier", labels=["kind", "tier"]
+                name,
+                f"{doc} by kind (interval, prompt_end, sequence_end, junction) and tier",
+                labels=["kind", "tier"],
             )
             for kind, tiers in ledger.get(key, {}).items():
                 for tier, n in tiers.items():

@@ -66,6 +66,8 @@ class Checkpoint:
     logits: Any = (
         None  # [vocab] next-token logits at `position` (prompt ends): an identical prompt hits fully
     )
+    parent: bytes | None = None  # the checkpoint before it on its chain (where its request resumed or last
+    # saved), for what it saves (`serve.prefix.policies.ValueAware`)
 
 
 class CheckpointTiers:
@@ -91,6 +93,9 @@ class CheckpointTiers:
     def used(self, key: bytes) -> None:
         self.policy.used(key)
 
+    def hit(self, key: bytes) -> None:
+        self.policy.hit(key)
+
     def add(self, ck: Checkpoint, count: bool = True) -> bool:
         """Keep `ck` (replacing one under its key unless that one is being restored from); `count`: a new
         save (a checkpoint promoted from disk is not one)."""
@@ -99,7 +104,7 @@ class CheckpointTiers:
             self.policy.used(ck.key)
             return False
         self._by_key[ck.key] = ck
-        self.policy.inserted(ck.key)
+        self.policy.inserted(ck)
         if count:
             self.stats.saves += 1
         return True

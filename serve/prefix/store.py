@@ -7,18 +7,26 @@ and every finished sequence. A checkpoint that does not end on a block boundary 
 partial last block's KV, so short and unaligned prompts hit too. A hit is the longest prefix whose KV
 blocks are present and that ends at a checkpoint.
 
+Policies (`checkpoint_policy`): "fixed" keeps exactly the checkpoints above, evicted least recently used
+first. "adaptive" treats the interval as the finest spacing and adds junctions: a prompt that shares cached
+KV blocks beyond the state it resumes from is checkpointed where it leaves them (its full blocks are indexed
+as they are computed, so the next prompt sees them), and a request whose prompt shares a prefix that a
+running request is still computing waits for that request's checkpoint at the end of the shared part (the
+scheduler asks `shared_prefix`). What stays within the budgets is decided by the value-aware eviction order
+(`serve.prefix.policies.ValueAware`: prefill saved per byte, weighted by the reuse each kind has shown).
+
 Tiers: checkpoints live on the device until its budget is exceeded, then in host memory, then are dropped
 (`serve.prefix.checkpoints`, in an eviction policy's order). Cached KV blocks live in the engine's pool and
 are evicted (LRU, only those no running request holds) when the pool runs out. With `store_dir`, every
 checkpoint is also written through to disk with the KV of its whole prefix (`serve.prefix.disk`).
 
-The engine talks to the store through these methods only: `match`, `start_load` / `load_ready` /
-`finish_load` (a disk hit is read in the background), `attach` / `attached` / `detach` (a hit given to a
-request), `chunk_limit`, `on_computed` / `on_finished` (checkpoints and block indexing), `evict_one` /
-`evictable`, `observe` / `apply` (what finished in the background, applied at a step boundary: with
-several processes process 0 observes and every process applies the same), `poll` (both, one process),
-`ledger`, `forget_blocks`, `close`. The data it keeps comes from a CheckpointSource
-(the runner): the store decides, the source copies.
+The engine talks to the store through these methods only: `match`, `start_load` / `load_ready` / `finish_load`
+(a disk hit is read in the background), `attach` / `attached` / `detach` (a hit given to a request),
+`junction` / `shared_prefix` (where the adaptive policy cuts a prefill), `chunk_limit`, `on_computed` /
+`on_finished` (checkpoints and block indexing), `evict_one` / `evictable`, `observe` / `apply` (what finished
+in the background, applied at a step boundary: with several processes process 0 observes and every process
+applies the same), `poll` (both, one process), `ledger`, `forget_blocks`, `close`. The data it keeps comes
+from a CheckpointSource (the runner): the store decides, the source copies.
 """
 
 from __future__ import annotations
@@ -94,6 +102,16 @@ class PrefixStoreConfig:
             raise ValueError(f"prefix store directory '{self.store_dir}' is not a directory")
 
 
+def common_prefix(a: list[int], b: list[int], step: int = 1024) -> int:
+    """Length of the longest common prefix of two token lists (compared a slice at a time)."""
+    n, i = min(len(a), len(b)), 0
+    while i < n and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return min(i, n)
+
+
 class Sequence_(Protocol):
     """What the store reads of a request."""
 
@@ -102,6 +120,8 @@ class Sequence_(Protocol):
     blocks: list[int]
     slot: int | None
     cache_salt: str | None
+    cuts: set[int]  # positions the adaptive policy checkpoints at (junctions), where prefill chunks end
+    checkpoint_base: bytes | None  # the checkpoint it resumed from or last took (its next one's parent)
 
     @property
     def tokens(self) -> list[int]: ...
@@ -299,6 +319,7 @@ class PrefixStore:
         if hit.disk is None:
             ck = hit.checkpoint
             ck.holders += 1
+            self.checkpoints.hit(ck.key)
             return Attachment(hit, list(hit.blocks), ck.states, ck.tail_kv, ck.logits)
         if load is None or load.data is None or load.hit.disk is not hit.disk:
             alloc.release(hit.blocks)
@@ -327,6 +348,7 @@ class PrefixStore:
             self.disk.touch(entry)
             self.disk.stats.restores += 1
             self.disk.stats.restore_time_s += time.perf_counter() - t0
+        seq.checkpoint_base = hit.checkpoint.key if hit.checkpoint is not None else hit.disk.key
         self.memory_stats.restores += 1
         self.memory_stats.restore_time_s += time.perf_counter() - t0
         self.lookups.hits += 1
@@ -344,20 +366,70 @@ class PrefixStore:
         self.lookups.recomputed_tokens += hit.recomputed
 
     # --- checkpoints ------------------------------------------------------------------------------------
-    def chunk_limit(self, position: int) -> int:
-        """Tokens a prefill from `position` may compute before the next interval checkpoint position."""
-        interval = self.config.checkpoint_interval
-        return (position // interval + 1) * interval - position
+    def chunk_limit(self, seq: Sequence_) -> int:
+        """Tokens a prefill of `seq` may compute before its next checkpoint position (an interval multiple,
+        or a junction the adaptive policy cut it at)."""
+        position, interval = seq.num_computed, self.config.checkpoint_interval
+        limit = (position // interval + 1) * interval - position
+        for cut in seq.cuts:
+            if cut > position:
+                limit = min(limit, cut - position)
+        return limit
 
     def on_computed(self, seq: Sequence_, source: CheckpointSource, logits: Any = None) -> None:
         """After `seq` computed up to seq.num_computed: checkpoints due there (interval multiples and the
-        prompt end, where the next-token `logits` are kept so an identical prompt needs no prefill)."""
-        at_prompt_end = self.config.prompt_end_checkpoints and seq.num_computed == len(seq.prompt)
+        prompt end, where the next-token `logits` are kept so an identical prompt needs no prefill; with the
+        adaptive policy also junctions, and its full blocks are indexed as they are computed, so a prompt
+        that shares them finds where it leaves them)."""
+        pos = seq.num_computed
+        at_prompt_end = self.config.prompt_end_checkpoints and pos == len(seq.prompt)
         keep = logits if at_prompt_end else None
-        if seq.num_computed % self.config.checkpoint_interval == 0:
+        if pos % self.config.checkpoint_interval == 0:
             self._checkpoint(seq, source, CheckpointKind.INTERVAL, logits=keep)
         elif at_prompt_end:
             self._checkpoint(seq, source, CheckpointKind.PROMPT_END, logits=keep)
+        elif pos in seq.cuts:
+            self._checkpoint(seq, source, CheckpointKind.JUNCTION)
+        elif self.config.adaptive and (pos <= len(seq.prompt) or pos % self.block_size == 0):
+            self._index_blocks(seq)
+        seq.cuts.discard(pos)
+
+    # --- the adaptive policy's junctions -----------------------------------------------------------------
+    def junction(self, seq: Sequence_, hit: Hit) -> int | None:
+        """Where `seq` leaves the KV the store holds beyond the state it resumes from (the adaptive policy
+        checkpoints it there, so the next prompt that leaves at the same point resumes there); None if
+        nowhere or not adaptive."""
+        if not self.config.adaptive or hit.matched <= hit.hit or hit.matched >= len(seq.prompt):
+            return None
+        return hit.matched
+
+    def shared_prefix(self, seq: Sequence_, computing: list[Sequence_]) -> tuple[Sequence_, int] | None:
+        """The request in `computing` (running, still prefilling its prompt) whose prompt shares the longest
+        prefix with `seq`'s, at least a block, that it has not computed yet: (it, the shared length; one
+        short of `seq`'s prompt unless the two prompts are the same and the prompt end keeps its logits).
+        The adaptive policy lets `seq` wait for its checkpoint there instead of computing the same prefix
+        a second time; None if there is none or not adaptive."""
+        if not self.config.adaptive:
+            return None
+        best, prompt = None, seq.prompt
+        for other in computing:
+            if other.cache_salt != seq.cache_salt or other.num_computed >= len(other.prompt):
+                continue
+            shared = common_prefix(prompt, other.prompt)
+            identical = shared == len(prompt) == len(other.prompt) and self.config.prompt_end_checkpoints
+            shared = shared if identical else min(shared, len(prompt) - 1)  # else one token makes logits
+            if (
+                shared >= self.block_size
+                and other.num_computed < shared
+                and (best is None or shared > best[1])
+            ):
+                best = (other, shared)
+        return best
+
+    def _index_blocks(self, seq: Sequence_) -> None:
+        nb = seq.num_computed // self.block_size
+        chain = self.hasher.chain(seq.tokens[: nb * self.block_size], seq.cache_salt)
+        self.blocks.register(chain[1:], seq.blocks[:nb])
 
     def on_finished(self, seq: Sequence_, source: CheckpointSource) -> None:
         """A sequence ended normally: index its blocks, and keep its end state (sequence-end checkpoints)."""
@@ -385,6 +457,7 @@ class PrefixStore:
             return
         existing = self.checkpoints.get(key)
         if existing is not None:
+            seq.checkpoint_base = key
             self.checkpoints.used(key)
             if logits is not None and existing.logits is None:
                 existing.logits = logits
@@ -393,7 +466,18 @@ class PrefixStore:
         partial = pos % bs != 0
         states, kv = source.take(seq.slot, seq.blocks[pos // bs] if partial else SCRATCH_BLOCK)
         nbytes = self.state_bytes + (self.block_bytes if partial else 0)
-        ck = Checkpoint(key, pos, states, kv if partial else None, nbytes, Tier.DEVICE, kind, logits=logits)
+        ck = Checkpoint(
+            key,
+            pos,
+            states,
+            kv if partial else None,
+            nbytes,
+            Tier.DEVICE,
+            kind,
+            logits=logits,
+            parent=seq.checkpoint_base,
+        )
+        seq.checkpoint_base = key
         self.checkpoints.add(ck)
         self.checkpoints.enforce(source.to_host)
         num_full = pos // bs

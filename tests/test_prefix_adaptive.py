@@ -1,0 +1,129 @@
+"""The adaptive checkpoint policy: in-batch sharing, junction checkpoints and value-aware eviction, each
+against a hand count and against the full causal pass (the generated-workload property test with both
+policies is in tests/test_prefix_store.py)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from oracles import FullPass, assert_matches_full_pass
+
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
+from serve.prefix.checkpoints import Checkpoint, CheckpointKind, Tier
+from serve.prefix.policies import ValueAware
+from serve.prefix.store import PrefixStoreConfig, common_prefix
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HybridLM(load_config("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def full_pass(model):
+    return FullPass(model)
+
+
+def engine(model, policy, interval=1024, **kw):
+    prefix = PrefixStoreConfig(checkpoint_policy=policy, checkpoint_interval=interval, **kw)
+    return Engine(
+        model, EngineConfig(max_slots=4, block_size=BS, prefill_chunk=32, max_model_len=256, prefix=prefix)
+    )
+
+
+GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=True)
+
+
+def prompts_sharing(system_len: int, suffix: int, n: int, seed: int = 0) -> list[list[int]]:
+    """n prompts: one system prompt, then suffixes that differ from their first token on."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(3, 400, system_len).tolist()
+    return [system + [400 + i] + rng.integers(3, 400, suffix - 1).tolist() for i in range(n)]
+
+
+def computed(results) -> int:
+    return sum(r.stats["prefill_tokens_computed"] for r in results)
+
+
+def test_requests_that_wait_together_compute_a_shared_prefix_once(model, full_pass):
+    """4 requests submitted together behind a 75-token system prompt (off the block boundary), suffixes of
+    6: adaptive computes 75 + 4 x 6 prompt tokens (one request computes the prefix, the others wait for its
+    checkpoint at 75 and resume there); fixed (no checkpoint due inside 81 tokens) computes all 4 x 81.
+    Tokens and logprobs are the full pass's either way."""
+    prompts = prompts_sharing(75, 6, 4)
+    fixed = engine(model, "fixed").generate(prompts, GREEDY)
+    eng = engine(model, "adaptive")
+    adaptive = eng.generate(prompts, GREEDY)
+    assert all(r.stats["prefix_hit_tokens"] == 0 for r in fixed)
+    assert computed(fixed) >= 4 * 80  # (a prompt's last token may go with the decode rows)
+    assert computed(adaptive) == 75 + 4 * 6
+    assert [r.stats["prefix_hit_tokens"] for r in adaptive] == [0, 75, 75, 75]
+    assert eng.ledger()["checkpoints_by_kind"]["junction"]["device"] == 1
+    for prompt, res in zip(prompts, adaptive, strict=True):
+        assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
+    assert [r.token_ids for r in adaptive] == [r.token_ids for r in fixed]
+
+
+def test_a_prompt_that_leaves_cached_blocks_checkpoints_its_junction(model, full_pass):
+    """One after another, three prompts behind the same 75-token prefix: the second finds the first's
+    blocks (9 full ones, 72 tokens) but no state there, computes from 0 and checkpoints at 72 (a junction);
+    the third resumes at 72. With the fixed policy the third computes everything again."""
+    prompts = prompts_sharing(75, 6, 3, seed=1)
+    for policy, third_hit in (("fixed", 0), ("adaptive", 72)):
+        eng = engine(model, policy)
+        results = [eng.generate([p], GREEDY)[0] for p in prompts]
+        assert [r.stats["prefix_hit_tokens"] for r in results] == [0, 0, third_hit]
+        assert results[2].stats["prefill_tokens_computed"] == 81 - third_hit
+        assert results[1].stats["recomputed_tokens"] == 72  # matched 72 cached tokens, resumed from none
+        junctions = eng.ledger()["checkpoints_by_kind"]["junction"]["device"]
+        assert junctions == (1 if policy == "adaptive" else 0)
+        for prompt, res in zip(prompts, results, strict=True):
+            assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
+
+
+def test_common_prefix():
+    a = list(range(3000))
+    assert common_prefix(a, a) == 3000
+    assert common_prefix(a, a[:1500]) == 1500
+    assert common_prefix(a, a[:2100] + [-1] + a[2101:]) == 2100
+    assert common_prefix([], a) == 0
+    assert common_prefix([1, 2], [2, 1]) == 0
+
+
+def _ck(key: bytes, position: int, kind: CheckpointKind, parent: bytes | None = None, nbytes: int = 100):
+    return Checkpoint(key, position, None, None, nbytes, Tier.DEVICE, kind, parent=parent)
+
+
+def test_value_counts_the_tokens_from_the_nearest_checkpoint_held_on_the_chain():
+    """a (64) <- b (80) <- c (200): c saves 120 tokens while b is held, 136 once b is gone, 200 once a is gone
+    too; eviction order follows saved tokens per byte when nothing was reused yet."""
+    p = ValueAware()
+    a, b = _ck(b"a", 64, CheckpointKind.INTERVAL), _ck(b"b", 80, CheckpointKind.INTERVAL, b"a")
+    c = _ck(b"c", 200, CheckpointKind.INTERVAL, b"b")
+    for ck in (a, b, c):
+        p.inserted(ck)
+    assert [p.saved_tokens(x) for x in (a, b, c)] == [64, 16, 120]
+    assert list(p.order())[0] == b"b"  # 16 tokens saved: the first to go
+    p.removed(b"b")
+    assert p.saved_tokens(c) == 136
+    p.removed(b"a")
+    assert p.saved_tokens(c) == 200
+
+
+def test_value_keeps_the_kind_that_gets_reused():
+    """Sequence ends that were hit outrank interval checkpoints that never were, at equal saved tokens."""
+    p = ValueAware()
+    ends = [_ck(bytes([i]), 32, CheckpointKind.SEQUENCE_END) for i in range(4)]
+    intervals = [_ck(bytes([10 + i]), 32, CheckpointKind.INTERVAL) for i in range(4)]
+    for ck in ends + intervals:
+        p.inserted(ck)
+    for ck in ends[:2]:
+        p.hit(ck.key)  # two sequence ends were resumed from: the kind's rate is 3/6, the intervals' 1/6
+    order = list(p.order())
+    assert set(order[:4]) == {ck.key for ck in intervals}
+    assert set(order[-2:]) == {ck.key for ck in ends[:2]}
