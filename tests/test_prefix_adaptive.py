@@ -116,14 +116,25 @@ def test_value_counts_the_tokens_from_the_nearest_checkpoint_held_on_the_chain()
 
 
 def test_value_keeps_the_kind_that_gets_reused():
-    """Sequence ends that were hit outrank interval checkpoints that never were, at equal saved tokens."""
+    """Sequence ends that were resumed from outrank interval checkpoints that never were, at equal saved
+    tokens and bytes: the kinds' rates are (2 + 1) / (4 + 2) = 0.5 and 1 / 6, clamped to 0.25; the two ends
+    that were hit are also the most recent."""
     p = ValueAware()
     ends = [_ck(bytes([i]), 32, CheckpointKind.SEQUENCE_END) for i in range(4)]
     intervals = [_ck(bytes([10 + i]), 32, CheckpointKind.INTERVAL) for i in range(4)]
     for ck in ends + intervals:
         p.inserted(ck)
+    p.looked_up()
     for ck in ends[:2]:
-        p.hit(ck.key)  # two sequence ends were resumed from: the kind's rate is 3/6, the intervals' 1/6
+        p.hit(ck.key)
+    assert p.reuse_rate(CheckpointKind.SEQUENCE_END) == 0.5
+    assert p.reuse_rate(CheckpointKind.INTERVAL) == ValueAware.MIN_RATE
     order = list(p.order())
     assert set(order[:4]) == {ck.key for ck in intervals}
     assert set(order[-2:]) == {ck.key for ck in ends[:2]}
+    # 8 held (the horizon): 4 lookups after its last use a checkpoint is worth 1 / (1 + 4 / 8) of one just
+    # resumed from
+    for _ in range(4):
+        p.looked_up()
+    p.hit(ends[0].key)
+    assert p.value(ends[1]) == pytest.approx(p.value(ends[0]) * 2 / 3, rel=1e-12)

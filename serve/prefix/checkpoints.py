@@ -96,6 +96,9 @@ class CheckpointTiers:
     def hit(self, key: bytes) -> None:
         self.policy.hit(key)
 
+    def looked_up(self) -> None:
+        self.policy.looked_up()
+
     def add(self, ck: Checkpoint, count: bool = True) -> bool:
         """Keep `ck` (replacing one under its key unless that one is being restored from); `count`: a new
         save (a checkpoint promoted from disk is not one)."""

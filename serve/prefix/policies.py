@@ -4,9 +4,9 @@ keys; the store decides what may go (never a checkpoint a running request is res
 `lru`: least recently inserted or used first (the fixed checkpoint policy's default).
 `value`: lowest value per byte first, where a checkpoint's value is the prefill it saves (tokens from the
 nearest checkpoint still held on its own chain, not from 0: dropping a checkpoint next to another costs
-little) times how likely it is reused (its own hits, plus the hit rate its kind has had so far: sequence
-ends in a chat are reused, interval checkpoints inside unique text rarely are), decayed by how many
-checkpoints were taken since it was last used (the adaptive checkpoint policy's default).
+little) times how likely it is reused (the hit rate its kind has had so far: sequence ends in a chat
+are reused, interval checkpoints inside unique text rarely are), decayed by how many prompts were looked
+up since it was saved or last resumed from (the adaptive checkpoint policy's default).
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ class EvictionPolicy(Protocol):
         ...
 
     def removed(self, key: Hashable) -> None: ...
+
+    def looked_up(self) -> None:
+        """A prompt was looked up (the clock recency is measured in)."""
+        ...
 
     def order(self) -> Iterator[Hashable]:
         """Every key, the first to evict first."""
@@ -57,46 +61,55 @@ class LRU:
     def removed(self, key: Hashable) -> None:
         self._keys.pop(key, None)
 
+    def looked_up(self) -> None:
+        pass
+
     def order(self) -> Iterator[Hashable]:
         return iter(list(self._keys))
 
 
 class ValueAware:
-    """Lowest (saved tokens x reuse likelihood x recency) / bytes first; see the module doc."""
+    """Lowest (saved tokens x reuse likelihood x recency) / bytes first; see the module doc.
 
-    MIN_HORIZON = 16  # checkpoints taken before an unused one's value halves, at least
+    Reuse likelihood is the hit rate of the checkpoint's kind so far (hits / saves, smoothed and clamped to
+    [MIN_RATE, 1]), not the checkpoint's own hit count: a count entrenches a checkpoint that a deeper one on
+    its chain has superseded (it keeps being the best hit only while the deeper one is not kept). Recency is
+    1 / (1 + age / horizon), age in lookups since it was saved or last resumed from, horizon the number of
+    checkpoints held (at least MIN_HORIZON): the longer the store's memory, the slower a checkpoint ages.
+    The constants were chosen on the three workload families of `bench prefix --simulate`."""
+
+    MIN_RATE = 0.25
+    MIN_HORIZON = 4
 
     def __init__(self) -> None:
         self._live: dict[Hashable, Checkpoint] = {}
         self._lineage: dict[Hashable, tuple[Hashable | None, int]] = {}  # key -> (parent, position)
-        self._hits: Counter[Hashable] = Counter()
         self._last: dict[Hashable, int] = {}
         self._kind_saves: Counter[str] = Counter()
         self._kind_hits: Counter[str] = Counter()
         self._clock = 0
 
-    def inserted(self, ck: Checkpoint) -> None:
+    def looked_up(self) -> None:
         self._clock += 1
+
+    def inserted(self, ck: Checkpoint) -> None:
         self._live[ck.key] = ck
         self._lineage[ck.key] = (ck.parent, ck.position)
         self._last[ck.key] = self._clock
         self._kind_saves[ck.kind] += 1
 
     def used(self, key: Hashable) -> None:
-        if key in self._live:
-            self._last[key] = self._clock
+        pass  # a lookup that found it is not yet a reuse (`hit` is)
 
     def hit(self, key: Hashable) -> None:
         ck = self._live.get(key)
         if ck is not None:
-            self._hits[key] += 1
             self._kind_hits[ck.kind] += 1
             self._last[key] = self._clock
 
     def removed(self, key: Hashable) -> None:
         self._live.pop(key, None)
-        self._last.pop(key, None)
-        self._hits.pop(key, None)  # the lineage stays: a child's gap walks through it
+        self._last.pop(key, None)  # the lineage stays: a child's saved tokens walk through it
 
     def saved_tokens(self, ck: Checkpoint) -> int:
         """Tokens from the nearest checkpoint still held on `ck`'s chain (0: the start) to `ck`."""
@@ -105,11 +118,14 @@ class ValueAware:
             parent = self._lineage.get(parent, (None, 0))[0]
         return ck.position - (self._lineage[parent][1] if parent is not None else 0)
 
+    def reuse_rate(self, kind: str) -> float:
+        rate = (self._kind_hits[kind] + 1) / (self._kind_saves[kind] + 2)
+        return min(1.0, max(self.MIN_RATE, rate))
+
     def value(self, ck: Checkpoint) -> float:
-        kind_rate = (self._kind_hits[ck.kind] + 1) / (self._kind_saves[ck.kind] + 2)
         horizon = max(self.MIN_HORIZON, len(self._live))
         recency = 1.0 / (1.0 + (self._clock - self._last[ck.key]) / horizon)
-        return self.saved_tokens(ck) * (self._hits[ck.key] + kind_rate) * recency / max(ck.nbytes, 1)
+        return self.saved_tokens(ck) * self.reuse_rate(ck.kind) * recency / max(ck.nbytes, 1)
 
     def order(self) -> Iterator[Hashable]:
         ranked = sorted(self._live.values(), key=lambda c: (self.value(c), self._last[c.key]))

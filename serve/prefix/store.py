@@ -239,6 +239,7 @@ class PrefixStore:
         """Longest reusable prefix of `tokens`: all of them when a checkpoint at their end kept its next-token
         logits, else at most len - 1 (one token is left to produce logits)."""
         self.lookups.lookups += 1
+        self.checkpoints.looked_up()
         limit, bs, disk = len(tokens) - 1, self.block_size, self.disk
         chain = self.hasher.chain(tokens, salt)
         nb = 0  # full blocks in the pool
