@@ -18,8 +18,11 @@ issue's sweep is one block to 32768: `--intervals 16,64,256,1024,32768`.
 
 Each row also reports `lower_bound_tokens`, the prompt tokens its own replay had to compute even with a
 checkpoint at every token and unlimited memory (`serve.bench.workloads.lower_bound_tokens`), and
-`vs_lower_bound` (prefill tokens computed over it). One table per workload; `--plot PATH.png` draws per
-workload prefill tokens computed against peak checkpoint bytes, a series per policy, the bound a line.
+`vs_lower_bound`: `prompt_tokens_computed` (what the requests computed of their prompts past their hits)
+over it. The engine's `prefill_tokens_computed` is beside it; it leaves out a prompt's last token when that
+one runs in a decode row. One table per workload (`prefill` / `computed` are those two); `--plot PATH.png`
+draws per workload prompt tokens computed against peak checkpoint bytes, a series per policy, the bound a
+line.
 
 `--simulate`: no model runs and no weights exist, so any config (`--config kimi-k3`) and any scale: the same
 workloads go through the engine's scheduler, prefix store, eviction policy and block allocator with
@@ -211,7 +214,16 @@ def _row(workload: Workload, setting: Setting, rep: Replay) -> dict[str, Any]:
 
 def print_tables(rows: list[dict[str, Any]], families: list[str], simulated: bool) -> None:
     """One table per workload family (stderr): rows are setting x budget."""
-    columns = ["setting", "budget", "hit_rate", "recomputed", "computed", "lower_bound", "vs_bound"]
+    columns = [
+        "setting",
+        "budget",
+        "hit_rate",
+        "recomputed",
+        "prefill",
+        "computed",
+        "lower_bound",
+        "vs_bound",
+    ]
     columns += ["ttft_p50_ms", "ttft_p95_ms", "peak_ckpt_device", "peak_ckpt_host", "dropped"]
     columns += ["prefill_PFLOP", "fit"] if simulated else ["compiles_while_timed"]
     for family in families:
@@ -230,7 +242,8 @@ def _cells(r: dict[str, Any]) -> dict[str, Any]:
         "budget": "-" if r["budget_kib"] is None else f"{r['budget_kib']:g} KiB",
         "hit_rate": f"{r['hit_rate']:.3f}",
         "recomputed": r["recomputed_tokens"],
-        "computed": r["prefill_tokens_computed"],
+        "prefill": r["prefill_tokens_computed"],
+        "computed": r["prompt_tokens_computed"],
         "lower_bound": r["lower_bound_tokens"],
         "vs_bound": "-" if bound is None else f"{bound:.2f}",
         "ttft_p50_ms": _ms(r["ttft_p50_ms"]),

@@ -1,7 +1,7 @@
-"""The plot of `bench prefix --plot PATH.png` (matplotlib, Agg): one panel per workload family, prefill
-tokens computed against peak checkpoint bytes, a marker series per policy family (fixed interval only,
-fixed with prompt/sequence ends, adaptive), each point labelled with its interval; the lower bound (a
-checkpoint at every token, unlimited memory) and the store off as horizontal lines."""
+"""The plot of `bench prefix --plot PATH.png` (matplotlib, Agg): one panel per workload family, the prompt
+tokens computed (past each request's hit) against peak checkpoint bytes, a marker series per policy family
+(fixed interval only, fixed with prompt/sequence ends, adaptive), each point labelled with its interval; the
+lower bound (a checkpoint at every token, unlimited memory) and the store off as horizontal lines."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def build_figure(rows: list[dict[str, Any]], families: list[str]) -> Any:
         for i, policy in enumerate(series):
             points = [r for r in mine if r["policy"] == policy]
             xs = [r["peak_checkpoint_total_bytes"] for r in points]
-            ys = [r["prefill_tokens_computed"] for r in points]
+            ys = [r["prompt_tokens_computed"] for r in points]
             marker = MARKERS.get(policy.split(" (")[0], "^")
             ax.plot(xs, ys, marker=marker, linestyle="", color=f"C{i % 10}", label=policy, alpha=0.8)
             labels: dict[tuple[int, int], list[str]] = {}  # budgets that change nothing share a point
@@ -39,7 +39,7 @@ def build_figure(rows: list[dict[str, Any]], families: list[str]) -> Any:
         for r in mine:
             if r["policy"] == "off":
                 ax.axhline(
-                    r["prefill_tokens_computed"], color="grey", linestyle="--", linewidth=1.0, label="off"
+                    r["prompt_tokens_computed"], color="grey", linestyle="--", linewidth=1.0, label="off"
                 )
         positive = [r["peak_checkpoint_total_bytes"] for r in mine if r["peak_checkpoint_total_bytes"] > 0]
         if positive:  # bytes span orders of magnitude; a setting that kept nothing stays at 0
@@ -48,7 +48,7 @@ def build_figure(rows: list[dict[str, Any]], families: list[str]) -> Any:
         ax.set_ylim(bottom=0)
         ax.set_title(f"{family}: prefill work vs checkpoint memory")
         ax.set_xlabel("peak checkpoint bytes (device + host)")
-        ax.set_ylabel("prefill tokens computed")
+        ax.set_ylabel("prompt tokens computed")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     return fig

@@ -268,11 +268,15 @@ class Replay:
     served: list[Served] = dataclasses.field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
-        """The bench's row: reuse, recompute, TTFT, peak checkpoint bytes per tier (at round ends; under a
-        budget the store never holds more) and the lower bound of the prefill work."""
+        """The bench's row: reuse, recompute, the prompt tokens computed against their lower bound, TTFT, and
+        peak checkpoint bytes per tier (at round ends; under a budget the store never holds more)."""
         prompt = sum(s["prompt_tokens"] for s in self.stats)
         hit = sum(s["prefix_hit_tokens"] for s in self.stats)
-        computed = sum(s["prefill_tokens_computed"] for s in self.stats)
+        # the engine counts a prompt token computed in a decode row (the last one, when one is pending: after
+        # a hit at len - 1, or a chunk that left one) as no prefill; a request computed at least prompt - hit
+        computed = sum(
+            max(s["prefill_tokens_computed"], s["prompt_tokens"] - s["prefix_hit_tokens"]) for s in self.stats
+        )
         ms = 1e3 * np.asarray([s["time_to_first_token_s"] for s in self.stats])
         tiers = ("device", "host", "disk")
         peak = {t: max(led["checkpoint_bytes"][t] for led in self.ledgers) for t in tiers}
@@ -284,7 +288,8 @@ class Replay:
             "hit_tokens": hit,
             "hit_rate": hit / prompt,
             "recomputed_tokens": sum(s["recomputed_tokens"] for s in self.stats),
-            "prefill_tokens_computed": computed,
+            "prefill_tokens_computed": sum(s["prefill_tokens_computed"] for s in self.stats),
+            "prompt_tokens_computed": computed,
             "lower_bound_tokens": bound,
             "vs_lower_bound": computed / bound if bound else None,
             "ttft_mean_ms": float(ms.mean()),
