@@ -234,37 +234,38 @@ STORES = {
     ),
     "interval 8 + ends, 30 KB": PrefixStoreConfig(checkpoint_interval=8, device_bytes=30_000, host_bytes=0),
 }
+
+
+def family(cls, **fields):
+    """A small workload of the family: any seed, 2-token messages at least (agentic needs them)."""
+    return st.builds(cls, seed=st.integers(0, 99), user_min=st.just(2), **fields)
+
+
 families = st.one_of(
-    st.builds(
+    family(
         ChatWorkload,
-        seed=st.integers(0, 99),
         conversations=st.integers(1, 4),
         turns=st.integers(1, 3),
         system_len=st.integers(1, 20),
-        user_min=st.just(2),
         user_max=st.integers(2, 9),
         max_tokens=st.integers(1, 4),
         branch_prob=st.floats(0, 1),
     ),
-    st.builds(
+    family(
         DocQAWorkload,
-        seed=st.integers(0, 99),
         documents=st.integers(1, 3),
         doc_len=st.integers(1, 40),
         questions=st.integers(1, 5),
         turns=st.integers(1, 3),
         system_len=st.integers(1, 10),
-        user_min=st.just(2),
         user_max=st.integers(2, 6),
         max_tokens=st.integers(1, 3),
     ),
-    st.builds(
+    family(
         AgenticWorkload,
-        seed=st.integers(0, 99),
         conversations=st.integers(1, 3),
         turns=st.integers(1, 4),
         system_len=st.integers(1, 20),
-        user_min=st.just(2),
         user_max=st.integers(2, 6),
         tool_min=st.integers(1, 3),
         tool_max=st.integers(3, 8),

@@ -23,7 +23,7 @@ import bisect
 import dataclasses
 import hashlib
 import itertools
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -72,8 +72,17 @@ class _Family:
         return cls(**{k: v for k, v in values.items() if v is not None})
 
 
-def _tokens(rng: np.random.Generator, vocab: int) -> Callable[[int], np.ndarray]:
-    return lambda n: rng.integers(3, vocab, n).astype(np.int32)
+class _Tokens:
+    """A family's seeded draws: `n` random token ids in [3, vocab), or `between` lo..hi of them."""
+
+    def __init__(self, seed: int, vocab: int):
+        self.rng, self.vocab = np.random.default_rng(seed), vocab
+
+    def __call__(self, n: int) -> np.ndarray:
+        return self.rng.integers(3, self.vocab, n).astype(np.int32)
+
+    def between(self, lo: int, hi: int) -> np.ndarray:
+        return self(int(self.rng.integers(lo, hi + 1)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,18 +103,15 @@ class ChatWorkload(_Family):
     branch_prob: float = 0.25
 
     def rounds(self, vocab: int) -> Rounds:
-        rng = np.random.default_rng(self.seed)
-        tok = _tokens(rng, vocab)
-        system = tok(self.system_len)
+        tok = _Tokens(self.seed, vocab)
+        rng, system = tok.rng, tok(self.system_len)
         history: list[list[np.ndarray]] = [[system] for _ in range(self.conversations)]  # chat per turn
         for _ in range(self.turns):
             prompts = []
             for chat in history:
                 fork = len(chat) > 1 and rng.random() < self.branch_prob
                 base = chat[int(rng.integers(1, len(chat)))] if fork else chat[-1]
-                prompts.append(
-                    np.concatenate([base, tok(int(rng.integers(self.user_min, self.user_max + 1)))])
-                )
+                prompts.append(np.concatenate([base, tok.between(self.user_min, self.user_max)]))
             sequences = yield Round(prompts)
             for chat, seq in zip(history, sequences, strict=True):
                 chat.append(seq)
@@ -135,18 +141,13 @@ class DocQAWorkload(_Family):
         return self.system_len + self.doc_len
 
     def rounds(self, vocab: int) -> Rounds:
-        rng = np.random.default_rng(self.seed)
-        tok = _tokens(rng, vocab)
+        tok = _Tokens(self.seed, vocab)
         system = tok(self.system_len)
         docs = [np.concatenate([system, tok(self.doc_len)]) for _ in range(self.documents)]
         weights = 1.0 / np.arange(1, self.documents + 1) ** self.doc_skew
         for _ in range(self.turns):
-            picks = rng.choice(self.documents, size=self.questions, p=weights / weights.sum())
-            prompts = [
-                np.concatenate([docs[d], tok(int(rng.integers(self.user_min, self.user_max + 1)))])
-                for d in picks
-            ]
-            yield Round(prompts)
+            picks = tok.rng.choice(self.documents, size=self.questions, p=weights / weights.sum())
+            yield Round([np.concatenate([docs[d], tok.between(self.user_min, self.user_max)]) for d in picks])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,25 +178,25 @@ class AgenticWorkload(_Family):
             raise ValueError("agentic: user messages need >= 2 tokens (a fork point after the system prompt)")
 
     def rounds(self, vocab: int) -> Rounds:
-        rng = np.random.default_rng(self.seed)
-        tok = _tokens(rng, vocab)
-        tool = lambda: tok(int(rng.integers(self.tool_min, self.tool_max + 1)))  # noqa: E731
-        system = tok(self.system_len)
+        tok = _Tokens(self.seed, vocab)
+        rng, system = tok.rng, tok(self.system_len)
         prompts = [
-            np.concatenate([system, tok(int(rng.integers(self.user_min, self.user_max + 1)))])
+            np.concatenate([system, tok.between(self.user_min, self.user_max)])
             for _ in range(self.conversations)
         ]
         traces: list[list[np.ndarray]] = [[] for _ in range(self.conversations)]  # sequences, round by round
         points: list[list[tuple[int, int]]] = [[] for _ in range(self.conversations)]  # (source, position)
         forks: list[Fork] = []
-        for _ in range(self.turns):
+        for index in range(self.turns):
             sequences = yield Round(prompts, tuple(forks))
             for trace, seq in zip(traces, sequences, strict=True):
                 trace.append(seq)
+            if index == self.turns - 1:
+                return
             prompts, forks = [], []
             for t, trace in enumerate(traces):
                 if rng.random() >= self.fork_prob:
-                    prompts.append(np.concatenate([trace[-1], tool()]))
+                    prompts.append(np.concatenate([trace[-1], tok.between(self.tool_min, self.tool_max)]))
                     continue
                 retry = bool(points[t]) and rng.random() < self.retry_prob
                 if retry:
@@ -205,7 +206,9 @@ class AgenticWorkload(_Family):
                     position = self._odd_position(rng, len(trace[source]))
                     points[t].append((source, position))
                 forks.append(Fork(t, source, position, retry))
-                prompts.append(np.concatenate([trace[source][:position], tool()]))
+                prompts.append(
+                    np.concatenate([trace[source][:position], tok.between(self.tool_min, self.tool_max)])
+                )
 
     def _odd_position(self, rng: np.random.Generator, length: int) -> int:
         """An odd cut in system_len + 1 .. length - 1 (one exists: a sequence holds >= 2 task tokens and an
