@@ -13,8 +13,8 @@ from flax import nnx
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from serve.bench.chat import ChatWorkload, replay
 from serve.bench.simulate import CostModel, SimEngine
+from serve.bench.workloads import ChatWorkload, replay
 from serve.cli import main
 from serve.engine.engine import Engine, EngineConfig
 from serve.prefix.store import PrefixStoreConfig

@@ -133,7 +133,13 @@ KINDS: dict[str, tuple[tuple[Section, ...], tuple[Plot, ...]]] = {
         ),
     ),
     "prefix": (
-        (Section("rows", ("setting",), ("ttft_mean_ms", "hit_rate", "recomputed_tokens", "ttft_p95_ms")),),
+        (
+            Section(
+                "rows",
+                ("workload", "setting", "budget_kib"),  # a result holds each setting per workload and budget
+                ("ttft_mean_ms", "hit_rate", "recomputed_tokens", "ttft_p95_ms", "prompt_tokens_computed"),
+            ),
+        ),
         (
             Plot(
                 "ttft",

@@ -1,18 +1,35 @@
-"""`jaxhybrid bench prefix`: replay a multi-turn chat workload through the engine for several prefix-store
-settings and report reuse, recompute, time to first token and checkpoint bytes per tier.
+"""`jaxhybrid bench prefix`: replay seeded workloads through the engine for several prefix-store settings and
+report reuse, recompute, prefill work against its lower bound, time to first token and checkpoint bytes.
 
-The workload (seeded by `--seed`, `serve.bench.chat`): `--conversations` chats share a system prompt of
-`--system-len` tokens. Each of `--turns` turns sends the previous prompt + the previous answer + a new user
-message of `--user-min`..`--user-max` tokens; with probability `--branch-prob` a chat instead forks from an
-earlier turn of itself (a regenerated answer / edited message), so continuations branch. All chats of one
-turn are submitted together; turns follow one another.
+Workloads (`--workload chat|docqa|agentic`, a comma list or `all`; default chat; `serve.bench.workloads`,
+seeded by `--seed`): `chat`, chats behind a shared system prompt whose turns extend or fork earlier turns;
+`docqa`, `--questions` questions a round over `--documents` documents of `--doc-len` tokens (Zipf-popular,
+`--doc-skew`); `agentic`, tool-calling traces that grow by `--tool-min`..`--tool-max` tokens or fork
+(`--fork-prob`) at an unaligned position, half of the forks (`--retry-prob`) where an earlier one did. The
+shared flags (`--conversations`, `--turns`, `--system-len`, `--user-min/--user-max`, `--max-tokens`) default
+per family. All requests of one round are submitted together; rounds follow one another.
+
+Settings: off; each of `--intervals` alone, and prompt/sequence-end checkpoints beside each
+`--prompt-end-interval`, once per `--eviction` policy (`--checkpoint-policy fixed`); with `adaptive` in
+`--checkpoint-policy`, the adaptive policy at the smallest interval. `--budgets K1,K2,...` (KiB) repeats
+every setting under each checkpoint budget: the device budget, with `--host-cache-mb` (then default 0) as
+the host's, so every policy gets the same bytes. Without it, `--device-cache-mb` / `--host-cache-mb`. The
+issue's sweep is one block to 32768: `--intervals 16,64,256,1024,32768`.
+
+Each row also reports `lower_bound_tokens`, the prompt tokens its own replay had to compute even with a
+checkpoint at every token and unlimited memory (`serve.bench.workloads.lower_bound_tokens`), and
+`vs_lower_bound`: `prompt_tokens_computed` (what the requests computed of their prompts past their hits)
+over it. The engine's `prefill_tokens_computed` is beside it; it leaves out a prompt's last token when that
+one runs in a decode row. One table per workload (`prefill` / `computed` are those two); `--plot PATH.png`
+draws per workload prompt tokens computed against peak checkpoint bytes, a series per policy, the bound a
+line.
 
 `--simulate`: no model runs and no weights exist, so any config (`--config kimi-k3`) and any scale: the same
-workload goes through the engine's scheduler, prefix store, eviction policy and block allocator with
+workloads go through the engine's scheduler, prefix store, eviction policy and block allocator with
 analytic checkpoint bytes and prefill FLOPs (`serve.bench.simulate`); answers are seeded random ids, TTFT
 is estimated from the FLOPs at `--flops-per-s`. `--hbm GB` sizes the KV pool as what is left of one
 device's memory after `--weights-gb`, the live states of `--slots` and the checkpoints' device budget
-`--device-cache-mb`.
+(`--device-cache-mb`, or the largest of `--budgets`).
 """
 
 from __future__ import annotations
@@ -22,35 +39,103 @@ import dataclasses
 import sys
 from typing import Any
 
-from serve.bench.chat import ChatWorkload, Replay, replay
 from serve.bench.common import add_out_arg, compile_watch, emit, environment
+from serve.bench.workloads import FAMILIES, Replay, Workload, replay
 from serve.report import fmt_bytes, print_table
 
+CHECKPOINT_POLICIES = ("fixed", "adaptive")
+HOST_CACHE_MB = 4096.0  # --host-cache-mb without --budgets (with them: 0, the budget is all there is)
 
-def settings(args: argparse.Namespace) -> list[tuple[str, Any]]:
-    """(name, PrefixStoreConfig or None) per store setting compared: off; each interval alone; prompt- and
-    sequence-end checkpoints beside each --prompt-end-interval; each once per --eviction policy."""
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One store setting compared: the row's name, the policy family it is plotted with (off, fixed
+    interval, fixed + ends, adaptive), the checkpoint budget it runs under (KiB; None: --device-cache-mb and
+    --host-cache-mb) and the store's config (None: off)."""
+
+    name: str
+    policy: str
+    budget_kib: float | None = None
+    prefix: Any = None  # PrefixStoreConfig | None
+
+
+def _csv(text: str, flag: str, kind: type = int) -> list[Any]:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes a comma list of numbers, got {text!r}") from None
+
+
+def workload_names(spec: str) -> list[str]:
+    """The families `--workload` names (a comma list, or `all`), in the order given."""
+    names = list(FAMILIES) if spec.strip() == "all" else [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown or not names:
+        raise ValueError(
+            f"unknown workload {', '.join(unknown) or spec!r} (known: {', '.join(FAMILIES)}, all)"
+        )
+    return list(dict.fromkeys(names))
+
+
+def budgets(args: argparse.Namespace) -> list[float] | None:
+    """--budgets in KiB, ascending; None without the flag."""
+    if args.budgets is None:
+        return None
+    out = sorted(set(_csv(args.budgets, "--budgets", float)))
+    if not out or min(out) < 0:
+        raise ValueError(f"--budgets takes KiB >= 0, got {args.budgets!r}")
+    return out
+
+
+def host_cache_mb(args: argparse.Namespace) -> float:
+    if args.host_cache_mb is not None:
+        return args.host_cache_mb
+    return 0.0 if args.budgets is not None else HOST_CACHE_MB
+
+
+def memory(args: argparse.Namespace, budget_kib: float | None) -> dict[str, int]:
+    """The store's device and host budgets of a setting: the budget on the device, or --device-cache-mb."""
+    device = args.device_cache_mb * 2**20 if budget_kib is None else budget_kib * 2**10
+    return {"device_bytes": int(device), "host_bytes": int(host_cache_mb(args) * 2**20)}
+
+
+def settings(args: argparse.Namespace) -> list[Setting]:
+    """Every setting compared: off; per budget (or once, without --budgets), for `fixed` each interval alone
+    and prompt/sequence-end checkpoints beside each --prompt-end-interval, once per --eviction policy; for
+    `adaptive` the adaptive policy at the smallest interval (its own eviction policy)."""
     from serve.prefix.store import PrefixStoreConfig
 
-    intervals = sorted({int(x) for x in args.intervals.split(",")}, reverse=True)
-    ends = args.prompt_end_interval or str(intervals[-1])
-    ends_intervals = sorted({int(x) for x in ends.split(",")}, reverse=True)
-    policies = args.eviction.split(",")
-    budgets = dict(device_bytes=int(args.device_cache_mb * 2**20), host_bytes=int(args.host_cache_mb * 2**20))
-    out: list[tuple[str, Any]] = [("off", None)]
-    for policy in policies:
-        tag = f" ({policy})" if len(policies) > 1 else ""
-        for at_ends, spacing in ((False, intervals), (True, ends_intervals)):
-            for interval in spacing:
-                cfg = PrefixStoreConfig(
-                    checkpoint_interval=interval,
-                    prompt_end_checkpoints=at_ends,
-                    sequence_end_checkpoints=at_ends,
-                    eviction=policy,
-                    **budgets,
-                )
-                name = f"prompt/sequence-end + interval {interval}" if at_ends else f"interval {interval}"
-                out.append((name + tag, cfg))
+    intervals = sorted(set(_csv(args.intervals, "--intervals")), reverse=True)
+    ends = sorted(
+        set(_csv(args.prompt_end_interval or str(intervals[-1]), "--prompt-end-interval")), reverse=True
+    )
+    policies = [p.strip() for p in args.checkpoint_policy.split(",") if p.strip()]
+    if not policies or any(p not in CHECKPOINT_POLICIES for p in policies):
+        raise ValueError(
+            f"--checkpoint-policy takes {' and/or '.join(CHECKPOINT_POLICIES)}, "
+            f"got {args.checkpoint_policy!r}"
+        )
+    evictions = args.eviction.split(",")
+    out = [Setting("off", "off")]
+    for budget in budgets(args) or [None]:
+        mem = memory(args, budget)
+        for eviction in evictions if "fixed" in policies else []:
+            tag = f" ({eviction})" if len(evictions) > 1 else ""
+            for at_ends, spacing in ((False, intervals), (True, ends)):
+                for interval in spacing:
+                    cfg = PrefixStoreConfig(
+                        checkpoint_interval=interval,
+                        prompt_end_checkpoints=at_ends,
+                        sequence_end_checkpoints=at_ends,
+                        eviction=eviction,
+                        **mem,
+                    )
+                    name = f"prompt/sequence-end + interval {interval}" if at_ends else f"interval {interval}"
+                    policy = "fixed + ends" if at_ends else "fixed interval"
+                    out.append(Setting(name + tag, policy + tag, budget, cfg))
+        if "adaptive" in policies:
+            cfg = PrefixStoreConfig(checkpoint_policy="adaptive", checkpoint_interval=intervals[-1], **mem)
+            out.append(Setting("adaptive", "adaptive", budget, cfg))
     return out
 
 
@@ -69,77 +154,143 @@ def engine_config(args: argparse.Namespace, prefix: Any, kv_memory_bytes: int | 
 
 
 def run(args: argparse.Namespace) -> int:
-    """Reuse, recompute, TTFT and checkpoint bytes for each prefix-store setting on one workload."""
+    """Reuse, recompute, the lower bound, TTFT and checkpoint bytes for each setting on each workload."""
     from jaxhybrid.config import load_config
 
+    if args.hbm is not None and not args.simulate:
+        raise SystemExit("error: --hbm needs --simulate")
+    try:
+        workloads = [FAMILIES[name].from_args(args) for name in workload_names(args.workload)]
+        compared = settings(args)
+        for s in compared:
+            if s.prefix is not None:
+                try:
+                    s.prefix.validate(args.block_size)
+                except ValueError as exc:
+                    raise ValueError(f"setting '{s.name}': {exc}") from None
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     cfg = load_config(args.config)
-    workload = ChatWorkload.from_args(args)
-    if args.simulate:
-        rows, extra = _simulated_rows(cfg, args, workload)
-    else:
-        if args.hbm is not None:
-            raise SystemExit("error: --hbm needs --simulate")
-        rows, extra = _engine_rows(cfg, args, workload), {}
+    rows: list[dict[str, Any]] = []
+    extra: dict[str, Any] = {}
+    model = None if args.simulate else _model(cfg, args)
+    for workload in workloads:
+        if args.simulate:
+            mine, extra = _simulated_rows(cfg, args, workload, compared)
+        else:
+            mine = _engine_rows(model, cfg, args, workload, compared)
+        rows += mine
     result = {
         "bench": "prefix",
         "config": cfg.name,
         "simulated": bool(args.simulate),
         "block_size": args.block_size,
         "dtype": args.dtype,
-        "workload": dataclasses.asdict(workload),
+        "workloads": {w.name: dataclasses.asdict(w) for w in workloads},
+        "budgets_kib": budgets(args),
+        "host_cache_bytes": int(host_cache_mb(args) * 2**20),
+        **({"workload": dataclasses.asdict(workloads[0])} if len(workloads) == 1 else {}),
         **extra,
         "environment": environment(),
         "rows": rows,
     }
-    columns = ["setting", "hit_rate", "hit_tokens", "recomputed_tokens", "ttft_mean_ms", "ttft_p95_ms"]
-    columns += ["peak_ckpt_device", "peak_ckpt_host"]
-    columns += ["recomputed_per_req", "prefill_PFLOP", "fit"] if args.simulate else ["compiles_while_timed"]
-    print_table([_cells(r) for r in rows], columns, file=sys.stderr)
+    print_tables(rows, [w.name for w in workloads], args.simulate)
+    if args.plot:
+        from serve.bench.prefix_plot import write_plot
+
+        write_plot(rows, [w.name for w in workloads], args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
     emit(result, args)
     return 0
 
 
+def _row(workload: Workload, setting: Setting, rep: Replay) -> dict[str, Any]:
+    """A row's identity (workload, setting, policy family, budget, interval) and the replay's summary."""
+    interval = None if setting.prefix is None else setting.prefix.checkpoint_interval
+    ident = {"workload": workload.name, "setting": setting.name, "policy": setting.policy}
+    return {**ident, "budget_kib": setting.budget_kib, "interval": interval, **rep.summary()}
+
+
+def print_tables(rows: list[dict[str, Any]], families: list[str], simulated: bool) -> None:
+    """One table per workload family (stderr): rows are setting x budget."""
+    columns = [
+        "setting",
+        "budget",
+        "hit_rate",
+        "recomputed",
+        "prefill",
+        "computed",
+        "lower_bound",
+        "vs_bound",
+    ]
+    columns += ["ttft_p50_ms", "ttft_p95_ms", "peak_ckpt_device", "peak_ckpt_host", "dropped"]
+    columns += ["prefill_PFLOP", "fit"] if simulated else ["compiles_while_timed"]
+    for family in families:
+        print(f"\n{family}:", file=sys.stderr)
+        print_table([_cells(r) for r in rows if r["workload"] == family], columns, file=sys.stderr)
+
+
+def _ms(value: float) -> str:
+    return f"{value:.1f}" if value >= 1 else f"{value:.3g}"
+
+
 def _cells(r: dict[str, Any]) -> dict[str, Any]:
+    bound = r["vs_lower_bound"]
     cells = {
         **r,
+        "budget": "-" if r["budget_kib"] is None else f"{r['budget_kib']:g} KiB",
         "hit_rate": f"{r['hit_rate']:.3f}",
-        "ttft_mean_ms": f"{r['ttft_mean_ms']:.1f}",
-        "ttft_p95_ms": f"{r['ttft_p95_ms']:.1f}",
-        "peak_ckpt_device": r["peak_checkpoint_bytes"]["device"],
-        "peak_ckpt_host": r["peak_checkpoint_bytes"]["host"],
+        "recomputed": r["recomputed_tokens"],
+        "prefill": r["prefill_tokens_computed"],
+        "computed": r["prompt_tokens_computed"],
+        "lower_bound": r["lower_bound_tokens"],
+        "vs_bound": "-" if bound is None else f"{bound:.2f}",
+        "ttft_p50_ms": _ms(r["ttft_p50_ms"]),
+        "ttft_p95_ms": _ms(r["ttft_p95_ms"]),
+        "peak_ckpt_device": fmt_bytes(r["peak_checkpoint_bytes"]["device"]),
+        "peak_ckpt_host": fmt_bytes(r["peak_checkpoint_bytes"]["host"]),
+        "dropped": r["dropped_checkpoints"],
     }
     if "prefill_flops" in r:
-        cells.update(
-            recomputed_per_req=f"{r['recomputed_per_request']:.0f}",
-            prefill_PFLOP=f"{r['prefill_flops'] / 1e15:.1f}",
-            peak_ckpt_device=fmt_bytes(r["peak_checkpoint_bytes"]["device"]),
-            peak_ckpt_host=fmt_bytes(r["peak_checkpoint_bytes"]["host"]),
-            fit=r.get("sequences_fit", ""),
-        )
+        cells.update(prefill_PFLOP=f"{r['prefill_flops'] / 1e15:.3g}", fit=r.get("sequences_fit", ""))
     return cells
 
 
-def _engine_rows(cfg: Any, args: argparse.Namespace, workload: ChatWorkload) -> list[dict[str, Any]]:
+def _model(cfg: Any, args: argparse.Namespace) -> Any:
     import jax.numpy as jnp
     from flax import nnx
 
     from jaxhybrid.model import HybridLM
+
+    return HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))
+
+
+def _engine_rows(
+    model: Any, cfg: Any, args: argparse.Namespace, workload: Workload, compared: list[Setting]
+) -> list[dict[str, Any]]:
     from serve.engine.engine import Engine
 
-    model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))
-    configs = [(name, engine_config(args, prefix)) for name, prefix in settings(args)]
+    configs = [(s, engine_config(args, s.prefix)) for s in compared]
     # The same workload once on a fresh engine of every setting first. The scheduler is deterministic, so the
     # measured replay meets exactly the shapes this compiled (a warm-up of another seed missed some, and the
     # first setting measured paid their compiles). `compiles_while_timed` checks it.
     for _, engine_cfg in configs:
         replay(Engine(model, engine_cfg), workload, cfg.vocab_size)
     rows = []
-    for name, engine_cfg in configs:
+    for setting, engine_cfg in configs:
         engine = Engine(model, engine_cfg)
         with compile_watch() as compiles:
-            row = replay(engine, workload, cfg.vocab_size).summary()
-        rows.append({"setting": name, **row, "compiles_while_timed": compiles["compiles"]})
+            rep = replay(engine, workload, cfg.vocab_size)
+        rows.append({**_row(workload, setting, rep), "compiles_while_timed": compiles["compiles"]})
     return rows
+
+
+def pool_budget_bytes(args: argparse.Namespace) -> int:
+    """The checkpoints' device budget a simulated KV pool leaves room for: the largest of --budgets, or
+    --device-cache-mb."""
+    largest = budgets(args)
+    return int(args.device_cache_mb * 2**20) if largest is None else int(largest[-1] * 2**10)
 
 
 def simulated_kv_bytes(cfg: Any, args: argparse.Namespace) -> int | None:
@@ -150,17 +301,17 @@ def simulated_kv_bytes(cfg: Any, args: argparse.Namespace) -> int | None:
     if args.hbm is None:
         return None
     state = EngineShape.resolve(engine_config(args, None), cfg).state_bytes
-    left = int((args.hbm - args.weights_gb) * 1e9) - args.slots * state - int(args.device_cache_mb * 2**20)
+    left = int((args.hbm - args.weights_gb) * 1e9) - args.slots * state - pool_budget_bytes(args)
     if left <= 0:
         raise SystemExit(
             f"error: --hbm {args.hbm:g} GB leaves nothing for the KV pool after --weights-gb, the states of "
-            f"{args.slots} slots ({args.slots * state / 1e9:.2f} GB) and --device-cache-mb"
+            f"{args.slots} slots ({args.slots * state / 1e9:.2f} GB) and the checkpoints' device budget"
         )
     return left
 
 
 def _simulated_rows(
-    cfg: Any, args: argparse.Namespace, workload: ChatWorkload
+    cfg: Any, args: argparse.Namespace, workload: Workload, compared: list[Setting]
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     import time
 
@@ -170,16 +321,18 @@ def _simulated_rows(
     kv_bytes = simulated_kv_bytes(cfg, args)
     rows = []
     shape = None
-    for name, prefix in settings(args):
+    for setting in compared:
         t0 = time.perf_counter()
         sim = SimEngine(
-            cfg, engine_config(args, prefix, kv_bytes), random_answers(cfg.vocab_size, args.seed), cost
+            cfg,
+            engine_config(args, setting.prefix, kv_bytes),
+            random_answers(cfg.vocab_size, args.seed),
+            cost,
         )
         shape = sim.shape
         rep = replay(sim, workload, cfg.vocab_size)
-        rows.append(
-            {"setting": name, **_simulated_row(rep, sim, args), "wall_s": round(time.perf_counter() - t0, 2)}
-        )
+        row = {**_row(workload, setting, rep), **_simulated_row(rep, sim, args)}
+        rows.append({**row, "wall_s": round(time.perf_counter() - t0, 2)})
     extra = {
         "flops_per_s": args.flops_per_s,
         "matmul_params": cost.matmul_params,
@@ -190,19 +343,18 @@ def _simulated_rows(
         "block_bytes": shape.block_bytes,
         "state_bytes": shape.state_bytes,
         "slots": args.slots,
-        "device_cache_bytes": int(args.device_cache_mb * 2**20),
-        "host_cache_bytes": int(args.host_cache_mb * 2**20),
+        "device_cache_bytes": pool_budget_bytes(args),
     }
     return rows, extra
 
 
 def _simulated_row(rep: Replay, sim: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """The bench's row plus what a simulation adds: FLOPs, per-request recompute, the store's counters, and
-    the sequences that fit in --hbm (see the flag)."""
-    row = rep.summary()
+    """What a simulation adds to the bench's row: FLOPs, per-request recompute, the store's counters, and
+    the sequences that fit in --hbm (see the flag; a session is a request of the last round)."""
+    requests = len(rep.stats)
     last = rep.ledgers[-1]
-    row.update(
-        recomputed_per_request=row["recomputed_tokens"] / row["requests"],
+    row = dict(
+        recomputed_per_request=sum(s["recomputed_tokens"] for s in rep.stats) / requests,
         prefill_flops=sim.flops["prefill"],
         decode_flops=sim.flops["decode"],
         simulated_s=sim.clock,
@@ -214,9 +366,10 @@ def _simulated_row(rep: Replay, sim: Any, args: argparse.Namespace) -> dict[str,
     if args.hbm is not None:
         from jaxhybrid.cache import mla_kv_bytes
 
-        final = rep.stats[-args.conversations :]
+        final_round = rep.served[-1].round
+        final = [s for s, r in zip(rep.stats, rep.served, strict=True) if r.round == final_round]
         context = sum(s["prompt_tokens"] + s["generated_tokens"] for s in final) / len(final)
-        held = (last["checkpoint_bytes"]["device"] + last["checkpoint_bytes"]["host"]) / args.conversations
+        held = (last["checkpoint_bytes"]["device"] + last["checkpoint_bytes"]["host"]) / len(final)
         per_seq = mla_kv_bytes(sim.model_config, int(context), sim.shape.kv_dtype) + sim.shape.state_bytes
         cache = (args.hbm - args.weights_gb) * 1e9
         row.update(
@@ -228,13 +381,30 @@ def _simulated_row(rep: Replay, sim: Any, args: argparse.Namespace) -> dict[str,
     return row
 
 
+def _defaults(field: str) -> str:
+    """`chat 6, agentic 4`: each family's default of a shared flag."""
+    out = []
+    for name, family in FAMILIES.items():
+        for f in dataclasses.fields(family):
+            if f.name == field:
+                out.append(f"{name} {f.default}")
+    return ", ".join(out)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "prefix", help="multi-turn workload replay over prefix-store settings", description=__doc__
+        "prefix", help="seeded workload replays over prefix-store settings and budgets", description=__doc__
     )
     p.add_argument("--config", default="tiny", help="config name or path (default tiny)")
     p.add_argument(
-        "--intervals", default="16,64,256", help="checkpoint intervals to compare (default 16,64,256)"
+        "--workload",
+        default="chat",
+        help=f"workload families, comma-separated, or all ({', '.join(FAMILIES)}; default chat)",
+    )
+    p.add_argument(
+        "--intervals",
+        default="16,64,256",
+        help="checkpoint intervals to compare (default 16,64,256; the issue's sweep: 16,64,256,1024,32768)",
     )
     p.add_argument(
         "--prompt-end-interval",
@@ -242,17 +412,46 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="interval(s) beside the prompt/sequence-end checkpoints, comma-separated (default: the "
         "smallest of --intervals)",
     )
-    p.add_argument("--eviction", default="lru", help="eviction policies to compare, comma-separated (lru)")
-    p.add_argument("--conversations", type=int, default=6, help="chats (default 6)")
-    p.add_argument("--turns", type=int, default=4, help="turns per chat (default 4)")
-    p.add_argument("--system-len", type=int, default=100, help="shared system prompt tokens (default 100)")
-    p.add_argument("--user-min", type=int, default=8, help="shortest user message (default 8)")
-    p.add_argument("--user-max", type=int, default=40, help="longest user message (default 40)")
-    p.add_argument("--max-tokens", type=int, default=16, help="answer tokens per turn (default 16)")
     p.add_argument(
-        "--branch-prob", type=float, default=0.25, help="chance a turn forks an earlier turn (0.25)"
+        "--eviction", default="lru", help="eviction policies of the fixed settings, comma-separated (lru)"
+    )
+    p.add_argument(
+        "--checkpoint-policy",
+        default="fixed",
+        help="fixed and/or adaptive, comma-separated (default fixed); adaptive: one setting per budget at "
+        "the smallest interval, with its own eviction policy",
+    )
+    p.add_argument(
+        "--budgets",
+        default=None,
+        help="checkpoint budgets in KiB, comma-separated: every setting runs under each as its device "
+        "budget (the host's: --host-cache-mb, then 0 by default); default: --device-cache-mb once",
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed")
+    w = p.add_argument_group("workloads (a shared flag's default is per family)")
+    w.add_argument("--conversations", type=int, help=f"chats / traces ({_defaults('conversations')})")
+    w.add_argument("--turns", type=int, help=f"rounds ({_defaults('turns')})")
+    w.add_argument("--system-len", type=int, help=f"shared system prompt tokens ({_defaults('system_len')})")
+    w.add_argument(
+        "--user-min", type=int, help=f"shortest user message / question / task ({_defaults('user_min')})"
+    )
+    w.add_argument(
+        "--user-max", type=int, help=f"longest user message / question / task ({_defaults('user_max')})"
+    )
+    w.add_argument("--max-tokens", type=int, help=f"answer tokens per request ({_defaults('max_tokens')})")
+    w.add_argument("--branch-prob", type=float, help="chat: chance a turn forks an earlier turn (0.25)")
+    w.add_argument("--documents", type=int, help="docqa: documents (4)")
+    w.add_argument(
+        "--doc-len", type=int, help="docqa: tokens per document (200; + system 12 = 212, off any block)"
+    )
+    w.add_argument("--questions", type=int, help="docqa: questions per round (8)")
+    w.add_argument("--doc-skew", type=float, help="docqa: Zipf exponent of document popularity (1.0)")
+    w.add_argument("--tool-min", type=int, help="agentic: shortest tool output / forked continuation (16)")
+    w.add_argument("--tool-max", type=int, help="agentic: longest tool output / forked continuation (48)")
+    w.add_argument("--fork-prob", type=float, help="agentic: chance a round forks the trace (0.3)")
+    w.add_argument(
+        "--retry-prob", type=float, help="agentic: chance a fork retries an earlier fork point (0.5)"
+    )
     p.add_argument("--slots", type=int, default=4, help="engine slots (default 4)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size (default 16)")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk (default 64)")
@@ -264,11 +463,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--device-cache-mb",
         type=float,
         default=1024.0,
-        help="the store's device budget for checkpoints, MiB (default 1024)",
+        help="the store's device budget for checkpoints without --budgets, MiB (default 1024)",
     )
     p.add_argument(
-        "--host-cache-mb", type=float, default=4096.0, help="the store's host budget, MiB (default 4096)"
+        "--host-cache-mb",
+        type=float,
+        default=None,
+        help=f"the store's host budget, MiB (default {HOST_CACHE_MB:g}; 0 with --budgets)",
     )
+    p.add_argument("--plot", default=None, metavar="PATH.png", help="write the prefill-vs-bytes plot here")
     s = p.add_argument_group("simulation (no model, no weights: any config, any scale)")
     s.add_argument(
         "--simulate",
@@ -280,8 +483,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         help="device memory in GB (1e9 B): the KV pool is what is left after --weights-gb, the slots' live "
-        "states and --device-cache-mb; also reports the sequences that fit (default: the engine's pool, "
-        "every slot at --max-model-len)",
+        "states and the checkpoints' device budget; also reports the sequences that fit (default: the "
+        "engine's pool, every slot at --max-model-len)",
     )
     s.add_argument("--weights-gb", type=float, default=0.0, help="with --hbm: weights per device, GB (0)")
     s.add_argument(

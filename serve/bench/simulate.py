@@ -92,7 +92,7 @@ class CostModel:
 
 
 class SimEngine:
-    """`generate` and `ledger` as `Engine` has them (what `serve.bench.chat.replay` needs), run by the
+    """`generate` and `ledger` as `Engine` has them (what `serve.bench.workloads.replay` needs), run by the
     engine's scheduler and prefix store over placeholder caches (see the module doc)."""
 
     def __init__(self, cfg: ModelConfig, config: EngineConfig, answers: Answers, cost: CostModel):

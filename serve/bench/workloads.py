@@ -1,0 +1,410 @@
+"""The seeded workloads of `bench prefix`, their replay through anything that serves them (the engine, or the
+simulator of `serve.bench.simulate`: both meet exactly the same prompts), and the lower bound of the prefill
+work they need.
+
+A workload is a frozen dataclass with a seed. `rounds(vocab)` is a generator: it yields a `Round` of prompts
+and is sent back that round's sequences (each prompt + its answer), so a round may build on earlier answers.
+A round's prompts are submitted together (`server.generate`); rounds follow one another. Token ids are
+random in [3, vocab), int32 arrays (a 100K-token prompt costs 4 bytes a token, not a list). Families:
+- `chat` (`ChatWorkload`): chats behind a shared system prompt; each turn extends the previous prompt and
+  answer by a user message, or forks an earlier turn of its chat (reuse at turn ends).
+- `docqa` (`DocQAWorkload`): many questions over a few long documents behind a short system prompt, the
+  documents chosen with a Zipf skew (reuse at a document's end, not block aligned by default).
+- `agentic` (`AgenticWorkload`): tool-calling traces that grow by answer + tool output, or fork an earlier
+  sequence of themselves at an odd (never block-aligned) position; a retry forks where an earlier fork did.
+
+`lower_bound_tokens`: the prompt tokens a replay had to compute even with a checkpoint at every token and
+unlimited memory (see there).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import itertools
+from collections.abc import Generator, Sequence
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from serve.engine.requests import GenerateResult
+from serve.engine.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Fork:
+    """Where a forked prompt left its trace: the first `position` tokens of the trace's sequence `source`
+    (by round) are kept; `retry`: the fork reuses an earlier fork's point, else it is an edit at a new one."""
+
+    trace: int
+    source: int
+    position: int
+    retry: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """The prompts one round submits together (and, for `agentic`, where its forked prompts branched)."""
+
+    prompts: list[np.ndarray]
+    forks: tuple[Fork, ...] = ()
+
+
+Rounds = Generator[Round, list[np.ndarray], None]
+
+
+class Workload(Protocol):
+    name: ClassVar[str]
+    seed: int
+    max_tokens: int
+
+    def rounds(self, vocab: int) -> Rounds: ...
+
+
+class _Family:
+    """What every family shares: built from parsed flags, a flag left at None keeping the family's default
+    (the flags are shared between families, their defaults are not)."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> Any:
+        values = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in values.items() if v is not None})
+
+
+class _Tokens:
+    """A family's seeded draws: `n` random token ids in [3, vocab), or `between` lo..hi of them."""
+
+    def __init__(self, seed: int, vocab: int):
+        self.rng, self.vocab = np.random.default_rng(seed), vocab
+
+    def __call__(self, n: int) -> np.ndarray:
+        return self.rng.integers(3, self.vocab, n).astype(np.int32)
+
+    def between(self, lo: int, hi: int) -> np.ndarray:
+        return self(int(self.rng.integers(lo, hi + 1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatWorkload(_Family):
+    """`conversations` chats share a system prompt of `system_len` tokens. Each of `turns` turns sends the
+    previous prompt + the previous answer + a new user message of `user_min`..`user_max` tokens; with
+    probability `branch_prob` a chat instead forks from an earlier turn of itself (a regenerated answer / an
+    edited message), so continuations branch."""
+
+    name: ClassVar[str] = "chat"
+    seed: int = 0
+    conversations: int = 6
+    turns: int = 4
+    system_len: int = 100
+    user_min: int = 8
+    user_max: int = 40
+    max_tokens: int = 16
+    branch_prob: float = 0.25
+
+    def rounds(self, vocab: int) -> Rounds:
+        tok = _Tokens(self.seed, vocab)
+        rng, system = tok.rng, tok(self.system_len)
+        history: list[list[np.ndarray]] = [[system] for _ in range(self.conversations)]  # chat per turn
+        for _ in range(self.turns):
+            prompts = []
+            for chat in history:
+                fork = len(chat) > 1 and rng.random() < self.branch_prob
+                base = chat[int(rng.integers(1, len(chat)))] if fork else chat[-1]
+                prompts.append(np.concatenate([base, tok.between(self.user_min, self.user_max)]))
+            sequences = yield Round(prompts)
+            for chat, seq in zip(history, sequences, strict=True):
+                chat.append(seq)
+
+
+@dataclasses.dataclass(frozen=True)
+class DocQAWorkload(_Family):
+    """`documents` documents of `doc_len` tokens behind a shared `system_len`-token system prompt; each of
+    `turns` rounds asks `questions` questions of `user_min`..`user_max` tokens, each about one document drawn
+    with Zipf weights 1/rank**`doc_skew` (a few are popular). The reuse point is where a document ends,
+    `shared_len` tokens in: 212 by default, off the boundary of any block of 8, 16, 32 or 64."""
+
+    name: ClassVar[str] = "docqa"
+    seed: int = 0
+    documents: int = 4
+    doc_len: int = 200
+    questions: int = 8
+    turns: int = 3
+    system_len: int = 12
+    user_min: int = 4
+    user_max: int = 16
+    max_tokens: int = 8
+    doc_skew: float = 1.0
+
+    @property
+    def shared_len(self) -> int:
+        return self.system_len + self.doc_len
+
+    def rounds(self, vocab: int) -> Rounds:
+        tok = _Tokens(self.seed, vocab)
+        system = tok(self.system_len)
+        docs = [np.concatenate([system, tok(self.doc_len)]) for _ in range(self.documents)]
+        weights = 1.0 / np.arange(1, self.documents + 1) ** self.doc_skew
+        for _ in range(self.turns):
+            picks = tok.rng.choice(self.documents, size=self.questions, p=weights / weights.sum())
+            yield Round([np.concatenate([docs[d], tok.between(self.user_min, self.user_max)]) for d in picks])
+
+
+@dataclasses.dataclass(frozen=True)
+class AgenticWorkload(_Family):
+    """`conversations` tool-calling traces behind a shared `system_len`-token system prompt, each starting
+    with a task of `user_min`..`user_max` tokens. In each later round (`turns` in all) a trace grows by its
+    last answer + a tool output of `tool_min`..`tool_max` tokens, or with probability `fork_prob` forks: an
+    earlier sequence of the trace (a prompt + its answer) is cut after the system prompt and new tokens
+    (`tool_min`..`tool_max`) follow. With probability `retry_prob` (when the trace has forked before) the
+    fork is a retry at an earlier fork's point, else an edit at a new one; the cut is at an odd position, so
+    never on the boundary of an even-sized block. The trace goes on from the forked sequence."""
+
+    name: ClassVar[str] = "agentic"
+    seed: int = 0
+    conversations: int = 4
+    turns: int = 6
+    system_len: int = 64
+    user_min: int = 16
+    user_max: int = 32
+    tool_min: int = 16
+    tool_max: int = 48
+    max_tokens: int = 8
+    fork_prob: float = 0.3
+    retry_prob: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.user_min < 2 or self.tool_min < 1:
+            raise ValueError("agentic: user messages need >= 2 tokens (a fork point after the system prompt)")
+
+    def rounds(self, vocab: int) -> Rounds:
+        tok = _Tokens(self.seed, vocab)
+        rng, system = tok.rng, tok(self.system_len)
+        prompts = [
+            np.concatenate([system, tok.between(self.user_min, self.user_max)])
+            for _ in range(self.conversations)
+        ]
+        traces: list[list[np.ndarray]] = [[] for _ in range(self.conversations)]  # sequences, round by round
+        points: list[list[tuple[int, int]]] = [[] for _ in range(self.conversations)]  # (source, position)
+        forks: list[Fork] = []
+        for index in range(self.turns):
+            sequences = yield Round(prompts, tuple(forks))
+            for trace, seq in zip(traces, sequences, strict=True):
+                trace.append(seq)
+            if index == self.turns - 1:
+                return
+            prompts, forks = [], []
+            for t, trace in enumerate(traces):
+                if rng.random() >= self.fork_prob:
+                    prompts.append(np.concatenate([trace[-1], tok.between(self.tool_min, self.tool_max)]))
+                    continue
+                retry = bool(points[t]) and rng.random() < self.retry_prob
+                if retry:
+                    source, position = points[t][int(rng.integers(len(points[t])))]
+                else:
+                    source = int(rng.integers(len(trace)))
+                    position = self._odd_position(rng, len(trace[source]))
+                    points[t].append((source, position))
+                forks.append(Fork(t, source, position, retry))
+                prompts.append(
+                    np.concatenate([trace[source][:position], tok.between(self.tool_min, self.tool_max)])
+                )
+
+    def _odd_position(self, rng: np.random.Generator, length: int) -> int:
+        """An odd cut in system_len + 1 .. length - 1 (one exists: a sequence holds >= 2 task tokens and an
+        answer token after the system prompt)."""
+        first = self.system_len + 1 + self.system_len % 2
+        return first + 2 * int(rng.integers(0, (length - 1 - first) // 2 + 1))
+
+
+FAMILIES: dict[str, type[Any]] = {w.name: w for w in (ChatWorkload, DocQAWorkload, AgenticWorkload)}
+
+
+class Server(Protocol):
+    """What a replay needs of an engine (`Engine` and `SimEngine` both are one)."""
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[GenerateResult]: ...
+
+    def ledger(self) -> dict[str, Any]: ...
+
+
+# the ledger's checkpoint accounts (per tier, and per kind and tier)
+CHECKPOINT_KEYS = ("checkpoints", "checkpoint_bytes", "checkpoints_by_kind", "checkpoint_bytes_by_kind")
+LEDGER_KEYS = (
+    *CHECKPOINT_KEYS,
+    "hits",
+    "lookups",
+    "saves",
+    "demotions",
+    "dropped_checkpoints",
+    "evicted_blocks",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """One request as replayed: its round, and its prompt and generated tokens in one array (the prompt is a
+    view of it, so a replay keeps no second copy of its prompts)."""
+
+    round: int
+    prompt_len: int
+    tokens: np.ndarray
+
+    @property
+    def prompt(self) -> np.ndarray:
+        return self.tokens[: self.prompt_len]
+
+    @property
+    def generated(self) -> np.ndarray:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclasses.dataclass
+class Replay:
+    """What one replay observed: every request's tokens and stats (in submission order, round by round) and
+    the ledger's checkpoint accounts and store counters after each round."""
+
+    stats: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    ledgers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    served: list[Served] = dataclasses.field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """The bench's row: reuse, recompute, the prompt tokens computed against their lower bound, TTFT, and
+        peak checkpoint bytes per tier (at round ends; under a budget the store never holds more)."""
+        prompt = sum(s["prompt_tokens"] for s in self.stats)
+        hit = sum(s["prefix_hit_tokens"] for s in self.stats)
+        # the engine counts a prompt token computed in a decode row (the last one, when one is pending: after
+        # a hit at len - 1, or a chunk that left one) as no prefill; a request computed at least prompt - hit
+        computed = sum(
+            max(s["prefill_tokens_computed"], s["prompt_tokens"] - s["prefix_hit_tokens"]) for s in self.stats
+        )
+        ms = 1e3 * np.asarray([s["time_to_first_token_s"] for s in self.stats])
+        tiers = ("device", "host", "disk")
+        peak = {t: max(led["checkpoint_bytes"][t] for led in self.ledgers) for t in tiers}
+        bound = lower_bound_tokens(self.served)
+        last = self.ledgers[-1]
+        return {
+            "requests": len(self.stats),
+            "prompt_tokens": prompt,
+            "hit_tokens": hit,
+            "hit_rate": hit / prompt,
+            "recomputed_tokens": sum(s["recomputed_tokens"] for s in self.stats),
+            "prefill_tokens_computed": sum(s["prefill_tokens_computed"] for s in self.stats),
+            "prompt_tokens_computed": computed,
+            "lower_bound_tokens": bound,
+            "vs_lower_bound": computed / bound if bound else None,
+            "ttft_mean_ms": float(ms.mean()),
+            "ttft_p50_ms": float(np.percentile(ms, 50)),
+            "ttft_p95_ms": float(np.percentile(ms, 95)),
+            "peak_checkpoint_bytes": peak,
+            "peak_checkpoint_total_bytes": max(
+                sum(led["checkpoint_bytes"][t] for t in tiers) for led in self.ledgers
+            ),
+            "hits": last.get("hits", 0),
+            "dropped_checkpoints": last.get("dropped_checkpoints", 0),
+        }
+
+
+def replay(server: Server, workload: Workload, vocab: int) -> Replay:
+    """Serve the workload round by round (a round's prompts together) and record what each request did."""
+    params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True)
+    out = Replay()
+    rounds = workload.rounds(vocab)
+    batch = next(rounds, None)
+    for index in itertools.count():
+        if batch is None:
+            break
+        results = server.generate(batch.prompts, params)
+        sequences = []
+        for prompt, res in zip(batch.prompts, results, strict=True):
+            seq = np.concatenate([prompt, np.asarray(res.token_ids, np.int32)])
+            sequences.append(seq)
+            out.served.append(Served(index, len(prompt), seq))
+            out.stats.append(res.stats)
+        ledger = server.ledger()
+        out.ledgers.append({k: ledger[k] for k in LEDGER_KEYS if k in ledger})
+        try:
+            batch = rounds.send(sequences)
+        except StopIteration:
+            batch = None
+    return out
+
+
+# --- the lower bound -------------------------------------------------------------------------------------
+def lower_bound_tokens(served: Sequence[Served], block: int = 64) -> int:
+    """Prompt tokens a replay must compute with a state checkpoint at every token and unlimited memory.
+
+    Requests in submission order: request i computes len(prompt_i) - L_i, where L_i is its longest common
+    prefix with what was computed before it, at most len(prompt_i) - 1 (one token gives the next-token
+    logits), or 0 when an earlier request had exactly this prompt (its prompt-end logits can be kept). Before
+    it means: every request of earlier rounds, its prompt and its answer but the answer's last token (that
+    one is sampled, never fed back, so no state exists after it); requests earlier in the same round, their
+    prompt only (they run beside it). `block`: the index's granularity (any value gives the same answer)."""
+    index, seen, total = PrefixIndex(block), set(), 0
+    for _, group in itertools.groupby(served, key=lambda s: s.round):
+        group = list(group)
+        for s in group:
+            prompt = s.prompt
+            key = hashlib.blake2b(np.ascontiguousarray(prompt, np.int32).tobytes(), digest_size=16).digest()
+            if key in seen:
+                continue
+            seen.add(key)
+            total += len(prompt) - min(index.longest_prefix(prompt), len(prompt) - 1)
+            index.add(prompt)
+        for s in group:
+            index.add(s.tokens[: max(len(s.tokens) - 1, s.prompt_len)])
+    return total
+
+
+class PrefixIndex:
+    """Every prefix of the token sequences added, for longest-common-prefix queries: a node per distinct
+    prefix of whole `block`s (keyed by a chained hash), holding the distinct continuations of up to `block`
+    tokens seen after it, sorted (as bytes), so the longest common prefix of a query with any of them is with
+    a neighbour of the query's place in that order. Memory: the distinct tokens added, not all of them."""
+
+    def __init__(self, block: int = 64):
+        self.step = 4 * block  # bytes of a block of int32 tokens
+        self.nodes: dict[bytes, list[bytes]] = {b"": []}
+
+    @staticmethod
+    def _data(tokens: Sequence[int] | np.ndarray) -> bytes:
+        return np.ascontiguousarray(tokens, np.int32).tobytes()
+
+    @staticmethod
+    def _child(node: bytes, piece: bytes) -> bytes:
+        return hashlib.blake2b(node + piece, digest_size=16).digest()
+
+    def add(self, tokens: Sequence[int] | np.ndarray) -> None:
+        data, node = self._data(tokens), b""
+        for start in range(0, len(data), self.step):
+            piece, children = data[start : start + self.step], self.nodes[node]
+            i = bisect.bisect_left(children, piece)
+            if i == len(children) or children[i] != piece:
+                children.insert(i, piece)
+            if len(piece) < self.step:
+                return
+            node = self._child(node, piece)
+            self.nodes.setdefault(node, [])
+
+    def longest_prefix(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """The longest common prefix (tokens) of `tokens` with any sequence added."""
+        data, node, start = self._data(tokens), b"", 0
+        while True:
+            piece, children = data[start : start + self.step], self.nodes[node]
+            i = bisect.bisect_left(children, piece)
+            if len(piece) == self.step and i < len(children) and children[i] == piece:
+                node, start = self._child(node, piece), start + self.step
+                continue
+            return start // 4 + max(
+                (_common(children[j], piece) for j in (i - 1, i) if 0 <= j < len(children)), default=0
+            )
+
+
+def _common(a: bytes, b: bytes) -> int:
+    """Leading int32 tokens two byte strings share."""
+    n = min(len(a), len(b)) // 4
+    x, y = np.frombuffer(a, np.int32, n), np.frombuffer(b, np.int32, n)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if len(diff) else n
