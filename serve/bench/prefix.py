@@ -124,6 +124,7 @@ def settings(args: argparse.Namespace) -> list[Setting]:
             for at_ends, spacing in ((False, intervals), (True, ends)):
                 for interval in spacing:
                     cfg = PrefixStoreConfig(
+                        checkpoint_policy="fixed",
                         checkpoint_interval=interval,
                         prompt_end_checkpoints=at_ends,
                         sequence_end_checkpoints=at_ends,

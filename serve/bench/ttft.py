@@ -40,10 +40,16 @@ def run(args: argparse.Namespace) -> int:
     variants = {
         "cold": None,
         "interval": PrefixStoreConfig(
-            checkpoint_interval=args.interval, prompt_end_checkpoints=False, sequence_end_checkpoints=False
+            checkpoint_policy="fixed",
+            checkpoint_interval=args.interval,
+            prompt_end_checkpoints=False,
+            sequence_end_checkpoints=False,
         ),
         "prompt_end": PrefixStoreConfig(
-            checkpoint_interval=args.interval, prompt_end_checkpoints=True, sequence_end_checkpoints=False
+            checkpoint_policy="fixed",
+            checkpoint_interval=args.interval,
+            prompt_end_checkpoints=True,
+            sequence_end_checkpoints=False,
         ),
     }
     rows = []

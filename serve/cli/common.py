@@ -29,11 +29,11 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--checkpoint-policy",
         choices=("fixed", "adaptive"),
-        default="fixed",
+        default="adaptive",
         help="fixed: a checkpoint every --checkpoint-interval tokens and at prompt / sequence ends, least "
         "recently used evicted first; adaptive: --checkpoint-interval is the finest spacing, junctions where "
         "prompts leave a shared prefix are added, requests sharing a prefix being computed wait for its "
-        "checkpoint, and what saves the least prefill per byte is evicted first (default fixed)",
+        "checkpoint, and what saves the least prefill per byte is evicted first (default adaptive)",
     )
     g.add_argument(
         "--eviction",
