@@ -13,8 +13,9 @@ from jaxhybrid.model import HybridLM
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
 from serve.prefix.checkpoints import Checkpoint, CheckpointKind, Tier
+from serve.prefix.junctions import common_prefix
 from serve.prefix.policies import ValueAware
-from serve.prefix.store import PrefixStoreConfig, common_prefix
+from serve.prefix.store import PrefixStoreConfig
 
 BS = 8
 

@@ -38,6 +38,30 @@ class DiskEntry:
     holders: int = 0
 
 
+def entry_meta(
+    key: bytes,
+    fingerprint: bytes,
+    block_size: int,
+    position: int,
+    kind: CheckpointKind,
+    chain: list[bytes],
+    tail: tuple[int, ...],
+) -> dict[str, Any]:
+    """The manifest fields of a new entry: the checkpoint after `position` tokens whose full blocks hash to
+    `chain` (root first) and whose partial block holds `tail`."""
+    return {
+        "key": key.hex(),
+        "fingerprint": fingerprint.hex(),
+        "block_size": block_size,
+        "position": position,
+        "kind": kind.value,
+        "base": chain[-1].hex(),
+        "block_hashes": [h.hex() for h in chain[1:]],
+        "tail": [int(t) for t in tail],
+        "created": time.time(),
+    }
+
+
 def read_entry(path: Path, fingerprint: bytes, block_size: int) -> DiskEntry | None:
     """The entry in `path` if its manifest is valid, belongs to this model and layout, and every file it
     lists exists with its recorded size; else None."""

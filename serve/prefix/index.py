@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from serve.prefix.junctions import common_prefix
+
 
 class ChainHasher:
     """h_0 = sha256(fingerprint || salt); h_i = sha256(h_{i-1} || fingerprint || salt || tokens of block i).
@@ -149,3 +151,32 @@ class BlockIndex:
         self.allocator.release(list(self._blocks.values()))
         self._blocks.clear()
         self._hash_of.clear()
+
+
+def kv_match(
+    tokens: Sequence[int],
+    chain: list[bytes],
+    block_size: int,
+    blocks: BlockIndex,
+    disk_refs: Any,
+    tails: TailIndex,
+    partial: bool,
+) -> tuple[int, int, int]:
+    """How far `tokens` (whose chain hashes are `chain`) find their KV in the store: (full blocks in the
+    pool, full blocks in the pool or a disk entry (`disk_refs`), tokens matched: those blocks, then the
+    longest tail seen after them; with `partial`, any common part of a tail counts, else a whole tail)."""
+    nb = 0
+    while nb + 1 < len(chain) and chain[nb + 1] in blocks:
+        nb += 1
+    reach = nb
+    while reach + 1 < len(chain) and (chain[reach + 1] in blocks or chain[reach + 1] in disk_refs):
+        reach += 1
+    start = reach * block_size
+    rest = list(tokens[start : start + block_size])
+    matched = start
+    for tail in tails.get(chain[reach]):
+        if partial:
+            matched = max(matched, start + common_prefix(rest, list(tail)))
+        elif tuple(rest[: len(tail)]) == tail:
+            matched = max(matched, start + len(tail))
+    return nb, reach, matched

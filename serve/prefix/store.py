@@ -38,9 +38,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from jaxhybrid.cache import SCRATCH_BLOCK
+from serve.prefix import junctions
 from serve.prefix.checkpoints import Checkpoint, CheckpointKind, CheckpointTiers, KindTally, Tier
 from serve.prefix.disk import DiskEntry, DiskTier, namespace
-from serve.prefix.index import BlockIndex, ChainHasher, TailIndex
+from serve.prefix.entries import entry_meta
+from serve.prefix.index import BlockIndex, ChainHasher, TailIndex, kv_match
 from serve.prefix.policies import POLICIES, make_policy
 from serve.prefix.stats import LookupStats, MemoryStats, flatten
 
@@ -100,16 +102,6 @@ class PrefixStoreConfig:
             )
         if self.store_dir is not None and Path(self.store_dir).exists() and not Path(self.store_dir).is_dir():
             raise ValueError(f"prefix store directory '{self.store_dir}' is not a directory")
-
-
-def common_prefix(a: list[int], b: list[int], step: int = 1024) -> int:
-    """Length of the longest common prefix of two token lists (compared a slice at a time)."""
-    n, i = min(len(a), len(b)), 0
-    while i < n and a[i : i + step] == b[i : i + step]:
-        i += step
-    while i < n and a[i] == b[i]:
-        i += 1
-    return min(i, n)
 
 
 class Sequence_(Protocol):
@@ -191,6 +183,25 @@ def empty_ledger() -> dict[str, Any]:
     }
 
 
+def deepest_checkpoint(
+    tokens: list[int], chain: list[bytes], reach: int, nb: int, hasher: ChainHasher, memory: Any, disk: Any
+) -> tuple[int, Checkpoint | DiskEntry] | None:
+    """The deepest checkpoint of `tokens` (at most len - 1) in memory, whose blocks must be among the `nb`
+    in the pool, or on disk, whose entry carries its own KV (up to `reach` blocks): (position, it)."""
+    bs, limit = hasher.block_size, len(tokens) - 1
+    for i in range(reach, -1, -1):
+        if i * bs > limit:
+            continue
+        for r in range(min(bs - 1, limit - i * bs), -1, -1):
+            key = hasher.checkpoint_key(chain[i], tokens[i * bs : i * bs + r])
+            ck = memory.get(key) if i <= nb else None
+            if ck is None and disk is not None:
+                ck = disk.entries.get(key)
+            if ck is not None:
+                return i * bs + r, ck
+    return None
+
+
 class PrefixStore:
     def __init__(
         self,
@@ -242,23 +253,8 @@ class PrefixStore:
         self.checkpoints.looked_up()
         limit, bs, disk = len(tokens) - 1, self.block_size, self.disk
         chain = self.hasher.chain(tokens, salt)
-        nb = 0  # full blocks in the pool
-        while nb + 1 < len(chain) and chain[nb + 1] in self.blocks:
-            nb += 1
-        reach = nb  # full blocks in the pool or inside a disk entry
-        while (
-            disk is not None
-            and reach + 1 < len(chain)
-            and (chain[reach + 1] in self.blocks or chain[reach + 1] in disk.block_refs)
-        ):
-            reach += 1
-        matched = reach * bs  # how far the match goes: full blocks, then the longest partial tail seen
-        rest = list(tokens[reach * bs : (reach + 1) * bs])
-        for tail in self.tails.get(chain[reach]):
-            if self.config.adaptive:  # any common part (the adaptive policy's tails include whole blocks)
-                matched = max(matched, reach * bs + common_prefix(rest, list(tail)))
-            elif tuple(rest[: len(tail)]) == tail:
-                matched = max(matched, reach * bs + len(tail))
+        refs = disk.block_refs if disk is not None else ()
+        nb, reach, matched = kv_match(tokens, chain, bs, self.blocks, refs, self.tails, self.config.adaptive)
         matched = min(matched, limit)
         best: tuple[int, Checkpoint | DiskEntry] | None = None
         end_blocks = len(tokens) // bs
@@ -270,20 +266,8 @@ class PrefixStore:
             )
             if ck is not None and ck.logits is not None:
                 best, matched = (len(tokens), ck), len(tokens)
-        for i in range(reach, -1, -1):
-            if best is not None:
-                break
-            if i * bs > limit:
-                continue
-            for r in range(min(bs - 1, limit - i * bs), -1, -1):
-                key = self.hasher.checkpoint_key(chain[i], tokens[i * bs : i * bs + r])
-                # a checkpoint in memory needs its blocks in the pool; a disk entry carries its own
-                ck = self.checkpoints.get(key) if i <= nb else None
-                if ck is None and disk is not None:
-                    ck = disk.entries.get(key)
-                if ck is not None:
-                    best = (i * bs + r, ck)
-                    break
+        if best is None:
+            best = deepest_checkpoint(tokens, chain, reach, nb, self.hasher, self.checkpoints, disk)
         if best is None:
             return Hit(0, matched, [])
         pos, ck = best
@@ -408,37 +392,14 @@ class PrefixStore:
         return hit.matched
 
     def shared_prefix(self, seq: Sequence_, computing: list[Sequence_]) -> tuple[Sequence_, int] | None:
-        """The request in `computing` (running, still prefilling its prompt) whose prompt shares the longest
-        prefix with `seq`'s, at least a block, that it has not computed yet: (it, the shared length; one
-        short of `seq`'s prompt unless the two prompts are the same and the prompt end keeps its logits).
-        The adaptive policy lets `seq` wait for its checkpoint there instead of computing the same prefix
-        a second time; None if there is none or not adaptive."""
+        """The running request `seq` should wait for (in-batch sharing, adaptive policy only), and where:
+        `serve.prefix.junctions.shared_prefix`."""
         if not self.config.adaptive:
             return None
-        best, prompt = None, seq.prompt
-        for other in computing:
-            if other.cache_salt != seq.cache_salt or other.num_computed >= len(other.prompt):
-                continue
-            shared = common_prefix(prompt, other.prompt)
-            identical = shared == len(prompt) == len(other.prompt) and self.config.prompt_end_checkpoints
-            shared = shared if identical else min(shared, len(prompt) - 1)  # else one token makes logits
-            if (
-                shared >= self.block_size
-                and other.num_computed < shared
-                and (best is None or shared > best[1])
-            ):
-                best = (other, shared)
-        return best
+        return junctions.shared_prefix(seq, computing, self.block_size, self.config.prompt_end_checkpoints)
 
     def _index_blocks(self, seq: Sequence_) -> None:
-        """Index `seq`'s computed full blocks, and remember each block's tokens as a tail of the one before
-        it, so a prompt that leaves this sequence inside a block finds the exact token (its junction)."""
-        bs, tokens = self.block_size, seq.tokens
-        nb = seq.num_computed // bs
-        chain = self.hasher.chain(tokens[: nb * bs], seq.cache_salt)
-        self.blocks.register(chain[1:], seq.blocks[:nb])
-        for i in range(nb):
-            self.tails.add(chain[i], tuple(tokens[i * bs : (i + 1) * bs]))
+        junctions.index_blocks(seq, self.hasher, self.blocks, self.tails)
 
     def on_finished(self, seq: Sequence_, source: CheckpointSource) -> None:
         """A sequence ended normally: index its blocks, and keep its end state (sequence-end checkpoints)."""
@@ -490,8 +451,9 @@ class PrefixStore:
         self.checkpoints.add(ck)
         self.checkpoints.enforce(source.to_host)
         num_full = pos // bs
-        meta = self._plan_disk_save(chain, tail, key, pos, kind, nbytes + num_full * self.block_bytes)
-        if meta is not None:  # write-through: the disk entry holds the KV of the whole prefix
+        if self.disk is not None and self.disk.wants(key, nbytes + num_full * self.block_bytes):
+            # write-through: the disk entry holds the KV of the whole prefix
+            meta = entry_meta(key, self.fingerprint, self.block_size, pos, kind, chain, tail)
             kv_full, held = None, nbytes  # held: device bytes the queued save keeps alive
             if num_full:
                 kv_full = source.gather(seq.blocks[:num_full])
@@ -504,31 +466,6 @@ class PrefixStore:
     def _note_disk_tail(self, entry: DiskEntry) -> None:
         if entry.tail:
             self.tails.add(entry.base, entry.tail)
-
-    def _plan_disk_save(
-        self,
-        chain: list[bytes],
-        tail: tuple[int, ...],
-        key: bytes,
-        position: int,
-        kind: CheckpointKind,
-        nbytes: int,
-    ) -> dict[str, Any] | None:
-        """The disk entry's metadata, or None when it is not to be written (no disk tier, already on disk
-        or on its way, over the budget, queue full, disk full)."""
-        if self.disk is None or not self.disk.wants(key, nbytes):
-            return None
-        return {
-            "key": key.hex(),
-            "fingerprint": self.fingerprint.hex(),
-            "block_size": self.block_size,
-            "position": position,
-            "kind": kind.value,
-            "base": chain[-1].hex(),
-            "block_hashes": [h.hex() for h in chain[1:]],
-            "tail": [int(t) for t in tail],
-            "created": time.time(),
-        }
 
     def observe(self) -> dict[str, Any] | None:
         """What finished in the background (disk saves, the disk's state); None without a disk tier."""

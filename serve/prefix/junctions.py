@@ -1,0 +1,57 @@
+"""The adaptive checkpoint policy's junctions: where a prompt leaves a prefix that other requests share (found
+by plain token comparison for requests being computed, by the block index and its tails for what is cached),
+and the indexing that lets the next prompt find them."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Sequence_(Protocol):
+    prompt: list[int]
+    num_computed: int
+    blocks: list[int]
+    cache_salt: str | None
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+
+def common_prefix(a: list[int], b: list[int], step: int = 1024) -> int:
+    """Length of the longest common prefix of two token lists (compared a slice at a time)."""
+    n, i = min(len(a), len(b)), 0
+    while i < n and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return min(i, n)
+
+
+def shared_prefix(
+    seq: Sequence_, computing: list[Sequence_], block_size: int, prompt_end_logits: bool
+) -> tuple[Sequence_, int] | None:
+    """The request in `computing` (running, still prefilling its prompt) whose prompt shares the longest
+    prefix with `seq`'s, at least a block, that it has not computed yet: (it, the shared length; one short of
+    `seq`'s prompt unless the two prompts are the same and `prompt_end_logits`, the prompt end keeping its
+    logits). `seq` can wait for that request's checkpoint there instead of computing the prefix again."""
+    best, prompt = None, seq.prompt
+    for other in computing:
+        if other.cache_salt != seq.cache_salt or other.num_computed >= len(other.prompt):
+            continue
+        shared = common_prefix(prompt, other.prompt)
+        identical = shared == len(prompt) == len(other.prompt) and prompt_end_logits
+        shared = shared if identical else min(shared, len(prompt) - 1)  # else one token makes the logits
+        if shared >= block_size and other.num_computed < shared and (best is None or shared > best[1]):
+            best = (other, shared)
+    return best
+
+
+def index_blocks(seq: Sequence_, hasher: Any, blocks: Any, tails: Any) -> None:
+    """Index `seq`'s computed full blocks (`BlockIndex`), and remember each block's tokens as a tail of the
+    one before it (`TailIndex`), so a prompt leaving this sequence inside a block finds the exact token."""
+    bs, tokens = hasher.block_size, seq.tokens
+    nb = seq.num_computed // bs
+    chain = hasher.chain(tokens[: nb * bs], seq.cache_salt)
+    blocks.register(chain[1:], seq.blocks[:nb])
+    for i in range(nb):
+        tails.add(chain[i], tuple(tokens[i * bs : (i + 1) * bs]))
