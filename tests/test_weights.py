@@ -221,6 +221,17 @@ def test_convert_to_orbax_round_trip(hf_dir, tmp_path, tokens, reference, logits
     assert "exists and is not empty" in capsys.readouterr().err
 
 
+def test_an_orbax_directory_loads_by_a_relative_path(
+    hf_dir, tmp_path, tokens, reference, logits_of, monkeypatch
+):
+    """`--model runs/x/model` from the working directory (Orbax's metadata read wants an absolute path)."""
+    out = tmp_path / "rel" / "orbax"
+    assert cli_main(["convert", str(hf_dir), str(out), "--no-progress"]) == 0
+    monkeypatch.chdir(tmp_path)
+    loaded = load_pretrained("rel/orbax", progress=False)
+    np.testing.assert_array_equal(logits_of(loaded, tokens), reference)
+
+
 def test_convert_bfloat16(hf_dir, tmp_path, model):
     out = tmp_path / "bf16"
     assert cli_main(["convert", str(hf_dir), str(out), "--dtype", "bfloat16", "--no-progress"]) == 0

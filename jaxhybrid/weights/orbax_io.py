@@ -68,7 +68,7 @@ def checkpointer(
 
 def stored_arrays(directory: str | Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Our name -> (shape, dtype) of every array in an Orbax checkpoint directory (metadata only)."""
-    params = Path(directory) / PARAMS_DIR
+    params = (Path(directory) / PARAMS_DIR).resolve()  # Orbax finds no metadata under a relative path
     ck = checkpointer()
     try:
         meta = ck.metadata(params)
@@ -76,6 +76,8 @@ def stored_arrays(directory: str | Path) -> dict[str, tuple[tuple[int, ...], np.
         raise CheckpointError(f"{params}: cannot read the Orbax checkpoint metadata: {exc}") from exc
     finally:
         ck.close()
+    if meta is None:
+        raise CheckpointError(f"{params}: the Orbax checkpoint has no metadata")
     tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
     return {name: (tuple(m.shape), np.dtype(m.dtype)) for name, m in _flatten(tree).items()}
 
