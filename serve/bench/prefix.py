@@ -43,7 +43,6 @@ from serve.bench.common import add_out_arg, compile_watch, emit, environment
 from serve.bench.workloads import FAMILIES, Replay, Workload, replay
 from serve.report import fmt_bytes, print_table
 
-CHECKPOINT_POLICIES = ("fixed", "adaptive")
 HOST_CACHE_MB = 4096.0  # --host-cache-mb without --budgets (with them: 0, the budget is all there is)
 
 
@@ -103,7 +102,7 @@ def settings(args: argparse.Namespace) -> list[Setting]:
     """Every setting compared: off; per budget (or once, without --budgets), for `fixed` each interval alone
     and prompt/sequence-end checkpoints beside each --prompt-end-interval, once per --eviction policy; for
     `adaptive` the adaptive policy at the smallest interval (its own eviction policy)."""
-    from serve.prefix.store import PrefixStoreConfig
+    from serve.prefix.store import CHECKPOINT_POLICIES, PrefixStoreConfig
 
     intervals = sorted(set(_csv(args.intervals, "--intervals")), reverse=True)
     ends = sorted(

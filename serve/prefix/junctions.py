@@ -4,17 +4,10 @@ and the indexing that lets the next prompt find them."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-
-class Sequence_(Protocol):
-    prompt: list[int]
-    num_computed: int
-    blocks: list[int]
-    cache_salt: str | None
-
-    @property
-    def tokens(self) -> list[int]: ...
+if TYPE_CHECKING:
+    from serve.prefix.store import Sequence_
 
 
 def common_prefix(a: list[int], b: list[int], step: int = 1024) -> int:

@@ -64,17 +64,14 @@ class PrefixStoreConfig:
     max_tails: int = 16384  # partial blocks remembered (for how far a prompt matches), least recent dropped
     eviction: str | None = None  # the memory tiers' eviction policy (serve.prefix.policies); None: the
     # checkpoint policy's own ("lru" for fixed, "value" for adaptive)
-    # "fixed": checkpoints at interval multiples, prompt ends and sequence ends (as configured), LRU order.
-    # "adaptive": checkpoint_interval is the finest spacing; junctions (where a prompt leaves what is cached
-    # or what another request is computing) are added, requests that share a prefix being computed wait for
-    # its checkpoint, and eviction weighs what a checkpoint saves per byte by how often its kind is reused.
-    checkpoint_policy: str = "adaptive"  # the default since it beat every fixed setting in `bench prefix`
+    # "fixed" | "adaptive" (see the module doc); adaptive, the default, beat every fixed setting
+    checkpoint_policy: str = "adaptive"
 
     @property
     def eviction_policy(self) -> str:
         if self.eviction is not None:
             return self.eviction
-        return "value" if self.checkpoint_policy == "adaptive" else "lru"
+        return "value" if self.adaptive else "lru"
 
     @property
     def adaptive(self) -> bool:
