@@ -14,6 +14,7 @@ norm, head) plus one group's parameters stacked over the groups. `forward_scanne
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxhybrid.cache import LayerCache
 from jaxhybrid.model import HybridLM
+from jaxhybrid.ops.moe import moe_experts_skipping_stacked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,19 +137,43 @@ def forward_scanned(
     for i in layout.lead:
         h, new[i] = next(unrolled)(h, caches[i], lengths)
 
-    def group_step(h: jax.Array, xs: tuple[Any, tuple[Any, ...]]) -> tuple[jax.Array, tuple[Any, ...]]:
-        state, group_caches = xs
+    stacked = nnx.merge(defs.group, params.groups)  # modules holding the [G, ...] arrays: read, never run
+
+    def group_step(h: jax.Array, xs: tuple[jax.Array, tuple[Any, ...]]) -> tuple[jax.Array, tuple[Any, ...]]:
+        # The group's weights are indexed out of the stacked arrays here rather than scanned over as `xs`:
+        # XLA:CPU then reads a matrix-vector product's weights in place instead of copying them per step.
+        g, group_caches = xs
+        layers = nnx.merge(defs.group, jax.tree.map(lambda x: x[g], params.groups))
         out = []
-        for layer, c in zip(nnx.merge(defs.group, state), group_caches, strict=True):
+        for layer, full, c in zip(layers, stacked, group_caches, strict=True):
+            _experts_in_place(layer, full, g)
             h, c = layer(h, c, lengths)
             out.append(c)
         return h, tuple(out)
 
     xs_caches = (None,) * layout.period if cache is None else stack_caches(layout, caches)
-    h, ys = jax.lax.scan(group_step, h, (params.groups, xs_caches))
+    h, ys = jax.lax.scan(group_step, h, (jnp.arange(layout.groups), xs_caches))
     for g in range(layout.groups):
         for j in range(layout.period):
             new[layout.layer(g, j)] = jax.tree.map(lambda y: y[g], ys[j])  # noqa: B023
     for i in layout.tail:
         h, new[i] = next(unrolled)(h, caches[i], lengths)
     return shell.logits(h), tuple(new)
+
+
+def _experts_in_place(layer: Any, stacked: Any, g: jax.Array) -> None:
+    """On the CPU, let `layer`'s routed experts read the chosen experts of group `g` straight from the
+    stacked weights (`moe_experts_skipping_stacked`): slicing the group first copies all its E experts on
+    every step, which a bandwidth-bound decode pays in full. The sliced weights are then unused (and
+    removed by XLA). Other backends, the dense reference and a set `experts_fn` (expert parallelism) keep
+    the sliced weights."""
+    moe = getattr(layer, "block_sparse_moe", None)
+    if moe is None or moe.experts_fn is not None or moe.impl != "dropless" or jax.default_backend() != "cpu":
+        return
+    ex = stacked.block_sparse_moe.experts
+    moe.experts_fn = functools.partial(_stacked_experts, (ex.w1[...], ex.w2[...], ex.w3[...]), g)
+
+
+def _stacked_experts(stacked, g, x, w1, w2, w3, weights, expert_ids, *, act, valid=None):
+    del w1, w2, w3  # the group's slices: read in place from `stacked` instead
+    return moe_experts_skipping_stacked(x, *stacked, weights, expert_ids, group=g, act=act, valid=valid)

@@ -390,6 +390,7 @@ def test_bench_prefix_bad_flags_are_one_error_line(capsys, argv):
     assert len(err) == 1 and err[0].startswith("error: ")
 
 
+@pytest.mark.slow  # 35-65 s; the default run drives bench prefix's engine path in tests/test_bench.py
 def test_bench_prefix_engine_docqa_under_two_budgets(capsys):
     """One engine run: a small docqa (a 41-token shared prefix, off the blocks of 8) under a budget of about
     one checkpoint and an ample one; the real model's answers, the bound per row from its own replay."""

@@ -13,6 +13,7 @@ from jaxhybrid.ops.moe import (
     moe_experts_dropless,
     moe_experts_ragged,
     moe_experts_skipping,
+    moe_experts_skipping_stacked,
     route,
 )
 
@@ -280,6 +281,24 @@ def test_skipping_reads_only_the_experts_in_use() -> None:
     assert np.isfinite(out).all()
     ref = _numpy_experts(np.asarray(x)[:1], w1, w2, w3, np.asarray(weights)[:1], np.asarray(ids)[:1])
     assert _rel_err(out[:1], ref) < 1e-5
+
+
+@pytest.mark.parametrize("tokens", [2, _N], ids=["decode-sized", "prefill"])
+def test_stacked_experts_read_only_their_group(tokens) -> None:
+    """The scanned layers' form: experts stacked over 3 groups, group 1 chosen. It equals the float64 loop on
+    group 1's weights, with NaN in the other groups and in group 1's unchosen experts (never read)."""
+    rng = np.random.default_rng(10)
+    x = jnp.asarray(rng.standard_normal((tokens, _D)).astype(np.float32))
+    w1, w2, w3 = _expert_weights(rng)
+    ids_np = _random_ids(rng)[:tokens]
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, _K)).astype(np.float32))
+    unused = ~np.isin(np.arange(_E), ids_np)
+    group = [jnp.where(unused[:, None, None], jnp.nan, w) for w in (w1, w2, w3)]
+    stacked = [jnp.stack([jnp.full_like(w, jnp.nan), w, jnp.full_like(w, jnp.nan)]) for w in group]
+    fn = jax.jit(lambda *a: moe_experts_skipping_stacked(*a, group=jnp.int32(1)))
+    out = np.asarray(fn(x, *stacked, weights, jnp.asarray(ids_np)))
+    ref = _numpy_experts(x, w1, w2, w3, weights, ids_np)
+    assert np.isfinite(out).all() and _rel_err(out, ref) < 1e-5
 
 
 def test_skipping_gradients_equal_the_dense_reference() -> None:

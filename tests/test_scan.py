@@ -11,6 +11,7 @@ from oracles import FullPass, assert_matches_full_pass
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM, pure_fn
 from jaxhybrid.scan import ScanLayout, forward_scanned, scan_layout, split_for_scan
+from serve.engine.config import AUTO_SCAN_MIN_GROUPS, scan_mode
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
 
@@ -35,7 +36,7 @@ def test_layout_scans_the_repeated_groups(model):
     assert scan_layout(k3) is None  # attention residuals: not scanned
 
 
-@pytest.mark.slow  # compiles both forms of a 10-layer model (about 20 s); the setting is off by default
+@pytest.mark.slow  # compiles both forms of a 10-layer model (about 20 s); "auto" scans only deeper models
 def test_scanned_forward_equals_forward_cached(model):
     defs, params = split_for_scan(model, scan_layout(model))
     cached, state = pure_fn(model, "forward_cached")
@@ -68,3 +69,16 @@ def test_scanning_engine_serves_the_full_pass(model):
 def test_scan_setting_is_checked():
     with pytest.raises(ValueError, match="scan_layers"):
         EngineConfig(scan_layers="yes").validate()
+
+
+def test_auto_scans_deep_models_only():
+    # the default: every program scanned from AUTO_SCAN_MIN_GROUPS groups on, nothing below; a model with
+    # fewer than two groups has nothing to scan whatever the setting
+    assert EngineConfig().scan_layers == "auto"
+    assert scan_mode("auto", AUTO_SCAN_MIN_GROUPS) == "all"
+    assert scan_mode("auto", AUTO_SCAN_MIN_GROUPS - 1) == "off"
+    assert scan_mode("prefill", 2) == "prefill" and scan_mode("all", 1) == "off"
+    deep = nnx.eval_shape(lambda: HybridLM(deep_tiny(92), rngs=nnx.Rngs(0)))
+    assert scan_layout(deep).groups >= AUTO_SCAN_MIN_GROUPS  # Kimi K3's depth scans by default
+    small = nnx.eval_shape(lambda: HybridLM(load_config("small"), rngs=nnx.Rngs(0)))
+    assert scan_layout(small) is None  # small stays unrolled

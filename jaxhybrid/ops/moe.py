@@ -30,6 +30,7 @@ __all__ = [
     "moe_experts_ragged",
     "moe_experts_blocked",
     "moe_experts_skipping",
+    "moe_experts_skipping_stacked",
     "moe_experts_dense",
 ]
 
@@ -380,10 +381,13 @@ def _skipping_forward(
     expert_ids: jax.Array,
     valid: jax.Array,
     act: GatedActivation,
+    group: jax.Array | None = None,
 ) -> jax.Array:
-    """The loop of :func:`moe_experts_skipping` (valid given)."""
+    """The loop of :func:`moe_experts_skipping` (valid given); with `group`, the weights are stacked over
+    groups ([G, E, ...]) and the loop reads expert (group, e) in place."""
     num_tokens, k = expert_ids.shape
-    num_experts, _, dim = w1.shape
+    num_experts, _, dim = w1.shape[-3:]
+    pick = (lambda w, e: w[e]) if group is None else (lambda w, e: w[group, e])
     m = _rows_per_block(num_tokens, num_tokens * k, num_experts)
     # Pairs of rows not valid sort last, into no block; the loop runs the blocks in use only.
     blocks = _sorted_blocks(_pair_keys(expert_ids, valid, num_experts), num_experts, m)
@@ -392,7 +396,7 @@ def _skipping_forward(
     def block(i: jax.Array, out: jax.Array) -> jax.Array:
         e = block_expert[i]
         r = jax.lax.dynamic_slice_in_dim(rows, i * m, m)
-        r, a, c, b = _f32_operands(r, w1[e], w3[e], w2[e])
+        r, a, c, b = _f32_operands(r, pick(w1, e), pick(w3, e), pick(w2, e))
         gate = jnp.dot(r, a.T, preferred_element_type=jnp.float32)
         up = jnp.dot(r, c.T, preferred_element_type=jnp.float32)
         hidden = gated_act(gate, up, act).astype(b.dtype)
@@ -401,6 +405,28 @@ def _skipping_forward(
 
     out = jax.lax.fori_loop(0, blocks.used_blocks, block, jnp.zeros((blocks.num_rows, dim), jnp.float32))
     return _combine(out, blocks, weights, k, num_tokens).astype(x.dtype)
+
+
+def moe_experts_skipping_stacked(
+    x: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    w3: jax.Array,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    *,
+    group: jax.Array,
+    act: GatedActivation = SILU,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """:func:`moe_experts_skipping` of group `group` of experts stacked over layer groups (w1/w3
+    [G, E, F, D], w2 [G, E, D, F]; the scanned layers of `jaxhybrid.scan`): each chosen expert is read in
+    place from the stacked arrays, where taking ``w1[group]`` first would copy all E experts of the layer on
+    every step. Equals ``moe_experts_skipping(x, w1[group], w2[group], w3[group], ...)``; forward only."""
+    check_expert_shapes(x, w1[0], w2[0], w3[0])
+    if valid is None:
+        valid = jnp.ones(expert_ids.shape[:1], bool)
+    return _skipping_forward(x, w1, w2, w3, weights, expert_ids, valid.reshape(-1), act, group)
 
 
 def moe_experts_dropless(

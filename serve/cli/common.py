@@ -108,7 +108,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--kv-memory-mb", type=float, default=None, help="size the KV pool by a memory budget (MiB) instead"
     )
     e.add_argument(
-        "--prefill-chunk", type=int, default=128, help="longest prefill piece in tokens (default 128)"
+        "--prefill-chunk", type=int, default=512, help="longest prefill piece in tokens (default 512)"
     )
     e.add_argument(
         "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"

@@ -12,7 +12,19 @@ from jaxhybrid.cache import kda_state_bytes
 from jaxhybrid.config import ModelConfig
 from serve.prefix.store import PrefixStoreConfig
 
-SCAN_MODES = ("off", "prefill", "all")
+SCAN_MODES = ("auto", "off", "prefill", "all")
+AUTO_SCAN_MIN_GROUPS = 4  # "auto" scans every program of a model with at least this many repeated groups
+
+
+def scan_mode(setting: str, groups: int) -> str:
+    """What `EngineConfig.scan_layers` means for a model whose layers hold `groups` repeated groups (0: none
+    to scan): "auto" is "all" for deep models (compile time independent of depth: Kimi K3's 92 layers) and
+    "off" for shallow ones (a scan saves them little compile time and costs XLA:CPU weight copies)."""
+    if groups < 2:
+        return "off"
+    if setting == "auto":
+        return "all" if groups >= AUTO_SCAN_MIN_GROUPS else "off"
+    return setting
 
 
 @dataclasses.dataclass
@@ -24,15 +36,15 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_bytes: int | None = None
-    prefill_chunk: int = 128
+    prefill_chunk: int = 512  # 512-token chunks reach about half the matmul rate on small (128: a third)
     max_model_len: int | None = None
     max_batched_tokens: int | None = None
     kv_dtype: str = "float32"
     seed: int = 0
     # Run the repeated layer groups (K K K M) as a scan (`jaxhybrid.scan`: compile time independent of depth):
-    # "off", "prefill" (prefill programs; decode unrolled) or "all". Not "all" by default: on XLA:CPU the
-    # scan copies each layer's weights (all its experts) per step, which a bandwidth-bound decode feels.
-    scan_layers: str = "off"
+    # "auto" (every program of a model with at least AUTO_SCAN_MIN_GROUPS groups, none otherwise), "off",
+    # "prefill" (prefill programs; decode unrolled) or "all". See `scan_mode`.
+    scan_layers: str = "auto"
     prefix: PrefixStoreConfig | None = dataclasses.field(default_factory=PrefixStoreConfig)
 
     def validate(self) -> None:
@@ -101,7 +113,7 @@ class EngineShape:
     buckets: tuple[int, ...]  # prefill program lengths
     table_buckets: tuple[int, ...]  # block-table widths: a step reads what its longest sequence holds
     decode_buckets: tuple[int, ...]  # decode program rows: the running requests, not every slot
-    scan_layers: str = "off"  # which programs scan the repeated layer groups (`jaxhybrid.scan`)
+    scan_layers: str = "auto"  # which programs scan the repeated layer groups (`scan_mode`)
 
     def decode_rows(self, running: int) -> int:
         return next(b for b in self.decode_buckets if b >= running)

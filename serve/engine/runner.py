@@ -22,7 +22,7 @@ from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, MLAView, PagedMLACache, kda
 from jaxhybrid.layers.mla import read_paged, write_paged
 from jaxhybrid.model import HybridLM
 from jaxhybrid.scan import ScanDefs, forward_scanned, scan_layout, split_for_scan
-from serve.engine.config import EngineShape, ProgramShape
+from serve.engine.config import EngineShape, ProgramShape, scan_mode
 from serve.engine.requests import Request
 from serve.engine.sampling import batch_arrays, sample
 
@@ -212,9 +212,12 @@ class Runner:
         self.shape = shape
         self.model_config = cfg = model.config
         graphdef, self.params = nnx.split(model)
-        # The scanned form (`shape.scan_layers`), built once here, never inside a program: with "prefill" the
-        # prefill programs run it and decode the unrolled layers, with "all" every program.
+        # The scanned form (`shape.scan_layers`, resolved by `scan_mode`), built once here, never inside a
+        # program: with "prefill" the prefill programs run it and decode the unrolled layers, with "all" all.
         layout = scan_layout(model) if shape.scan_layers != "off" else None
+        self.scan_mode = scan_mode(shape.scan_layers, layout.groups if layout else 0)
+        if self.scan_mode == "off":
+            layout = None
         scan_defs, self.scan_params = split_for_scan(model, layout) if layout else (None, None)
         self.pool_shardings = None
         if mesh is not None:
@@ -351,7 +354,7 @@ class Runner:
     def _program(self, length: int) -> tuple[Any, Any]:
         """(model program, its parameters) for chunks of `length` tokens: scanned over the layer groups when
         the engine's `scan_layers` says so for this length, else unrolled."""
-        scanned = self.scan_params is not None and (self.shape.scan_layers == "all" or length > 1)
+        scanned = self.scan_params is not None and (self.scan_mode == "all" or length > 1)
         return (self.programs.run_scanned, self.scan_params) if scanned else (self.programs.run, self.params)
 
     def _split_pools(self) -> tuple[tuple[KDACache, ...], tuple[jax.Array, ...]]:
