@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxhybrid.cache import LayerCache
 from jaxhybrid.model import HybridLM
-from jaxhybrid.ops.moe import moe_experts_skipping_stacked
+from jaxhybrid.ops.moe import moe_experts_dropless_stacked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,18 +162,18 @@ def forward_scanned(
 
 
 def _experts_in_place(layer: Any, stacked: Any, g: jax.Array) -> None:
-    """On the CPU, let `layer`'s routed experts read the chosen experts of group `g` straight from the
-    stacked weights (`moe_experts_skipping_stacked`): slicing the group first copies all its E experts on
-    every step, which a bandwidth-bound decode pays in full. The sliced weights are then unused (and
-    removed by XLA). Other backends, the dense reference and a set `experts_fn` (expert parallelism) keep
-    the sliced weights."""
+    """Let `layer`'s routed experts take group `g`'s experts from the stacked weights
+    (`moe_experts_dropless_stacked`; on the CPU each chosen expert is read in place, where slicing the group
+    first copies all its E experts on every step, which a bandwidth-bound decode pays in full). The layer's
+    sliced weights are then unused (and removed by XLA). The dense reference and a set `experts_fn` (expert
+    parallelism) keep the sliced weights."""
     moe = getattr(layer, "block_sparse_moe", None)
-    if moe is None or moe.experts_fn is not None or moe.impl != "dropless" or jax.default_backend() != "cpu":
+    if moe is None or moe.experts_fn is not None or moe.impl != "dropless":
         return
     ex = stacked.block_sparse_moe.experts
     moe.experts_fn = functools.partial(_stacked_experts, (ex.w1[...], ex.w2[...], ex.w3[...]), g)
 
 
 def _stacked_experts(stacked, g, x, w1, w2, w3, weights, expert_ids, *, act, valid=None):
-    del w1, w2, w3  # the group's slices: read in place from `stacked` instead
-    return moe_experts_skipping_stacked(x, *stacked, weights, expert_ids, group=g, act=act, valid=valid)
+    del w1, w2, w3  # the group's slices: taken from `stacked` instead
+    return moe_experts_dropless_stacked(x, *stacked, weights, expert_ids, group=g, act=act, valid=valid)

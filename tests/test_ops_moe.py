@@ -11,6 +11,7 @@ from jaxhybrid.ops.moe import (
     moe_experts_blocked,
     moe_experts_dense,
     moe_experts_dropless,
+    moe_experts_dropless_stacked,
     moe_experts_ragged,
     moe_experts_skipping,
     moe_experts_skipping_stacked,
@@ -283,8 +284,11 @@ def test_skipping_reads_only_the_experts_in_use() -> None:
     assert _rel_err(out[:1], ref) < 1e-5
 
 
+@pytest.mark.parametrize(
+    "impl", [moe_experts_skipping_stacked, moe_experts_dropless_stacked], ids=["skipping", "dispatch"]
+)
 @pytest.mark.parametrize("tokens", [2, _N], ids=["decode-sized", "prefill"])
-def test_stacked_experts_read_only_their_group(tokens) -> None:
+def test_stacked_experts_read_only_their_group(impl, tokens) -> None:
     """The scanned layers' form: experts stacked over 3 groups, group 1 chosen. It equals the float64 loop on
     group 1's weights, with NaN in the other groups and in group 1's unchosen experts (never read)."""
     rng = np.random.default_rng(10)
@@ -295,7 +299,7 @@ def test_stacked_experts_read_only_their_group(tokens) -> None:
     unused = ~np.isin(np.arange(_E), ids_np)
     group = [jnp.where(unused[:, None, None], jnp.nan, w) for w in (w1, w2, w3)]
     stacked = [jnp.stack([jnp.full_like(w, jnp.nan), w, jnp.full_like(w, jnp.nan)]) for w in group]
-    fn = jax.jit(lambda *a: moe_experts_skipping_stacked(*a, group=jnp.int32(1)))
+    fn = jax.jit(lambda *a: impl(*a, group=jnp.int32(1)))
     out = np.asarray(fn(x, *stacked, weights, jnp.asarray(ids_np)))
     ref = _numpy_experts(x, w1, w2, w3, weights, ids_np)
     assert np.isfinite(out).all() and _rel_err(out, ref) < 1e-5

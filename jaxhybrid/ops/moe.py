@@ -31,6 +31,7 @@ __all__ = [
     "moe_experts_blocked",
     "moe_experts_skipping",
     "moe_experts_skipping_stacked",
+    "moe_experts_dropless_stacked",
     "moe_experts_dense",
 ]
 
@@ -448,3 +449,26 @@ def moe_experts_dropless(
     come back as zeros. Every expert implementation takes it, so it is part of the shared signature."""
     impl = moe_experts_skipping if jax.default_backend() == "cpu" else moe_experts_ragged
     return impl(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)
+
+
+def moe_experts_dropless_stacked(
+    x: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    w3: jax.Array,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    *,
+    group: jax.Array,
+    act: GatedActivation = SILU,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """:func:`moe_experts_dropless` of group `group` of experts stacked over layer groups (w1/w3 [G, E, F, D],
+    w2 [G, E, D, F]): on the CPU :func:`moe_experts_skipping_stacked` (the chosen experts read in place), on
+    accelerators ``ragged_dot`` on the group's slice. Forward only."""
+    if jax.default_backend() == "cpu":
+        return moe_experts_skipping_stacked(
+            x, w1, w2, w3, weights, expert_ids, group=group, act=act, valid=valid
+        )
+    w1, w2, w3 = (w[group].astype(x.dtype) for w in (w1, w2, w3))
+    return moe_experts_ragged(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)
