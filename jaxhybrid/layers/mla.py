@@ -6,6 +6,8 @@ channel by `sigmoid(g_proj(x))` before `o_proj`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -13,8 +15,15 @@ from flax import nnx
 from jaxhybrid.cache import SCRATCH_BLOCK, MLACache, MLAView, MLAWrite, PagedMLACache
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import Linear, RMSNorm
-from jaxhybrid.ops.mla import causal_mask, mla_attention_absorbed, mla_attention_expanded
+from jaxhybrid.ops.mla import (
+    causal_mask,
+    mla_attention_absorbed,
+    mla_attention_causal_blocks,
+    mla_attention_expanded,
+)
 
+# Queries per block of the full pass's causal attention (2048 tokens on small: 142 ms a layer, 230 unblocked).
+CAUSAL_BLOCK = 256
 LORA_NORM_EPS = 1e-6  # the default of ModelConfig.mla_lora_norm_eps (q_a/kv_a_layernorm), not rms_norm_eps
 
 
@@ -102,9 +111,15 @@ class MultiHeadLatentAttention(nnx.Module):
         c, k_r = ckr[..., : self.rank], ckr[..., self.rank :]
         return jnp.concatenate([self.kv_a_layernorm(c), k_r], axis=-1)
 
-    def attend(self, q: jax.Array, kv: jax.Array, mask: jax.Array, absorbed: bool, x: jax.Array) -> jax.Array:
-        """Attention of q over the latents kv, gated by `sigmoid(g_proj(x))` (K3) and projected by o_proj."""
+    def attend(
+        self, q: jax.Array, kv: jax.Array, mask: jax.Array, absorbed: bool, x: jax.Array, causal: bool = False
+    ) -> jax.Array:
+        """Attention of q over the latents kv, gated by `sigmoid(g_proj(x))` (K3) and projected by o_proj.
+        `causal`: kv is q's own tokens from position 0 (the full pass), so blocks of queries skip the keys
+        after them."""
         fn = mla_attention_absorbed if absorbed else mla_attention_expanded
+        if causal:
+            fn = functools.partial(mla_attention_causal_blocks, block=CAUSAL_BLOCK)
         o = fn(
             q,
             kv,
@@ -163,5 +178,6 @@ class MultiHeadLatentAttention(nnx.Module):
             start = cache.length
             kv = write_latent(cache.kv, new.astype(cache.kv.dtype), start)
         mask = causal_mask(start, T, kv.shape[1], lengths)
-        y = self.attend(q, kv.astype(x.dtype), mask, absorbed=(T == 1 and cache is not None), x=x)
+        absorbed = T == 1 and cache is not None
+        y = self.attend(q, kv.astype(x.dtype), mask, absorbed=absorbed, x=x, causal=cache is None)
         return y, MLACache(kv=kv, length=start + added)

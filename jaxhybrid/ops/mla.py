@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["causal_mask", "mla_attention_expanded", "mla_attention_absorbed"]
+__all__ = ["causal_mask", "mla_attention_absorbed", "mla_attention_causal_blocks", "mla_attention_expanded"]
 
 
 def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -80,11 +80,14 @@ def _split_kv_b(
     )
 
 
-def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
-    """Float32 softmax over the last axis of ``[B, H, T, S]`` scores with a ``[B, T, S]`` mask.
+def _masked_exp(scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The unnormalised float32 softmax of ``[B, H, T, S]`` scores under a ``[B, T, S]`` mask, and the
+    reciprocal of each row's sum as ``[B, T, H, 1]`` (the layout of the attention output).
 
-    Masked entries get probability exactly 0; a row with no visible key gets all zeros (the max is
-    taken over visible entries only and the denominator is guarded), so it can never become NaN.
+    Dividing the ``[B, T, H, v]`` output instead of the ``[B, H, T, S]`` probabilities is the same
+    arithmetic on S / v times fewer numbers. Masked entries are exactly 0; a row with no visible key has
+    sum 0, a guarded reciprocal, and comes out as zeros (never NaN): the max is taken over visible
+    entries only.
     """
     mask = mask[:, None, :, :]
     scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
@@ -92,7 +95,7 @@ def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     exp = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
     denom = jnp.sum(exp, axis=-1, keepdims=True)
-    return exp / jnp.where(denom > 0, denom, 1.0)
+    return exp, jnp.swapaxes(1.0 / jnp.where(denom > 0, denom, 1.0), 1, 2)
 
 
 def mla_attention_expanded(
@@ -117,15 +120,49 @@ def mla_attention_expanded(
     Returns:
       ``[B, T, H, v]`` in ``q.dtype``; fully masked rows are zeros.
     """
+    return mla_attention_causal_blocks(
+        q, latent, kv_b_weight, mask, nope_dim=nope_dim, v_dim=v_dim, scale=scale, block=q.shape[1]
+    )
+
+
+def mla_attention_causal_blocks(
+    q: jax.Array,
+    latent: jax.Array,
+    kv_b_weight: jax.Array,
+    mask: jax.Array,
+    *,
+    nope_dim: int,
+    v_dim: int,
+    scale: float,
+    block: int = 512,
+) -> jax.Array:
+    """:func:`mla_attention_expanded` over blocks of `block` queries, block i against keys ``[0, (i + 1) *
+    block)`` only: a causal pass from position 0 (the full pass, S == T) skips the keys its mask hides
+    anyway, about half the scores at T >> block, and each block's scores stay a fraction of the [T, S] ones.
+
+    Requires that no query of block i sees a key at or past ``(i + 1) * block`` (true for a causal mask
+    from position 0; any other mask needs ``block >= T``, the plain expanded form). Same arguments and
+    result as :func:`mla_attention_expanded` otherwise.
+    """
     q_nope, q_rope, c, k_r, w_uk, w_uv = _split_kv_b(q, latent, kv_b_weight, nope_dim, v_dim)
-    k_nope = _einsum_f32("bsr,hnr->bshn", c, w_uk).astype(q.dtype)
-    values = _einsum_f32("bsr,hvr->bshv", c, w_uv).astype(q.dtype)
-    k_rope = jnp.broadcast_to(k_r[:, :, None, :], (*k_nope.shape[:3], k_r.shape[-1])).astype(q.dtype)
-    keys = jnp.concatenate([k_nope, k_rope], axis=-1)  # [B, S, H, nope + rope]
-    scores = _einsum_f32("bthd,bshd->bhts", q, keys) * scale
-    probs = _masked_softmax(scores, mask).astype(q.dtype)
-    out = _einsum_f32("bhts,bshv->bthv", probs, values)
-    return out.astype(q.dtype)
+    # Head-major keys, values and scores ([B, H, S, .]): every matmul then reads and writes its operands in
+    # their natural layout (token-major ones made XLA:CPU transpose the [T, S] probabilities per head).
+    k_nope = _einsum_f32("bsr,hnr->bhsn", c, w_uk).astype(q.dtype)
+    values = _einsum_f32("bsr,hvr->bhsv", c, w_uv).astype(q.dtype)
+    k_r = k_r.astype(q.dtype)
+    q_h = jnp.swapaxes(q, 1, 2)  # [B, H, T, nope + rope]
+    t, s = q.shape[1], latent.shape[1]
+    outs = []
+    for lo in range(0, max(t, 1), max(block, 1)):
+        hi = min(lo + block, t)
+        keys = s if hi == t else min(hi, s)  # the last block (or the only one) sees every key
+        qb = q_h[:, :, lo:hi]
+        scores = _einsum_f32("bhtn,bhsn->bhts", qb[..., :nope_dim], k_nope[:, :, :keys])
+        scores = (scores + _einsum_f32("bhte,bse->bhts", qb[..., nope_dim:], k_r[:, :keys])) * scale
+        exp, inv = _masked_exp(scores, mask[:, lo:hi, :keys])
+        out = _einsum_f32("bhts,bhsv->bhtv", exp.astype(q.dtype), values[:, :, :keys])
+        outs.append(jnp.swapaxes(out, 1, 2) * inv)
+    return jnp.concatenate(outs, axis=1).astype(q.dtype)
 
 
 def mla_attention_absorbed(
@@ -148,7 +185,7 @@ def mla_attention_absorbed(
     q_lat = _einsum_f32("bthn,hnr->bthr", q_nope, w_uk).astype(q.dtype)
     scores = _einsum_f32("bthr,bsr->bhts", q_lat, c.astype(q.dtype))
     scores = scores + _einsum_f32("bthe,bse->bhts", q_rope, k_r.astype(q.dtype))
-    probs = _masked_softmax(scores * scale, mask).astype(q.dtype)
-    out_lat = _einsum_f32("bhts,bsr->bthr", probs, c.astype(q.dtype))
+    exp, inv = _masked_exp(scores * scale, mask)
+    out_lat = _einsum_f32("bhts,bsr->bthr", exp.astype(q.dtype), c.astype(q.dtype)) * inv
     out = _einsum_f32("bthr,hvr->bthv", out_lat.astype(q.dtype), w_uv)
     return out.astype(q.dtype)

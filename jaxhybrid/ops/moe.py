@@ -392,20 +392,27 @@ def _skipping_forward(
     m = _rows_per_block(num_tokens, num_tokens * k, num_experts)
     # Pairs of rows not valid sort last, into no block; the loop runs the blocks in use only.
     blocks = _sorted_blocks(_pair_keys(expert_ids, valid, num_experts), num_experts, m)
-    rows, block_expert = _block_rows_of(x, blocks, k), blocks.block_expert
+    # Each row of the layout names its token (num_tokens: padding) and routing weight (0 for padding). A block
+    # gathers its m tokens from x and adds its weighted outputs into the [N, D] sum in place, so no buffer of
+    # the padded layout's size ([num_rows, D], up to twice the pairs) is written, read or combined.
+    token = jnp.full((blocks.num_rows,), num_tokens, jnp.int32)
+    token = token.at[blocks.dest].set(blocks.order // k, mode="drop")
+    weight = jnp.where(blocks.in_block, weights.reshape(-1)[blocks.order].astype(jnp.float32), 0.0)
+    weight = jnp.zeros((blocks.num_rows,), jnp.float32).at[blocks.dest].set(weight, mode="drop")
 
-    def block(i: jax.Array, out: jax.Array) -> jax.Array:
-        e = block_expert[i]
-        r = jax.lax.dynamic_slice_in_dim(rows, i * m, m)
+    def block(i: jax.Array, acc: jax.Array) -> jax.Array:
+        e = blocks.block_expert[i]
+        t = jax.lax.dynamic_slice_in_dim(token, i * m, m)
+        r = jnp.take(x, t, axis=0, mode="fill", fill_value=0)
         r, a, c, b = _f32_operands(r, pick(w1, e), pick(w3, e), pick(w2, e))
         gate = jnp.dot(r, a.T, preferred_element_type=jnp.float32)
         up = jnp.dot(r, c.T, preferred_element_type=jnp.float32)
         hidden = gated_act(gate, up, act).astype(b.dtype)
         y = jnp.dot(hidden, b.T, preferred_element_type=jnp.float32)
-        return jax.lax.dynamic_update_slice_in_dim(out, y, i * m, axis=0)
+        return acc.at[t].add(y * jax.lax.dynamic_slice_in_dim(weight, i * m, m)[:, None], mode="drop")
 
-    out = jax.lax.fori_loop(0, blocks.used_blocks, block, jnp.zeros((blocks.num_rows, dim), jnp.float32))
-    return _combine(out, blocks, weights, k, num_tokens).astype(x.dtype)
+    out = jax.lax.fori_loop(0, blocks.used_blocks, block, jnp.zeros((num_tokens, dim), jnp.float32))
+    return out.astype(x.dtype)
 
 
 def moe_experts_skipping_stacked(
