@@ -317,10 +317,12 @@ def moe_experts_blocked(
 
 
 def _rows_per_block(num_tokens: int, pairs: int, num_experts: int) -> int:
-    """Decode-sized batches (<= 16 tokens): one block per used expert holding all its rows (each expert's
-    weights read once; the block's unused rows are free while the matmul is bound by the weight read).
-    Larger ones: the `moe_experts_blocked` size, about pairs / experts."""
-    return num_tokens if num_tokens <= 16 else _block_rows(pairs, num_experts)
+    """Up to 8 pairs per expert on average (decode-sized batches): one pair per block. A one-row block's
+    matmuls are matrix-vector products that XLA:CPU runs on the expert's weights in place, and an expert's
+    next pair re-reads them from the cache; a block of 2 or more rows copies its expert's weights out of the
+    stacked array first (16 rows over 27 of 32 experts of a small layer: 15.4 ms in blocks of all of each
+    expert's rows, 8.2 ms a pair at a time). Larger batches: about pairs / experts rows per block."""
+    return 1 if pairs <= 8 * num_experts else _block_rows(pairs, num_experts)
 
 
 def moe_experts_skipping(

@@ -95,7 +95,11 @@ def decode_step(engine: Any, batch: int, context: int, blocks_per_seq: int) -> C
     tables = np.zeros((batch, width), np.int32)
     for b in range(batch):
         tables[b, :nblocks] = 1 + b * blocks_per_seq + np.arange(nblocks)
-    tokens, slots = np.ones((batch, 1), np.int32), np.arange(batch, dtype=np.int32)
+    # A distinct token per row: identical rows would all choose the same experts, and a step of B rows would
+    # read the experts of one (what `decode_bytes` counts is the expected distinct experts of B rows).
+    vocab = engine.model_config.vocab_size
+    tokens = (3 + (np.arange(batch, dtype=np.int64) * 7919) % (vocab - 3)).astype(np.int32)[:, None]
+    slots = np.arange(batch, dtype=np.int32)
     start, valid = np.full((batch,), context, np.int32), np.ones((batch,), np.int32)
 
     def step() -> float:
