@@ -65,6 +65,33 @@ def test_decode_padding_rows_leave_a_prefilling_request_alone(model, full_pass):
         assert_matches_full_pass(full_pass, p, res.token_ids, res.logprobs)
 
 
+def test_short_prompts_share_one_prefill_call(model, full_pass, monkeypatch):
+    """Short prompts admitted in one step are prefilled in one call of `prefill_rows` rows. The first pair's
+    padding rows sit on idle slots, the second pair's on the two decoding requests' slots, whose state and
+    cache they must leave alone: every request still equals the full pass, tokens and logprobs."""
+    eng = Engine(model, EngineConfig(max_slots=4, block_size=8, prefill_chunk=32))
+    calls = []
+    run = eng.runner.run_program
+
+    def spy(tokens, *args):
+        calls.append(tokens.shape)
+        return run(tokens, *args)
+
+    monkeypatch.setattr(eng.runner, "run_program", spy)
+    ps = prompts([6, 25, 11, 3], seed=5)
+    ids = [eng.add_request(p, GREEDY) for p in ps[:2]]
+    for _ in range(2):
+        eng.step()
+    ids += [eng.add_request(p, GREEDY) for p in ps[2:]]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.shape.prefill_rows == 4
+    assert [c for c in calls if c[1] > 1] == [(4, 32), (4, 16)]  # two prefill calls in all
+    for rid, p in zip(ids, ps, strict=True):
+        res = eng.result(rid)
+        assert_matches_full_pass(full_pass, p, res.token_ids, res.logprobs)
+
+
 def assert_only_the_store_holds_blocks(eng):
     """After every request ended, the only blocks in use are the prefix store's, each held once."""
     held = eng.store.held_blocks if eng.store is not None else []

@@ -111,6 +111,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--prefill-chunk", type=int, default=512, help="longest prefill piece in tokens (default 512)"
     )
     e.add_argument(
+        "--prefill-rows",
+        type=int,
+        default=4,
+        help="short prefill chunks (up to 128 tokens) of different requests run together in one call, this "
+        "many at most (default 4; 1: one request per call)",
+    )
+    e.add_argument(
         "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"
     )
     return e

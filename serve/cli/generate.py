@@ -87,6 +87,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         num_blocks=args.num_blocks,
         kv_memory_bytes=None if args.kv_memory_mb is None else int(args.kv_memory_mb * 2**20),
         prefill_chunk=args.prefill_chunk,
+        prefill_rows=args.prefill_rows,
         max_model_len=args.max_model_len,
         kv_dtype=args.dtype,
         seed=args.seed,

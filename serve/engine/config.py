@@ -14,6 +14,10 @@ from serve.prefix.store import PrefixStoreConfig
 
 SCAN_MODES = ("auto", "off", "prefill", "all")
 AUTO_SCAN_MIN_GROUPS = 4  # "auto" scans every program of a model with at least this many repeated groups
+# Prefill chunks of up to this many tokens from different requests run together in one call (`prefill_rows`):
+# four 64-token prompts of small in one call of 4 rows ran at 1.8x four calls of one. Longer chunks run alone,
+# where one row already uses the matmul well and padding a short chunk to their length would cost more.
+PACK_MAX_TOKENS = 128
 
 
 def scan_mode(setting: str, groups: int) -> str:
@@ -37,6 +41,9 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_memory_bytes: int | None = None
     prefill_chunk: int = 512  # 512-token chunks reach about half the matmul rate on small (128: a third)
+    # The most prefill chunks (of up to PACK_MAX_TOKENS tokens, from different requests) one program call runs
+    # as its rows; 1 runs every chunk alone. Capped at max_slots.
+    prefill_rows: int = 4
     max_model_len: int | None = None
     max_batched_tokens: int | None = None
     kv_dtype: str = "float32"
@@ -48,7 +55,7 @@ class EngineConfig:
     prefix: PrefixStoreConfig | None = dataclasses.field(default_factory=PrefixStoreConfig)
 
     def validate(self) -> None:
-        for name in ("max_slots", "block_size", "prefill_chunk"):
+        for name in ("max_slots", "block_size", "prefill_chunk", "prefill_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"engine setting '{name}' must be a positive integer, got {value!r}")
@@ -86,7 +93,8 @@ def table_buckets(max_blocks: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True, order=True)
 class ProgramShape:
     """One static shape of the model program: `rows` sequences of `length` tokens each, with block tables
-    `width` entries wide. A decode step is (decode rows, 1, width); a prefill chunk (1, bucket, width)."""
+    `width` entries wide. A decode step is (decode rows, 1, width); a prefill chunk (1, bucket, width), or
+    (prefill_rows, bucket, width) for short chunks of several requests run together."""
 
     rows: int
     length: int
@@ -113,6 +121,7 @@ class EngineShape:
     buckets: tuple[int, ...]  # prefill program lengths
     table_buckets: tuple[int, ...]  # block-table widths: a step reads what its longest sequence holds
     decode_buckets: tuple[int, ...]  # decode program rows: the running requests, not every slot
+    prefill_rows: int = 1  # rows of a packed prefill call (EngineConfig.prefill_rows, at most the slots)
     scan_layers: str = "auto"  # which programs scan the repeated layer groups (`scan_mode`)
 
     def decode_rows(self, running: int) -> int:
@@ -125,19 +134,31 @@ class EngineShape:
     def table_width(self, blocks: int) -> int:
         return next(w for w in self.table_buckets if w >= blocks)
 
+    def bucket(self, tokens: int) -> int:
+        """The prefill program length for a chunk of `tokens`."""
+        return next(b for b in self.buckets if b >= tokens)
+
+    def packs(self, tokens: int) -> bool:
+        """Whether a prefill chunk of `tokens` may share a call with other requests' chunks."""
+        return self.prefill_rows > 1 and 0 < tokens <= PACK_MAX_TOKENS
+
     def decode_programs(self) -> list[ProgramShape]:
         """Every decode program the engine can run, narrow tables (short contexts) first."""
         return [ProgramShape(rows, 1, w) for w in self.table_buckets for rows in self.decode_buckets]
 
     def prefill_programs(self) -> list[ProgramShape]:
         """Every prefill program the engine can run, narrow tables first. A chunk of bucket b holds more
-        tokens than the bucket below, so it needs at least that many blocks (narrower tables never occur)."""
+        tokens than the bucket below, so it needs at least that many blocks (narrower tables never occur).
+        Buckets of packable chunks also come with `prefill_rows` rows (a packed call's table is as wide as its
+        longest sequence, so any width at least its own)."""
         out = []
         for w in self.table_buckets:
             for i, b in enumerate(self.buckets):
                 need = math.ceil((self.buckets[i - 1] + 1 if i else 1) / self.block_size)
                 if need <= self.table_buckets[-1] and w >= self.table_width(need):
                     out.append(ProgramShape(1, b, w))
+                    if self.packs(b):
+                        out.append(ProgramShape(self.prefill_rows, b, w))
         return out
 
     @classmethod
@@ -170,5 +191,6 @@ class EngineShape:
             buckets=prefill_buckets(config.prefill_chunk),
             table_buckets=table_buckets(per_seq),
             decode_buckets=decode_buckets(config.max_slots),
+            prefill_rows=min(config.prefill_rows, config.max_slots),
             scan_layers=config.scan_layers,
         )

@@ -37,7 +37,7 @@ from serve.engine.requests import (
 )
 from serve.engine.runner import Runner
 from serve.engine.sampling import SamplingParams
-from serve.engine.scheduler import Scheduler
+from serve.engine.scheduler import PrefillJob, Scheduler
 from serve.prefix.fingerprint import model_fingerprint
 from serve.prefix.store import PrefixStore
 from sharding.multihost import Peers
@@ -227,14 +227,22 @@ class Engine:
         decode = [r for r in plan.decode if r.running]
         if decode:
             self._decode(decode, outputs)
-        for job in plan.prefill:
-            if not job.request.running:  # a decode row's checkpoint failed it
-                continue
+        for group in self._prefill_groups([j for j in plan.prefill if j.request.running]):
+            # (a job whose request is no longer running: a decode row's checkpoint failed it)
             try:
-                self._prefill(job.request, job.tokens, outputs)
-            except Exception as exc:  # noqa: BLE001 - this request only
-                self._fail(job.request, exc, outputs)
+                self._prefill(group, outputs)
+            except Exception as exc:  # noqa: BLE001 - these requests only
+                for job in group:
+                    self._fail(job.request, exc, outputs)
         return list(outputs.values())
+
+    def _prefill_groups(self, jobs: list[PrefillJob]) -> list[list[PrefillJob]]:
+        """The step's prefill jobs as program calls: short chunks (`EngineShape.packs`) `prefill_rows` to a
+        call, in plan order after the others, which run one to a call."""
+        short = [j for j in jobs if self.shape.packs(j.tokens)]
+        alone = [[j] for j in jobs if not self.shape.packs(j.tokens)]
+        rows = self.shape.prefill_rows
+        return alone + [short[i : i + rows] for i in range(0, len(short), rows)]
 
     def _decode(self, reqs: list[Request], outputs: dict[str, RequestOutput]) -> None:
         t0 = time.perf_counter()
@@ -250,25 +258,38 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - e.g. a checkpoint that could not be kept
                 self._fail(req, exc, outputs)
 
-    def _prefill(self, req: Request, n: int, outputs: dict[str, RequestOutput]) -> None:
-        if n == 0 and req.stored_logits is not None:  # full prefix hit: sample from the kept logits
+    def _prefill(self, jobs: list[PrefillJob], outputs: dict[str, RequestOutput]) -> None:
+        """One program call for `jobs` (one, or several short chunks); the requests whose prompt it
+        finished sample their first token from its logits."""
+        req = jobs[0].request
+        if len(jobs) == 1 and jobs[0].tokens == 0 and req.stored_logits is not None:
+            # full prefix hit: sample from the kept logits
             logits, req.stored_logits = req.stored_logits, None
             ids, logps = self.runner.sample(logits, [req])
             self._append(req, int(ids[0]), float(logps[0]), outputs)
             return
         t0 = time.perf_counter()
-        logits = self.runner.prefill(req, n)
-        req.num_computed += n
-        req.prefill_tokens += n
-        if self.store is not None:
-            self.store.on_computed(req, self.runner, logits[0])
-        if req.pending == 0:
-            ids, logps = self.runner.sample(logits, [req])
-            req.prefill_time += time.perf_counter() - t0
-            self._append(req, int(ids[0]), float(logps[0]), outputs)
+        reqs = [j.request for j in jobs]
+        logits = self.runner.prefill_rows(reqs, [j.tokens for j in jobs])
+        for job in jobs:
+            job.request.num_computed += job.tokens
+            job.request.prefill_tokens += job.tokens
+        rows = [r if r.pending == 0 else None for r in reqs]
+        if any(rows):
+            rows += [None] * (logits.shape[0] - len(rows))
+            ids, logps = self.runner.sample(logits, rows)
         else:
             jax.block_until_ready(logits)
-            req.prefill_time += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        for i, req in enumerate(reqs):
+            req.prefill_time += dt
+            try:  # from here on a failure is this request's alone (e.g. a checkpoint that could not be kept)
+                if self.store is not None:
+                    self.store.on_computed(req, self.runner, logits[i])
+                if req.pending == 0:
+                    self._append(req, int(ids[i]), float(logps[i]), outputs)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(req, exc, outputs)
 
     def _append(self, req: Request, token: int, logprob: float, outputs: dict[str, RequestOutput]) -> None:
         if req.first_token_time is None:

@@ -391,15 +391,27 @@ class Runner:
         ids, logps = self.sample(logits, [*reqs, *([None] * (rows - len(reqs)))])
         return ids[: len(reqs)], logps[: len(reqs)]
 
-    def prefill(self, req: Request, n: int) -> jax.Array:
-        """The next `n` tokens of `req` from its computed position; the logits [1, V] after the last one."""
-        bucket = next(b for b in self.shape.buckets if b >= n)
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, :n] = req.tokens[req.num_computed : req.num_computed + n]
-        table = self._table(req, self.shape.table_width(len(req.blocks)))[None]
-        return self.run_program(
-            tokens, np.asarray([req.slot]), table, np.asarray([req.num_computed]), np.asarray([n])
-        )
+    def prefill_rows(self, reqs: list[Request], ns: list[int]) -> jax.Array:
+        """The next `ns[i]` tokens of each of `reqs` (distinct slots) in one call: one row each, or
+        `shape.prefill_rows` rows for two or more (padding rows take other slots with no real token, which
+        leaves their state and cache unchanged). The logits [rows, V] after each row's last token."""
+        rows = 1 if len(reqs) == 1 else self.shape.prefill_rows
+        if len(reqs) > rows:
+            raise ValueError(f"{len(reqs)} prefill chunks in one call; at most {rows}")
+        bucket = self.shape.bucket(max(ns))
+        width = self.shape.table_width(max(len(r.blocks) for r in reqs))
+        busy = [r.slot for r in reqs]
+        others = [s for s in range(self.shape.slots) if s not in busy]
+        slot_ids = np.asarray(busy + others[: rows - len(reqs)], np.int32)
+        tokens = np.zeros((rows, bucket), np.int32)
+        tables = np.full((rows, width), SCRATCH_BLOCK, np.int32)
+        start = np.zeros((rows,), np.int32)
+        valid = np.zeros((rows,), np.int32)
+        for i, (req, n) in enumerate(zip(reqs, ns, strict=True)):
+            tokens[i, :n] = req.tokens[req.num_computed : req.num_computed + n]
+            tables[i] = self._table(req, width)
+            start[i], valid[i] = req.num_computed, n
+        return self.run_program(tokens, slot_ids, tables, start, valid)
 
     def sample(self, logits: jax.Array, rows: list[Request | None]) -> tuple[np.ndarray, np.ndarray]:
         params = [None if r is None else r.params for r in rows]
