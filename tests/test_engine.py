@@ -9,6 +9,7 @@ from oracles import FullPass, assert_matches_full_pass
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from serve.engine.blocks import BlockAllocator, OutOfBlocks
+from serve.engine.config import EngineShape, ProgramShape
 from serve.engine.engine import Engine, EngineConfig, RequestError
 from serve.engine.sampling import SamplingParams
 
@@ -86,10 +87,28 @@ def test_short_prompts_share_one_prefill_call(model, full_pass, monkeypatch):
     while eng.has_unfinished():
         eng.step()
     assert eng.shape.prefill_rows == 4
-    assert [c for c in calls if c[1] > 1] == [(4, 32), (4, 16)]  # two prefill calls in all
+    assert [c for c in calls if c[1] > 1] == [(4, 32), (4, 32)]  # two prefill calls in all
     for rid, p in zip(ids, ps, strict=True):
         res = eng.result(rid)
         assert_matches_full_pass(full_pass, p, res.token_ids, res.logprobs)
+
+
+def test_what_packs_and_its_programs():
+    """Short chunks of short sequences pack, into one of two program lengths at the table of 256 tokens; a
+    long chunk or a chunk of a long sequence runs alone; nothing packs at prefill_rows 1."""
+    cfg = load_config("small")
+    shape = EngineShape.resolve(EngineConfig(block_size=16), cfg)
+    assert shape.prefill_rows == 4 and shape.pack_width == 16 and shape.pack_lengths == (32, 128)
+    assert shape.packs(128, 16) and shape.packs(1, 1)
+    assert not shape.packs(129, 16) and not shape.packs(16, 17) and not shape.packs(0, 1)
+    assert [shape.packed(n).length for n in (1, 32, 33, 128)] == [32, 32, 128, 128]
+    programs = shape.prefill_programs()
+    assert [p for p in programs if p.rows > 1] == [ProgramShape(4, 32, 16), ProgramShape(4, 128, 16)]
+    single = EngineShape.resolve(EngineConfig(block_size=16, prefill_rows=1), cfg)
+    assert not single.packs(16, 1) and all(p.rows == 1 for p in single.prefill_programs())
+    assert len(single.prefill_programs()) == len(programs) - 2
+    assert EngineShape.resolve(EngineConfig(max_slots=2), cfg).prefill_rows == 2
+    assert EngineShape.resolve(EngineConfig(prefill_chunk=64), cfg).pack_lengths == (32, 64)
 
 
 def assert_only_the_store_holds_blocks(eng):

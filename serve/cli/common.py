@@ -114,8 +114,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--prefill-rows",
         type=int,
         default=4,
-        help="short prefill chunks (up to 128 tokens) of different requests run together in one call, this "
-        "many at most (default 4; 1: one request per call)",
+        help="short prefill chunks (up to 128 tokens of sequences up to 256) of different requests run "
+        "together in one call, this many at most (default 4; 1: one request per call)",
     )
     e.add_argument(
         "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"

@@ -14,10 +14,13 @@ from serve.prefix.store import PrefixStoreConfig
 
 SCAN_MODES = ("auto", "off", "prefill", "all")
 AUTO_SCAN_MIN_GROUPS = 4  # "auto" scans every program of a model with at least this many repeated groups
-# Prefill chunks of up to this many tokens from different requests run together in one call (`prefill_rows`):
-# four 64-token prompts of small in one call of 4 rows ran at 1.8x four calls of one. Longer chunks run alone,
-# where one row already uses the matmul well and padding a short chunk to their length would cost more.
-PACK_MAX_TOKENS = 128
+# Short prefill chunks of different requests run together in one call (`prefill_rows`): four 64-token prompts
+# of small in one call of 4 rows ran at 1.8x four calls of one. Such a call has one of two lengths and the
+# block table of PACK_MAX_CONTEXT tokens, so packing adds two programs, and it is for short prompts only: a
+# chunk packs while it fits the longer length and its sequence PACK_MAX_CONTEXT tokens. Longer chunks run
+# alone, where one row already uses the matmul well.
+PACK_LENGTHS = (32, 128)
+PACK_MAX_CONTEXT = 256
 
 
 def scan_mode(setting: str, groups: int) -> str:
@@ -41,8 +44,8 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_memory_bytes: int | None = None
     prefill_chunk: int = 512  # 512-token chunks reach about half the matmul rate on small (128: a third)
-    # The most prefill chunks (of up to PACK_MAX_TOKENS tokens, from different requests) one program call runs
-    # as its rows; 1 runs every chunk alone. Capped at max_slots.
+    # The most prefill chunks (short ones of short sequences, from different requests: `EngineShape.packs`)
+    # one program call runs as its rows; 1 runs every chunk alone. Capped at max_slots.
     prefill_rows: int = 4
     max_model_len: int | None = None
     max_batched_tokens: int | None = None
@@ -122,6 +125,7 @@ class EngineShape:
     table_buckets: tuple[int, ...]  # block-table widths: a step reads what its longest sequence holds
     decode_buckets: tuple[int, ...]  # decode program rows: the running requests, not every slot
     prefill_rows: int = 1  # rows of a packed prefill call (EngineConfig.prefill_rows, at most the slots)
+    pack_lengths: tuple[int, ...] = ()  # its lengths (PACK_LENGTHS up to the prefill chunk)
     scan_layers: str = "auto"  # which programs scan the repeated layer groups (`scan_mode`)
 
     def decode_rows(self, running: int) -> int:
@@ -138,9 +142,24 @@ class EngineShape:
         """The prefill program length for a chunk of `tokens`."""
         return next(b for b in self.buckets if b >= tokens)
 
-    def packs(self, tokens: int) -> bool:
-        """Whether a prefill chunk of `tokens` may share a call with other requests' chunks."""
-        return self.prefill_rows > 1 and 0 < tokens <= PACK_MAX_TOKENS
+    @property
+    def pack_width(self) -> int:
+        """The block table of a packed prefill call: room for PACK_MAX_CONTEXT tokens."""
+        return self.table_width(min(math.ceil(PACK_MAX_CONTEXT / self.block_size), self.table_buckets[-1]))
+
+    def packs(self, tokens: int, blocks: int) -> bool:
+        """Whether a prefill chunk of `tokens` of a request holding `blocks` may share a call with other
+        requests' chunks (a short chunk of a short sequence)."""
+        return (
+            self.prefill_rows > 1
+            and 0 < tokens <= self.pack_lengths[-1]
+            and self.table_width(blocks) <= self.pack_width
+        )
+
+    def packed(self, tokens: int) -> ProgramShape:
+        """The program of a packed call whose longest chunk has `tokens`."""
+        length = next(n for n in self.pack_lengths if n >= tokens)
+        return ProgramShape(self.prefill_rows, length, self.pack_width)
 
     def decode_programs(self) -> list[ProgramShape]:
         """Every decode program the engine can run, narrow tables (short contexts) first."""
@@ -149,16 +168,15 @@ class EngineShape:
     def prefill_programs(self) -> list[ProgramShape]:
         """Every prefill program the engine can run, narrow tables first. A chunk of bucket b holds more
         tokens than the bucket below, so it needs at least that many blocks (narrower tables never occur).
-        Buckets of packable chunks also come with `prefill_rows` rows (a packed call's table is as wide as its
-        longest sequence, so any width at least its own)."""
+        Then the packed calls' programs (`packed`)."""
         out = []
         for w in self.table_buckets:
             for i, b in enumerate(self.buckets):
                 need = math.ceil((self.buckets[i - 1] + 1 if i else 1) / self.block_size)
                 if need <= self.table_buckets[-1] and w >= self.table_width(need):
                     out.append(ProgramShape(1, b, w))
-                    if self.packs(b):
-                        out.append(ProgramShape(self.prefill_rows, b, w))
+        if self.prefill_rows > 1:
+            out += [self.packed(n) for n in self.pack_lengths]
         return out
 
     @classmethod
@@ -192,5 +210,6 @@ class EngineShape:
             table_buckets=table_buckets(per_seq),
             decode_buckets=decode_buckets(config.max_slots),
             prefill_rows=min(config.prefill_rows, config.max_slots),
+            pack_lengths=tuple(sorted({min(n, config.prefill_chunk) for n in PACK_LENGTHS})),
             scan_layers=config.scan_layers,
         )

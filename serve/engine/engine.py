@@ -37,7 +37,7 @@ from serve.engine.requests import (
 )
 from serve.engine.runner import Runner
 from serve.engine.sampling import SamplingParams
-from serve.engine.scheduler import PrefillJob, Scheduler
+from serve.engine.scheduler import PrefillJob, Scheduler, prefill_calls
 from serve.prefix.fingerprint import model_fingerprint
 from serve.prefix.store import PrefixStore
 from sharding.multihost import Peers
@@ -227,22 +227,14 @@ class Engine:
         decode = [r for r in plan.decode if r.running]
         if decode:
             self._decode(decode, outputs)
-        for group in self._prefill_groups([j for j in plan.prefill if j.request.running]):
-            # (a job whose request is no longer running: a decode row's checkpoint failed it)
+        # (a job whose request is no longer running: a decode row's checkpoint failed it)
+        for group in prefill_calls(self.shape, [j for j in plan.prefill if j.request.running]):
             try:
                 self._prefill(group, outputs)
             except Exception as exc:  # noqa: BLE001 - these requests only
                 for job in group:
                     self._fail(job.request, exc, outputs)
         return list(outputs.values())
-
-    def _prefill_groups(self, jobs: list[PrefillJob]) -> list[list[PrefillJob]]:
-        """The step's prefill jobs as program calls: short chunks (`EngineShape.packs`) `prefill_rows` to a
-        call, in plan order after the others, which run one to a call."""
-        short = [j for j in jobs if self.shape.packs(j.tokens)]
-        alone = [[j] for j in jobs if not self.shape.packs(j.tokens)]
-        rows = self.shape.prefill_rows
-        return alone + [short[i : i + rows] for i in range(0, len(short), rows)]
 
     def _decode(self, reqs: list[Request], outputs: dict[str, RequestOutput]) -> None:
         t0 = time.perf_counter()
@@ -259,8 +251,7 @@ class Engine:
                 self._fail(req, exc, outputs)
 
     def _prefill(self, jobs: list[PrefillJob], outputs: dict[str, RequestOutput]) -> None:
-        """One program call for `jobs` (one, or several short chunks); the requests whose prompt it
-        finished sample their first token from its logits."""
+        """One program call for `jobs`; the requests whose prompt it finished sample their first token."""
         req = jobs[0].request
         if len(jobs) == 1 and jobs[0].tokens == 0 and req.stored_logits is not None:
             # full prefix hit: sample from the kept logits
@@ -274,9 +265,8 @@ class Engine:
         for job in jobs:
             job.request.num_computed += job.tokens
             job.request.prefill_tokens += job.tokens
-        rows = [r if r.pending == 0 else None for r in reqs]
+        rows = [r if r.pending == 0 else None for r in reqs] + [None] * (logits.shape[0] - len(reqs))
         if any(rows):
-            rows += [None] * (logits.shape[0] - len(rows))
             ids, logps = self.runner.sample(logits, rows)
         else:
             jax.block_until_ready(logits)

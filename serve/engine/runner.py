@@ -392,14 +392,18 @@ class Runner:
         return ids[: len(reqs)], logps[: len(reqs)]
 
     def prefill_rows(self, reqs: list[Request], ns: list[int]) -> jax.Array:
-        """The next `ns[i]` tokens of each of `reqs` (distinct slots) in one call: one row each, or
-        `shape.prefill_rows` rows for two or more (padding rows take other slots with no real token, which
-        leaves their state and cache unchanged). The logits [rows, V] after each row's last token."""
-        rows = 1 if len(reqs) == 1 else self.shape.prefill_rows
-        if len(reqs) > rows:
-            raise ValueError(f"{len(reqs)} prefill chunks in one call; at most {rows}")
-        bucket = self.shape.bucket(max(ns))
-        width = self.shape.table_width(max(len(r.blocks) for r in reqs))
+        """The next `ns[i]` tokens of each of `reqs` (distinct slots) in one call: one row, or the packed
+        program (`EngineShape.packed`) for two or more chunks that pack (padding rows take other slots with no
+        real token, which leaves their state and cache unchanged). The logits [rows, V] after each row's
+        last token."""
+        if len(reqs) == 1:
+            rows, bucket, width = 1, self.shape.bucket(ns[0]), self.shape.table_width(len(reqs[0].blocks))
+        else:
+            if len(reqs) > self.shape.prefill_rows or not all(
+                self.shape.packs(n, len(r.blocks)) for r, n in zip(reqs, ns, strict=True)
+            ):
+                raise ValueError(f"these {len(reqs)} prefill chunks cannot share a call")
+            rows, bucket, width = dataclasses.astuple(self.shape.packed(max(ns)))
         busy = [r.slot for r in reqs]
         others = [s for s in range(self.shape.slots) if s not in busy]
         slot_ids = np.asarray(busy + others[: rows - len(reqs)], np.int32)

@@ -55,6 +55,15 @@ class StepPlan:
     failed: list[tuple[Request, BaseException]] = dataclasses.field(default_factory=list)
 
 
+def prefill_calls(shape: EngineShape, jobs: list[PrefillJob]) -> list[list[PrefillJob]]:
+    """A step's prefill jobs as program calls: chunks that pack (`EngineShape.packs`) `prefill_rows` to a
+    call, after the others, which run one to a call, each kind in plan order."""
+    packs = [shape.packs(j.tokens, len(j.request.blocks)) for j in jobs]
+    short = [j for j, p in zip(jobs, packs, strict=True) if p]
+    alone = [[j] for j, p in zip(jobs, packs, strict=True) if not p]
+    return alone + [short[i : i + shape.prefill_rows] for i in range(0, len(short), shape.prefill_rows)]
+
+
 class Scheduler:
     def __init__(self, shape: EngineShape, allocator: BlockAllocator, store: PrefixStore | None = None):
         self.shape, self.allocator, self.store = shape, allocator, store
