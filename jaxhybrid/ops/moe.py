@@ -272,9 +272,14 @@ def _block_rows_of(x: jax.Array, blocks: _Blocks, k: int) -> jax.Array:
     return rows.at[blocks.dest].set(jnp.take(x, blocks.order // k, axis=0), mode="drop")
 
 
+def _sorted_weights(blocks: _Blocks, weights: jax.Array) -> jax.Array:
+    """[P] float32 routing weight of each sorted pair; 0 for a pair in no block."""
+    return jnp.where(blocks.in_block, weights.reshape(-1)[blocks.order].astype(jnp.float32), 0.0)
+
+
 def _combine(out: jax.Array, blocks: _Blocks, weights: jax.Array, k: int, num_tokens: int) -> jax.Array:
     """Each token's sum of its pairs' block outputs [num_rows, D] times their routing weights (float32)."""
-    w = jnp.where(blocks.in_block, weights.reshape(-1)[blocks.order].astype(jnp.float32), 0.0)
+    w = _sorted_weights(blocks, weights)
     out_rows = out.at[blocks.dest].get(mode="fill", fill_value=0.0) * w[:, None]
     return jnp.zeros((num_tokens, out.shape[-1]), jnp.float32).at[blocks.order // k].add(out_rows)
 
@@ -399,8 +404,8 @@ def _skipping_forward(
     # the padded layout's size ([num_rows, D], up to twice the pairs) is written, read or combined.
     token = jnp.full((blocks.num_rows,), num_tokens, jnp.int32)
     token = token.at[blocks.dest].set(blocks.order // k, mode="drop")
-    weight = jnp.where(blocks.in_block, weights.reshape(-1)[blocks.order].astype(jnp.float32), 0.0)
-    weight = jnp.zeros((blocks.num_rows,), jnp.float32).at[blocks.dest].set(weight, mode="drop")
+    weight = jnp.zeros((blocks.num_rows,), jnp.float32)
+    weight = weight.at[blocks.dest].set(_sorted_weights(blocks, weights), mode="drop")
 
     def block(i: jax.Array, acc: jax.Array) -> jax.Array:
         e = blocks.block_expert[i]

@@ -375,45 +375,38 @@ class Runner:
         The program runs `decode_rows(len(reqs))` rows, not every slot: idle slots cost nothing. Padding
         rows take distinct idle slots with no real token, which leaves their state unchanged."""
         rows = self.shape.decode_rows(len(reqs))
-        busy = {r.slot for r in reqs}
-        idle = [s for s in range(self.shape.slots) if s not in busy]
-        slot_ids = np.asarray([r.slot for r in reqs] + idle[: rows - len(reqs)], np.int32)
-        tokens = np.zeros((rows, 1), np.int32)
         width = self.shape.table_width(max(len(r.blocks) for r in reqs))
-        tables = np.full((rows, width), SCRATCH_BLOCK, np.int32)
-        start = np.zeros((rows,), np.int32)
-        valid = np.zeros((rows,), np.int32)
-        for i, req in enumerate(reqs):
-            tokens[i, 0] = req.tokens[req.num_computed]
-            tables[i] = self._table(req, width)
-            start[i], valid[i] = req.num_computed, 1
-        logits = self.run_program(tokens, slot_ids, tables, start, valid)
+        logits = self._run_rows(reqs, [1] * len(reqs), ProgramShape(rows, 1, width))
         ids, logps = self.sample(logits, [*reqs, *([None] * (rows - len(reqs)))])
         return ids[: len(reqs)], logps[: len(reqs)]
 
     def prefill_rows(self, reqs: list[Request], ns: list[int]) -> jax.Array:
         """The next `ns[i]` tokens of each of `reqs` (distinct slots) in one call: one row, or the packed
-        program (`EngineShape.packed`) for two or more chunks that pack (padding rows take other slots with no
-        real token, which leaves their state and cache unchanged). The logits [rows, V] after each row's
+        program (`EngineShape.packed`) for two or more chunks that pack. The logits [rows, V] after each row's
         last token."""
         if len(reqs) == 1:
-            rows, bucket, width = 1, self.shape.bucket(ns[0]), self.shape.table_width(len(reqs[0].blocks))
+            program = ProgramShape(1, self.shape.bucket(ns[0]), self.shape.table_width(len(reqs[0].blocks)))
         else:
             if len(reqs) > self.shape.prefill_rows or not all(
                 self.shape.packs(n, len(r.blocks)) for r, n in zip(reqs, ns, strict=True)
             ):
                 raise ValueError(f"these {len(reqs)} prefill chunks cannot share a call")
-            rows, bucket, width = dataclasses.astuple(self.shape.packed(max(ns)))
+            program = self.shape.packed(max(ns))
+        return self._run_rows(reqs, ns, program)
+
+    def _run_rows(self, reqs: list[Request], ns: list[int], program: ProgramShape) -> jax.Array:
+        """Run `program` with row i holding the next `ns[i]` tokens of `reqs[i]`. Padding rows take distinct
+        slots outside the call with no real token and scratch tables: their state and cache stay unchanged."""
         busy = [r.slot for r in reqs]
         others = [s for s in range(self.shape.slots) if s not in busy]
-        slot_ids = np.asarray(busy + others[: rows - len(reqs)], np.int32)
-        tokens = np.zeros((rows, bucket), np.int32)
-        tables = np.full((rows, width), SCRATCH_BLOCK, np.int32)
-        start = np.zeros((rows,), np.int32)
-        valid = np.zeros((rows,), np.int32)
+        slot_ids = np.asarray(busy + others[: program.rows - len(reqs)], np.int32)
+        tokens = np.zeros((program.rows, program.length), np.int32)
+        tables = np.full((program.rows, program.width), SCRATCH_BLOCK, np.int32)
+        start = np.zeros((program.rows,), np.int32)
+        valid = np.zeros((program.rows,), np.int32)
         for i, (req, n) in enumerate(zip(reqs, ns, strict=True)):
             tokens[i, :n] = req.tokens[req.num_computed : req.num_computed + n]
-            tables[i] = self._table(req, width)
+            tables[i] = self._table(req, program.width)
             start[i], valid[i] = req.num_computed, n
         return self.run_program(tokens, slot_ids, tables, start, valid)
 
