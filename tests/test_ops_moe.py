@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numpy_reference import silu, situ
 
+from jaxhybrid.ops.activations import SILU, GatedActivation
 from jaxhybrid.ops.moe import (
     moe_experts_blocked,
     moe_experts_dense,
@@ -339,3 +345,50 @@ def test_dropless_with_router_end_to_end_bf16() -> None:
     ref32 = moe_experts_dense(jnp.asarray(x32), w1, w2, w3, weights, ids)
     assert _rel_err(out.astype(jnp.float32), dense16.astype(jnp.float32)) < 1e-2
     assert _rel_err(out.astype(jnp.float32), ref32) < 3e-2
+
+
+# SiTU with caps small enough to bite on these activations (K3's are 4 and 25).
+_SITU = GatedActivation("situ", beta=1.0, linear_beta=1.5)
+
+
+@functools.cache
+def _jitted_ragged(act: GatedActivation):
+    return jax.jit(functools.partial(moe_experts_ragged, act=act))
+
+
+def _float64_experts(x, w1, w2, w3, weights, ids, valid, act: GatedActivation) -> np.ndarray:
+    """Float64 loop over each valid token's chosen experts (a repeated id counts each time), the gated
+    activation from numpy_reference."""
+    x, w1, w2, w3, weights = (np.asarray(a, np.float64) for a in (x, w1, w2, w3, weights))
+    out = np.zeros_like(x)
+    for n in np.flatnonzero(valid):
+        for j, e in enumerate(ids[n]):
+            g, u = w1[e] @ x[n], w3[e] @ x[n]
+            h = silu(g) * u if act.kind == "silu" else situ(g, u, act.beta, act.linear_beta)
+            out[n] += weights[n, j] * (w2[e] @ h)
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    used=st.sampled_from((_E, 3, 1)),
+    valid_share=st.sampled_from((1.0, 0.5, 0.0)),
+    act=st.sampled_from((SILU, _SITU)),
+)
+def test_ragged_grouped_matmul_equals_the_float64_loop(seed, used, valid_share, act) -> None:
+    """`jax.lax.ragged_dot` runs on XLA:CPU, so the accelerators' grouped path is tested here: ids drawn with
+    repeats (a token may pick one expert twice) from `used` of the experts (the rest get empty groups), rows
+    not valid (some, or all) sort past every group and come back zero."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((_N, _D)).astype(np.float32))
+    w1, w2, w3 = _expert_weights(rng)
+    chosen = rng.permutation(_E)[:used]
+    ids = chosen[rng.integers(0, used, (_N, _K))].astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (_N, _K)).astype(np.float32)
+    valid = rng.uniform(size=_N) < valid_share
+    out = np.asarray(_jitted_ragged(act)(x, w1, w2, w3, jnp.asarray(weights), jnp.asarray(ids), valid=valid))
+    ref = _float64_experts(x, w1, w2, w3, weights, ids, valid, act)
+    assert np.all(out[~valid] == 0.0)
+    if valid.any():
+        assert _rel_err(out[valid], ref[valid]) < 1e-5
