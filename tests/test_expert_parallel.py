@@ -10,6 +10,7 @@ from conftest import rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec
+from test_ops_moe import float64_experts
 
 from jaxhybrid.ops.moe import moe_experts_dense, moe_experts_dropless
 from sharding.expert_parallel import make_expert_parallel_fn, ragged_all_to_all_emulated
@@ -197,17 +198,6 @@ def test_emulated_ragged_all_to_all_poisons_sizes_that_disagree():
     np.testing.assert_array_equal(np.delete(got, 5, axis=0), np.delete(want, 5, axis=0))
 
 
-def numpy_moe(x, w1, w2, w3, weights, ids, valid) -> np.ndarray:
-    """Float64 loop over each valid token's chosen experts (repeats add up), SiLU gating."""
-    x, w1, w2, w3, weights = (np.asarray(a, np.float64) for a in (x, w1, w2, w3, weights))
-    out = np.zeros_like(x)
-    for n in np.flatnonzero(valid):
-        for j, e in enumerate(ids[n]):
-            g = w1[e] @ x[n]
-            out[n] += weights[n, j] * (w2[e] @ (g / (1.0 + np.exp(-g)) * (w3[e] @ x[n])))
-    return out
-
-
 ROUTINGS = ("any", "one-device", "one-expert", "distinct")
 
 
@@ -243,6 +233,6 @@ def test_ragged_dispatch_equals_the_float64_experts(spec, seed, kind, all_valid)
     weights = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
     valid = np.ones(n, bool) if all_valid else rng.uniform(size=n) < 0.6
     got = ep_fn(spec, "ragged_emulated")(x, w1, w2, w3, jnp.asarray(weights), jnp.asarray(ids), valid=valid)
-    want = numpy_moe(x, w1, w2, w3, weights, ids, valid)
+    want = float64_experts(x, w1, w2, w3, weights, ids, valid)
     assert np.all(np.asarray(got)[~valid] == 0.0)
     assert rel_err(got, want) < TOL

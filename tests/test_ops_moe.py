@@ -195,14 +195,16 @@ def _expert_weights(rng: np.random.Generator, dtype: np.dtype = np.float32) -> t
     return tuple(jnp.asarray(a.astype(dtype)) for a in (w1, w2, w3))
 
 
-def _numpy_experts(x, w1, w2, w3, weights, ids) -> np.ndarray:
-    """Float64 per-token loop over the chosen experts."""
+def float64_experts(x, w1, w2, w3, weights, ids, valid=None, act: GatedActivation = SILU) -> np.ndarray:
+    """Float64 per-token loop over the chosen experts (a repeated id counts each time) of the rows `valid`
+    (default all), with the gated activation from numpy_reference; the other rows are zero."""
     x, w1, w2, w3, weights = (np.asarray(a, np.float64) for a in (x, w1, w2, w3, weights))
+    ids = np.asarray(ids)
     out = np.zeros_like(x)
-    for n in range(x.shape[0]):
-        for j, e in enumerate(np.asarray(ids)[n]):
-            g = w1[e] @ x[n]
-            h = g / (1.0 + np.exp(-g)) * (w3[e] @ x[n])
+    for n in np.flatnonzero(np.ones(len(x), bool) if valid is None else valid):
+        for j, e in enumerate(ids[n]):
+            g, u = w1[e] @ x[n], w3[e] @ x[n]
+            h = silu(g) * u if act.kind == "silu" else situ(g, u, act.beta, act.linear_beta)
             out[n] += weights[n, j] * (w2[e] @ h)
     return out
 
@@ -241,7 +243,7 @@ def test_dropless_matches_dense(impl, make_ids, tokens) -> None:
 
     dropless = jax.jit(impl)(x, w1, w2, w3, weights, ids)
     dense = jax.jit(moe_experts_dense)(x, w1, w2, w3, weights, ids)
-    ref = _numpy_experts(x, w1, w2, w3, weights, ids_np)
+    ref = float64_experts(x, w1, w2, w3, weights, ids_np)
     assert dropless.shape == (tokens, _D) and dropless.dtype == jnp.float32
     assert _rel_err(dropless, dense) < 1e-5
     assert _rel_err(dense, ref) < 1e-5
@@ -268,7 +270,7 @@ def test_rows_not_valid_are_not_routed(impl, tokens) -> None:
     out = np.asarray(jax.jit(impl)(x, w1, w2, w3, weights, jnp.asarray(ids_np), valid=jnp.asarray(valid_np)))
     assert np.all(out[~valid_np] == 0.0)
     v = np.flatnonzero(valid_np)
-    ref = _numpy_experts(np.asarray(x)[v], w1, w2, w3, np.asarray(weights)[v], ids_np[v])
+    ref = float64_experts(np.asarray(x)[v], w1, w2, w3, np.asarray(weights)[v], ids_np[v])
     assert _rel_err(out[v], ref) < 1e-5
 
 
@@ -286,7 +288,7 @@ def test_skipping_reads_only_the_experts_in_use() -> None:
     poisoned = [jnp.where(unused[:, None, None], jnp.nan, w) for w in (w1, w2, w3)]
     out = np.asarray(jax.jit(moe_experts_skipping)(x, *poisoned, weights, ids, valid=valid))
     assert np.isfinite(out).all()
-    ref = _numpy_experts(np.asarray(x)[:1], w1, w2, w3, np.asarray(weights)[:1], np.asarray(ids)[:1])
+    ref = float64_experts(np.asarray(x)[:1], w1, w2, w3, np.asarray(weights)[:1], np.asarray(ids)[:1])
     assert _rel_err(out[:1], ref) < 1e-5
 
 
@@ -307,7 +309,7 @@ def test_stacked_experts_read_only_their_group(impl, tokens) -> None:
     stacked = [jnp.stack([jnp.full_like(w, jnp.nan), w, jnp.full_like(w, jnp.nan)]) for w in group]
     fn = jax.jit(lambda *a: impl(*a, group=jnp.int32(1)))
     out = np.asarray(fn(x, *stacked, weights, jnp.asarray(ids_np)))
-    ref = _numpy_experts(x, w1, w2, w3, weights, ids_np)
+    ref = float64_experts(x, w1, w2, w3, weights, ids_np)
     assert np.isfinite(out).all() and _rel_err(out, ref) < 1e-5
 
 
@@ -356,19 +358,6 @@ def _jitted_ragged(act: GatedActivation):
     return jax.jit(functools.partial(moe_experts_ragged, act=act))
 
 
-def _float64_experts(x, w1, w2, w3, weights, ids, valid, act: GatedActivation) -> np.ndarray:
-    """Float64 loop over each valid token's chosen experts (a repeated id counts each time), the gated
-    activation from numpy_reference."""
-    x, w1, w2, w3, weights = (np.asarray(a, np.float64) for a in (x, w1, w2, w3, weights))
-    out = np.zeros_like(x)
-    for n in np.flatnonzero(valid):
-        for j, e in enumerate(ids[n]):
-            g, u = w1[e] @ x[n], w3[e] @ x[n]
-            h = silu(g) * u if act.kind == "silu" else situ(g, u, act.beta, act.linear_beta)
-            out[n] += weights[n, j] * (w2[e] @ h)
-    return out
-
-
 @settings(max_examples=20, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -388,7 +377,7 @@ def test_ragged_grouped_matmul_equals_the_float64_loop(seed, used, valid_share, 
     weights = rng.uniform(0.1, 1.0, (_N, _K)).astype(np.float32)
     valid = rng.uniform(size=_N) < valid_share
     out = np.asarray(_jitted_ragged(act)(x, w1, w2, w3, jnp.asarray(weights), jnp.asarray(ids), valid=valid))
-    ref = _float64_experts(x, w1, w2, w3, weights, ids, valid, act)
+    ref = float64_experts(x, w1, w2, w3, weights, ids, valid, act)
     assert np.all(out[~valid] == 0.0)
     if valid.any():
         assert _rel_err(out[valid], ref[valid]) < 1e-5
