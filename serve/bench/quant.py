@@ -15,6 +15,7 @@ import argparse
 import functools
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {quant_dir} has no MXFP4 routed experts", file=sys.stderr)
         return 2
     cfg = dense.config
+    t0 = time.perf_counter()
     val = compare_on(dense, quant, validation_batches(model_dir, cfg, args))
+    t1 = time.perf_counter()
     completions = []
     if args.greedy_tokens:
         tok = load_tokenizer(model_dir, cfg)
@@ -153,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
             **val,
         },
         "delta_nats_per_token": val["mxfp4"] - val["dense"],
+        "validation_s": round(t1 - t0, 1),  # corpus, tokenizing, compiling and both forwards
+        "greedy_s": round(time.perf_counter() - t1, 1),
         "greedy_tokens": args.greedy_tokens,
         "completions": completions,
         "environment": environment(),
