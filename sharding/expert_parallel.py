@@ -32,9 +32,10 @@ Two exchanges implement step 2 and 4:
 * ``"ragged"`` (GPU/TPU): `jax.lax.ragged_all_to_all` moves only the real rows; offsets come from one
   all_gather of the [ep] send sizes. The receive buffer is still sized ep*P rows (the dropless worst
   case), but traffic is the real P rows. XLA:CPU does not implement it (UNIMPLEMENTED).
-* ``"ragged_emulated"``: the ragged algorithm with `ragged_all_to_all_emulated` (all_gather based, same
-  semantics as `jax.lax.ragged_all_to_all`), so the offset bookkeeping of the ragged path is testable
-  on CPU. Not meant for production.
+* ``"ragged_emulated"``: the ragged algorithm with `ragged_all_to_all_emulated` (all_gather / all_to_all
+  based, the semantics of `jax.lax.ragged_all_to_all`'s docstring, its size precondition checked), so the
+  ragged path's bookkeeping (offsets, send and receive sizes, placement) is tested on CPU and only the
+  collective itself is not. Not meant for production.
 
 ``exchange="auto"`` picks ``"padded"`` on CPU meshes and ``"ragged"`` elsewhere.
 """
@@ -79,24 +80,30 @@ def ragged_all_to_all_emulated(
     *,
     axis_name: str,
 ) -> jax.Array:
-    """`jax.lax.ragged_all_to_all` (one slice per peer) built from all_gather; same result, for tests.
+    """`jax.lax.ragged_all_to_all` (one slice per peer) from dense collectives, as its docstring defines it.
 
-    Receiver r writes, for every source s, ``operand_s[input_offsets_s[r] : + send_sizes_s[r]]`` at
-    ``output[output_offsets_s[r] : ...]``. `recv_sizes` is implied by the senders' sizes and unused."""
-    del recv_sizes
+    Each operand travels whole (all_gather); each sender's offsets for this receiver arrive by all_to_all.
+    Receiver r writes, for every source s, `recv_sizes[s]` rows of ``operand_s`` from ``input_offsets_s[r]``
+    at ``output[output_offsets_s[r]:]``. Where the op's precondition ``send_sizes == all_to_all(recv_sizes)``
+    fails on this receiver (the real op is undefined there), the whole result is poisoned (NaN, or the
+    integer minimum), so a caller whose sizes disagree cannot pass a test. For tests on XLA:CPU."""
     ep = jax.lax.axis_size(axis_name)
-    me = jax.lax.axis_index(axis_name)
+
+    def from_each_source(per_peer: jax.Array) -> jax.Array:  # [ep]: source s's entry for this device
+        return jax.lax.all_to_all(per_peer, axis_name, 0, 0, tiled=True)
+
     operands = jax.lax.all_gather(operand, axis_name)  # [ep, M, ...]
-    in_off = jax.lax.all_gather(input_offsets, axis_name)  # [src, dst]
-    sizes = jax.lax.all_gather(send_sizes, axis_name)
-    out_off = jax.lax.all_gather(output_offsets, axis_name)
+    in_off, out_off = from_each_source(input_offsets), from_each_source(output_offsets)
+    sent = from_each_source(send_sizes)
     m = operand.shape[0]
     j = jnp.arange(m)
     for s in range(ep):
-        rows = jnp.take(operands[s], jnp.clip(in_off[s, me] + j, 0, m - 1), axis=0)
-        dst = jnp.where(j < sizes[s, me], out_off[s, me] + j, output.shape[0])  # out of range: dropped
+        rows = jnp.take(operands[s], jnp.clip(in_off[s] + j, 0, m - 1), axis=0)
+        dst = jnp.where(j < recv_sizes[s], out_off[s] + j, output.shape[0])  # out of range: dropped
         output = output.at[dst].set(rows.astype(output.dtype), mode="drop")
-    return output
+    dtype = output.dtype
+    poison = jnp.nan if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).min
+    return jnp.where(jnp.all(sent == recv_sizes), output, jnp.asarray(poison, dtype))
 
 
 def _grouped_experts(

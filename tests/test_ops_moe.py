@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numpy_reference import silu, situ
 
+from jaxhybrid.ops.activations import SILU, GatedActivation
 from jaxhybrid.ops.moe import (
     moe_experts_blocked,
     moe_experts_dense,
@@ -189,14 +195,16 @@ def _expert_weights(rng: np.random.Generator, dtype: np.dtype = np.float32) -> t
     return tuple(jnp.asarray(a.astype(dtype)) for a in (w1, w2, w3))
 
 
-def _numpy_experts(x, w1, w2, w3, weights, ids) -> np.ndarray:
-    """Float64 per-token loop over the chosen experts."""
+def float64_experts(x, w1, w2, w3, weights, ids, valid=None, act: GatedActivation = SILU) -> np.ndarray:
+    """Float64 per-token loop over the chosen experts (a repeated id counts each time) of the rows `valid`
+    (default all), with the gated activation from numpy_reference; the other rows are zero."""
     x, w1, w2, w3, weights = (np.asarray(a, np.float64) for a in (x, w1, w2, w3, weights))
+    ids = np.asarray(ids)
     out = np.zeros_like(x)
-    for n in range(x.shape[0]):
-        for j, e in enumerate(np.asarray(ids)[n]):
-            g = w1[e] @ x[n]
-            h = g / (1.0 + np.exp(-g)) * (w3[e] @ x[n])
+    for n in np.flatnonzero(np.ones(len(x), bool) if valid is None else valid):
+        for j, e in enumerate(ids[n]):
+            g, u = w1[e] @ x[n], w3[e] @ x[n]
+            h = silu(g) * u if act.kind == "silu" else situ(g, u, act.beta, act.linear_beta)
             out[n] += weights[n, j] * (w2[e] @ h)
     return out
 
@@ -235,7 +243,7 @@ def test_dropless_matches_dense(impl, make_ids, tokens) -> None:
 
     dropless = jax.jit(impl)(x, w1, w2, w3, weights, ids)
     dense = jax.jit(moe_experts_dense)(x, w1, w2, w3, weights, ids)
-    ref = _numpy_experts(x, w1, w2, w3, weights, ids_np)
+    ref = float64_experts(x, w1, w2, w3, weights, ids_np)
     assert dropless.shape == (tokens, _D) and dropless.dtype == jnp.float32
     assert _rel_err(dropless, dense) < 1e-5
     assert _rel_err(dense, ref) < 1e-5
@@ -262,7 +270,7 @@ def test_rows_not_valid_are_not_routed(impl, tokens) -> None:
     out = np.asarray(jax.jit(impl)(x, w1, w2, w3, weights, jnp.asarray(ids_np), valid=jnp.asarray(valid_np)))
     assert np.all(out[~valid_np] == 0.0)
     v = np.flatnonzero(valid_np)
-    ref = _numpy_experts(np.asarray(x)[v], w1, w2, w3, np.asarray(weights)[v], ids_np[v])
+    ref = float64_experts(np.asarray(x)[v], w1, w2, w3, np.asarray(weights)[v], ids_np[v])
     assert _rel_err(out[v], ref) < 1e-5
 
 
@@ -280,7 +288,7 @@ def test_skipping_reads_only_the_experts_in_use() -> None:
     poisoned = [jnp.where(unused[:, None, None], jnp.nan, w) for w in (w1, w2, w3)]
     out = np.asarray(jax.jit(moe_experts_skipping)(x, *poisoned, weights, ids, valid=valid))
     assert np.isfinite(out).all()
-    ref = _numpy_experts(np.asarray(x)[:1], w1, w2, w3, np.asarray(weights)[:1], np.asarray(ids)[:1])
+    ref = float64_experts(np.asarray(x)[:1], w1, w2, w3, np.asarray(weights)[:1], np.asarray(ids)[:1])
     assert _rel_err(out[:1], ref) < 1e-5
 
 
@@ -301,7 +309,7 @@ def test_stacked_experts_read_only_their_group(impl, tokens) -> None:
     stacked = [jnp.stack([jnp.full_like(w, jnp.nan), w, jnp.full_like(w, jnp.nan)]) for w in group]
     fn = jax.jit(lambda *a: impl(*a, group=jnp.int32(1)))
     out = np.asarray(fn(x, *stacked, weights, jnp.asarray(ids_np)))
-    ref = _numpy_experts(x, w1, w2, w3, weights, ids_np)
+    ref = float64_experts(x, w1, w2, w3, weights, ids_np)
     assert np.isfinite(out).all() and _rel_err(out, ref) < 1e-5
 
 
@@ -339,3 +347,37 @@ def test_dropless_with_router_end_to_end_bf16() -> None:
     ref32 = moe_experts_dense(jnp.asarray(x32), w1, w2, w3, weights, ids)
     assert _rel_err(out.astype(jnp.float32), dense16.astype(jnp.float32)) < 1e-2
     assert _rel_err(out.astype(jnp.float32), ref32) < 3e-2
+
+
+# SiTU with caps small enough to bite on these activations (K3's are 4 and 25).
+_SITU = GatedActivation("situ", beta=1.0, linear_beta=1.5)
+
+
+@functools.cache
+def _jitted_ragged(act: GatedActivation):
+    return jax.jit(functools.partial(moe_experts_ragged, act=act))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    used=st.sampled_from((_E, 3, 1)),
+    valid_share=st.sampled_from((1.0, 0.5, 0.0)),
+    act=st.sampled_from((SILU, _SITU)),
+)
+def test_ragged_grouped_matmul_equals_the_float64_loop(seed, used, valid_share, act) -> None:
+    """`jax.lax.ragged_dot` runs on XLA:CPU, so the accelerators' grouped path is tested here: ids drawn with
+    repeats (a token may pick one expert twice) from `used` of the experts (the rest get empty groups), rows
+    not valid (some, or all) sort past every group and come back zero."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((_N, _D)).astype(np.float32))
+    w1, w2, w3 = _expert_weights(rng)
+    chosen = rng.permutation(_E)[:used]
+    ids = chosen[rng.integers(0, used, (_N, _K))].astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (_N, _K)).astype(np.float32)
+    valid = rng.uniform(size=_N) < valid_share
+    out = np.asarray(_jitted_ragged(act)(x, w1, w2, w3, jnp.asarray(weights), jnp.asarray(ids), valid=valid))
+    ref = float64_experts(x, w1, w2, w3, weights, ids, valid, act)
+    assert np.all(out[~valid] == 0.0)
+    if valid.any():
+        assert _rel_err(out[valid], ref[valid]) < 1e-5

@@ -131,6 +131,37 @@ def _encode(tok: Any, texts: list[str]) -> list[list[int]]:
     return [tok.encode(t) for t in texts]
 
 
+@dataclass(frozen=True)
+class Corpus:
+    """The documents of `--data`, split into train and validation by file, with their texts."""
+
+    docs: list[D.Document]
+    train_docs: list[D.Document]
+    val_docs: list[D.Document]
+    train_texts: list[str]
+    val_texts: list[str]
+
+
+def load_corpus(data: tuple[str, ...] | list[str], val_fraction: float) -> Corpus:
+    """Read and split the corpus as `train` does (DataError / TrainError when there is nothing to read), so
+    anyone can evaluate on a run's validation split: same `data` and `val_fraction`, same files."""
+    docs = D.collect_documents(data)
+    if not docs:
+        raise TrainError("the corpus is empty: no files")
+    texts = dict(zip((d.name for d in docs), D.read_texts(docs), strict=True))  # DataError if all blank
+    train_docs, val_docs = D.split_documents(docs, val_fraction)
+    return Corpus(
+        docs, train_docs, val_docs, [texts[d.name] for d in train_docs], [texts[d.name] for d in val_docs]
+    )
+
+
+def encode_stream(tok: Any, texts: list[str], model_cfg: Any) -> np.ndarray:
+    """`[bos] + ids + [eos]` of every text, concatenated: the tokenizer's bos / eos, else the config's."""
+    bos = tok.bos_token_id if tok.bos_token_id is not None else model_cfg.bos_token_id
+    eos = tok.eos_token_id if tok.eos_token_id is not None else model_cfg.eos_token_id
+    return D.token_stream(texts, lambda t: _encode(tok, t), bos, eos)
+
+
 def _corpus_fingerprint(docs: list[D.Document], train: np.ndarray, val: np.ndarray) -> str:
     h = hashlib.sha256()
     for d in docs:
@@ -200,17 +231,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
 
-    docs = D.collect_documents(cfg.data)
-    if not docs:
-        raise TrainError("the corpus is empty: no files")
-    texts = dict(zip((d.name for d in docs), D.read_texts(docs), strict=True))  # DataError if all blank
-    train_docs, val_docs = D.split_documents(docs, cfg.val_fraction)
-    train_texts, val_texts = [texts[d.name] for d in train_docs], [texts[d.name] for d in val_docs]
-    tok = _tokenizer(cfg, model_cfg.vocab_size, train_texts, out)
-    bos = tok.bos_token_id if tok.bos_token_id is not None else model_cfg.bos_token_id
-    eos = tok.eos_token_id if tok.eos_token_id is not None else model_cfg.eos_token_id
-    train_stream = D.token_stream(train_texts, lambda t: _encode(tok, t), bos, eos)
-    val_stream = D.token_stream(val_texts, lambda t: _encode(tok, t), bos, eos)
+    corpus = load_corpus(cfg.data, cfg.val_fraction)
+    docs, train_docs, val_docs = corpus.docs, corpus.train_docs, corpus.val_docs
+    tok = _tokenizer(cfg, model_cfg.vocab_size, corpus.train_texts, out)
+    train_stream = encode_stream(tok, corpus.train_texts, model_cfg)
+    val_stream = encode_stream(tok, corpus.val_texts, model_cfg)
     val_data = list(D.val_batches(val_stream, cfg.batch_size, cfg.seq_len, cfg.val_batches))
     D.train_batch(train_stream, 1, cfg.seq_len, cfg.seed, 0)  # DataError if the split is too short
     counts = D.unigram_counts(train_stream, model_cfg.vocab_size)

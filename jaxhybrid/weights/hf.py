@@ -487,6 +487,24 @@ def checkpoint_dtype(tensors: Mapping[str, TensorInfo]) -> np.dtype:
 # --- writing ---------------------------------------------------------------------------------------------
 
 
+def _quantized_pair(
+    quantize: Callable[[], tuple[np.ndarray, np.ndarray]],
+) -> tuple[Callable[[], np.ndarray], Callable[[], np.ndarray]]:
+    """Thunks of (packed, scale) that quantize one expert once, not once per tensor: the result is kept
+    from the first call until both thunks have run."""
+    memo: dict[int, np.ndarray] = {}
+
+    def part(i: int) -> Callable[[], np.ndarray]:
+        def thunk() -> np.ndarray:
+            if i not in memo:
+                memo.update(enumerate(quantize()))
+            return memo.pop(i)
+
+        return thunk
+
+    return part(0), part(1)
+
+
 def hf_tensors(
     params: Mapping[str, Any], *, prefix: str = "", expert_quant: str | None = None
 ) -> Iterator[tuple[str, Callable[[], np.ndarray], tuple[int, ...], np.dtype]]:
@@ -501,12 +519,9 @@ def hf_tensors(
         dtype = np.dtype(arr.dtype)
         if spec.quant:
             for e, (p_name, s_name) in enumerate(zip(spec.hf_names, spec.scale_names, strict=True)):
-                quant = (
-                    (lambda a=arr, e=e: quantize_mxfp4(np.asarray(a[e]))[0]),
-                    (lambda a=arr, e=e: quantize_mxfp4(np.asarray(a[e]))[1]),
-                )
-                yield prefix + p_name, quant[0], spec.hf_shape, u8
-                yield prefix + s_name, quant[1], spec.scale_shape, u8
+                packed, scale = _quantized_pair(lambda a=arr, e=e: quantize_mxfp4(np.asarray(a[e])))
+                yield prefix + p_name, packed, spec.hf_shape, u8
+                yield prefix + s_name, scale, spec.scale_shape, u8
         elif len(spec.hf_names) == 1 and not spec.stacked:
             yield prefix + spec.hf_names[0], (lambda a=arr: np.asarray(a)), spec.hf_shape, dtype
         else:

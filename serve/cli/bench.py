@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from serve.bench import compare, decode, load, mesh, prefix, reference, serve, slots, throughput, ttft
+from serve.bench import compare, decode, load, mesh, prefix, quant, reference, serve, slots, throughput, ttft
 
-BENCHES = (decode, load, ttft, mesh, prefix, throughput, slots, serve, reference, compare)
+BENCHES = (decode, load, ttft, mesh, prefix, throughput, slots, serve, reference, quant, compare)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
