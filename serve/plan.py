@@ -297,16 +297,20 @@ class Planner:
         )
         return rows, shape, checkpoints, checkpoints * shape.state_bytes
 
-    def fit(self, req: PlanRequest, tensor: int, expert: int) -> MeshPlan | str:
-        """The most slots whose bytes fit on a replica of (expert, tensor), or why none does."""
+    def mesh_plan(self, req: PlanRequest, tensor: int, expert: int, slots: int) -> MeshPlan:
+        """The bytes per device of `slots` sequences on a replica of (expert, tensor), fitting or not."""
         mesh = abstract_mesh({"expert": expert, "tensor": tensor})
         weights = self.shapes(req.dtype, req.packed).weight_bytes(mesh)
-        scanned = self.scanned_copy(req, weights)
-        data = req.chips // (tensor * expert)
+        rows, shape, n, budget = self.device_bytes(req, mesh, weights, self.scanned_copy(req, weights), slots)
+        return MeshPlan(
+            tensor, expert, req.chips // (tensor * expert), slots, shape.num_blocks, n, budget, rows
+        )
+
+    def fit(self, req: PlanRequest, tensor: int, expert: int) -> MeshPlan | str:
+        """The most slots whose bytes fit on a replica of (expert, tensor), or why none does."""
 
         def plan_for(slots: int) -> MeshPlan:
-            rows, shape, n, budget = self.device_bytes(req, mesh, weights, scanned, slots)
-            return MeshPlan(tensor, expert, data, slots, shape.num_blocks, n, budget, rows)
+            return self.mesh_plan(req, tensor, expert, slots)
 
         def fits(slots: int) -> bool:
             return plan_for(slots).bytes.total <= req.hbm_bytes

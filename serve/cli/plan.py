@@ -16,7 +16,7 @@ from serve.report import DTYPES, print_table
 EXPERTS = ("packed", "dequantized")
 # by-kind columns of the tables: (DeviceBytes field, column)
 KINDS = (
-    ("experts", "experts"),
+    ("experts", "routed"),
     ("other_weights", "other"),
     ("scanned_copy", "scan_copy"),
     ("kv_pool", "kv_pool"),
