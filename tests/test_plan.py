@@ -152,3 +152,30 @@ def test_recommended_mesh_fits_and_is_the_most(planner, chips, hbm, context, int
         assert more.bytes.total > hbm  # the slots are the most that fit
     if plan.chosen is not None:
         assert plan.chosen.sequences_per_slice == max(m.sequences_per_slice for m in plan.fitting)
+
+
+def test_scanned_copy_is_what_the_engine_stacks():
+    """A model whose engine scans its repeated layers (K K M twice after the dense layer, scan_layers "all")
+    holds a stacked copy of them besides the model's own arrays: the plan's scanned_copy, per device."""
+    cfg = load_config("tiny").replace(
+        num_hidden_layers=7, kda_layers=(1, 2, 3, 5, 6), full_attn_layers=(4, 7)
+    )
+    req = PlanRequest(
+        2, 10**8, CONTEXT, block_size=BLOCK, prefill_chunk=CHUNK, dtype="float32", scan_layers="all"
+    )
+    plan = Planner(cfg).mesh_plan(req, tensor=2, expert=1, slots=2)
+    assert plan.bytes.scanned_copy > 0
+    mesh = make_mesh("data=1,expert=1,tensor=2", jax.devices()[:2])
+    model = shard_model(HybridLM(cfg, rngs=nnx.Rngs(0)), mesh)
+    config = EngineConfig(
+        max_slots=2,
+        block_size=BLOCK,
+        prefill_chunk=CHUNK,
+        max_model_len=CONTEXT,
+        prefix=None,
+        scan_layers="all",
+    )
+    engine = Engine(model, config, mesh=mesh)
+    held = {id(x): x for x in jax.tree.leaves(nnx.state(model)) + jax.tree.leaves(engine.runner.scan_params)}
+    weights = plan.bytes.experts + plan.bytes.other_weights
+    assert set(per_device(list(held.values())).values()) == {weights + plan.bytes.scanned_copy}
