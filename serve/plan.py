@@ -38,6 +38,7 @@ from jaxhybrid.config import ModelConfig
 from jaxhybrid.scan import layout_of
 from serve.engine.config import EngineConfig, EngineShape, scan_mode
 from serve.engine.runner import empty_pools
+from serve.report import fmt_bytes
 from sharding.mesh import format_mesh_shape
 from sharding.placement import pool_shardings
 from sharding.plan import ModelShapes, WeightBytes, abstract_mesh, layer_kind, tree_shard_nbytes
@@ -174,7 +175,8 @@ def _local(mesh: AbstractMesh, cfg: ModelConfig, name: str, size: int) -> int:
 
 def activation_bytes(cfg: ModelConfig, mesh: AbstractMesh, shape: EngineShape, packed: bool) -> int:
     """Estimated peak temporaries per device of the engine's largest programs: the max of a prefill call
-    (one row of `prefill_chunk` tokens against the whole context) and a decode step (every slot, one token,
+    (one row of the longest prefill program, `prefill_chunk` or the context if shorter, against the whole
+    context) and a decode step (every slot, one token,
     whole context). Layers run one after another, so it is the residual stream plus the largest single
     layer's temporaries, per device (heads, expert widths and slots at their rules' split):
     - stream: h and the partial sum, plus (attention residuals) one fp32 [T, D] vector per closed block;
@@ -189,7 +191,7 @@ def activation_bytes(cfg: ModelConfig, mesh: AbstractMesh, shape: EngineShape, p
     units_tensor = lambda name, size: _local(mesh, cfg, name, size)  # noqa: E731
     cb, kb = jnp.dtype(shape.kv_dtype).itemsize, jnp.dtype(shape.kv_dtype).itemsize
     ctx = shape.table_buckets[-1] * shape.block_size
-    t, D, lat = shape.prefill_chunk, cfg.hidden_size, cfg.latent_dim
+    t, D, lat = shape.bucket(min(shape.prefill_chunk, shape.max_model_len)), cfg.hidden_size, cfg.latent_dim
     res_blocks = math.ceil(cfg.num_hidden_layers / cfg.attn_res_block_size) if cfg.attn_res_block_size else 0
 
     def stream(tokens: int) -> int:
@@ -319,9 +321,9 @@ class Planner:
         if one.bytes.total > req.hbm_bytes:
             b = one.bytes
             return (
-                f"does not fit: weights {b.weights / 1e9:.1f} GB + activations {b.activations / 1e9:.1f} GB "
-                f"+ one sequence {(b.total - b.weights - b.activations) / 1e9:.1f} GB "
-                f"> {req.hbm_bytes / 1e9:.1f} GB per chip"
+                f"does not fit: weights {fmt_bytes(b.weights)} + activations {fmt_bytes(b.activations)} "
+                f"+ one sequence {fmt_bytes(b.total - b.weights - b.activations)} "
+                f"> {fmt_bytes(req.hbm_bytes)} per chip"
             )
         # Slots split over the expert axis only in multiples of it (else the rules keep the states whole):
         # the most multiples that fit, then the few counts between it and the next multiple.

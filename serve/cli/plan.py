@@ -109,7 +109,7 @@ def _print_plan(cfg: Any, plan: Any) -> None:
         else:
             flags += " --no-prefix-cache"
         print(f"  engine (each replica): {flags}")
-    print("meshes that fit (tensor x expert per replica, data = replicas):")
+    print(f"meshes that fit (tensor x expert per replica, data = replicas){'' if plan.fitting else ': none'}")
     rows = [
         {
             "tensor": p.tensor,
@@ -122,8 +122,9 @@ def _print_plan(cfg: Any, plan: Any) -> None:
         }
         for p in plan.fitting
     ]
-    print_table(rows, ["tensor", "expert", "data", "seqs_replica", "seqs_slice", "total_GB", ""])
-    print("rejected:")
+    if rows:
+        print_table(rows, ["tensor", "expert", "data", "seqs_replica", "seqs_slice", "total_GB", ""])
+    print("rejected:" if plan.rejected else "rejected: none")
     for r in plan.rejected:
         print(f"  tensor={r.tensor} expert={r.expert} data={r.data}: {r.reason}")
 
