@@ -121,6 +121,11 @@ def test_plan_json(capsys):
     pairs = {(m["tensor"], m["expert"]) for m in out["fitting"] + out["rejected"]}
     assert pairs == {(t, e) for t in (1, 2, 4) for e in (1, 2, 4) if t * e <= 4 and 4 % (t * e) == 0}
     assert all(r["reason"] for r in out["rejected"])
+    # tensor groups kept within a host of 2 chips
+    assert main([*ARGS, "--chips", "4", "--hbm", "0.004", "--chips-per-host", "2", "--json"]) == 0
+    hosts = json.loads(capsys.readouterr().out)
+    assert all(m["tensor"] <= 2 for m in hosts["fitting"])
+    assert any("spans more than one host" in r["reason"] for r in hosts["rejected"] if r["tensor"] == 4)
     # a sweep: one plan per combination
     assert main([*ARGS, "--chips", "2,4", "--hbm", "0.004", "--context", "32,64", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["plans"]) == 4
