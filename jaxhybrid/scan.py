@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxhybrid.cache import LayerCache
+from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import HybridLM
 from jaxhybrid.ops.moe import moe_experts_dropless_stacked
 
@@ -56,14 +58,18 @@ class ScanLayout:
 def scan_layout(model: HybridLM, min_groups: int = 2) -> ScanLayout | None:
     """The shortest repeating group of identical layer structure after the dense lead layers, or None when
     there is none of at least `min_groups` groups (or the config uses attention residuals)."""
-    cfg = model.config
+    return layout_of(model.config, [nnx.graphdef(layer) for layer in model.model.layers], min_groups)
+
+
+def layout_of(cfg: ModelConfig, keys: Sequence[Any], min_groups: int = 2) -> ScanLayout | None:
+    """`scan_layout` from one key per layer, equal for layers of identical structure (graph definitions, or
+    a layer's (mixer, MoE) kind for planning without a model)."""
     if cfg.attn_res_block_size is not None:
         return None
-    defs = [nnx.graphdef(layer) for layer in model.model.layers]
-    n, start = len(defs), cfg.first_k_dense_replace
+    n, start = len(keys), cfg.first_k_dense_replace
     for period in range(1, (n - start) // min_groups + 1):
         groups = (n - start) // period
-        if all(defs[start + i] == defs[start + i % period] for i in range(groups * period)):
+        if all(keys[start + i] == keys[start + i % period] for i in range(groups * period)):
             return ScanLayout(n, start, period, groups)
     return None
 

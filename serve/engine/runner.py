@@ -204,6 +204,17 @@ def _zero_slot(pools: tuple[Any, ...], slot: jax.Array) -> tuple[Any, ...]:
     )
 
 
+def empty_pools(cfg: Any, shape: EngineShape) -> tuple[Any, ...]:
+    """The engine's pools, zero, unplaced: per layer a `KDACache` [slots, ...] or an MLA latent pool
+    [num_blocks, block_size, latent] (under `jax.eval_shape`: what the engine allocates, for planning)."""
+    return tuple(
+        kda_zero_state(cfg, shape.slots, shape.kv_dtype)
+        if kind == "kda"
+        else jnp.zeros((shape.num_blocks, shape.block_size, cfg.latent_dim), shape.kv_dtype)
+        for kind in cfg.layer_types
+    )
+
+
 class Runner:
     """Pools + programs for one model and one EngineShape (on `mesh` when given: the pools are laid out by
     `sharding.placement.pool_shardings` and the programs keep them there)."""
@@ -232,13 +243,7 @@ class Runner:
         self._compiled: set[ProgramShape] = set()  # program shapes this runner has run or compiled
 
     def _new_pools(self) -> tuple[Any, ...]:
-        cfg, shape = self.model_config, self.shape
-        pools = tuple(
-            kda_zero_state(cfg, shape.slots, shape.kv_dtype)
-            if kind == "kda"
-            else jnp.zeros((shape.num_blocks, shape.block_size, cfg.latent_dim), shape.kv_dtype)
-            for kind in cfg.layer_types
-        )
+        pools = empty_pools(self.model_config, self.shape)
         # placed (committed) as the programs return them, so the first call compiles what every later one uses
         return jax.device_put(pools, self.pool_shardings or jax.devices()[0])
 

@@ -1,0 +1,233 @@
+"""`jaxhybrid plan`: which mesh, and how many sequences fit, for a model on a slice of chips (`serve.plan`).
+
+Every list flag (--chips, --hbm, --context, --experts, --checkpoint-interval) takes comma-separated values;
+more than one value anywhere makes a sweep: one row per combination."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from serve.cli.common import add_config_arg
+from serve.report import DTYPES, print_table
+
+EXPERTS = ("packed", "dequantized")
+# by-kind columns of the tables: (DeviceBytes field, column)
+KINDS = (
+    ("experts", "routed"),
+    ("other_weights", "other"),
+    ("scanned_copy", "scan_copy"),
+    ("kv_pool", "kv_pool"),
+    ("live_states", "states"),
+    ("checkpoints", "checkpoints"),
+    ("activations", "activations"),
+    ("total", "total"),
+)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.2f}"
+
+
+def _list(text: str, flag: str, kind: Any = int, allow_zero: bool = False) -> list[Any]:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be a comma-separated list, got {text!r}") from None
+    if not values or any(v < 0 or (v == 0 and not allow_zero) for v in values):
+        raise ValueError(f"{flag} must be {'non-negative' if allow_zero else 'positive'}, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def _experts(text: str) -> list[bool]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [n for n in names if n not in EXPERTS]
+    if bad or not names:
+        raise ValueError(f"--experts must be a list of {', '.join(EXPERTS)}, got {text!r}")
+    return [n == "packed" for n in dict.fromkeys(names)]
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from jaxhybrid.config import load_config
+
+    if bool(args.model) == bool(args.config):
+        raise ValueError("give exactly one of --config NAME and --model DIR")
+    return load_config(args.model or args.config)
+
+
+def _row(plan: Any) -> dict[str, Any]:
+    """One sweep row: the request's swept values, the chosen mesh and its bytes by kind (GB)."""
+    req, m = plan.request, plan.chosen
+    row: dict[str, Any] = {
+        "chips": req.chips,
+        "hbm_GB": f"{req.hbm_bytes / 1e9:g}",
+        "context": f"{req.context:,}",
+        "experts": "packed" if req.packed else "dequant",
+        "interval": req.checkpoint_interval or "-",
+    }
+    if m is None:
+        return {**row, "mesh": "nothing fits"}
+    row.update(mesh=f"TP{m.tensor} x EP{m.expert} x DP{m.data}")
+    row.update({col: _gb(getattr(m.bytes, f)) for f, col in KINDS})
+    row.update(seqs_replica=m.slots, seqs_slice=m.sequences_per_slice)
+    return row
+
+
+def _print_plan(cfg: Any, plan: Any) -> None:
+    req, m = plan.request, plan.chosen
+    experts = "dense" if cfg.expert_quant != "mxfp4" else ("MXFP4 packed" if req.packed else "dequantized")
+    checkpoints = "no state checkpoints"
+    if req.checkpoint_interval:
+        held = (
+            "all on the device"
+            if req.device_cache_bytes is None
+            else f"device budget {req.device_cache_bytes:,} B"
+        )
+        checkpoints = f"state checkpoints every {req.checkpoint_interval:,} tokens ({held})"
+    print(
+        f"{cfg.name}: {req.chips} chips of {req.hbm_bytes / 1e9:g} GB, context {req.context:,} tokens, "
+        f"{req.dtype}, routed experts {experts}, {checkpoints}"
+    )
+    if m is not None:
+        print(
+            f"recommended: tensor={m.tensor} expert={m.expert} data={m.data}: {m.data} replica(s) of "
+            f"{m.tensor * m.expert} chips, {m.slots} sequences per replica, {m.sequences_per_slice} per slice"
+        )
+        print("  bytes per device (GB):")
+        for field, _ in KINDS:
+            print(f"    {field:<14} {_gb(getattr(m.bytes, field)):>10}")
+        print(f"    {'HBM':<14} {_gb(req.hbm_bytes):>10}")
+        flags = (
+            f"--mesh {m.mesh} --slots {m.slots} --max-model-len {req.context} --block-size {req.block_size} "
+            f"--prefill-chunk {req.prefill_chunk} --dtype {req.dtype}"
+        )
+        if req.checkpoint_interval:
+            budget = m.device_cache_bytes / 2**20
+            flags += f" --checkpoint-interval {req.checkpoint_interval} --device-cache-mb {budget:.0f}"
+        else:
+            flags += " --no-prefix-cache"
+        print(f"  engine (each replica): {flags}")
+    print(f"meshes that fit (tensor x expert per replica, data = replicas){'' if plan.fitting else ': none'}")
+    rows = [
+        {
+            "tensor": p.tensor,
+            "expert": p.expert,
+            "data": p.data,
+            "seqs_replica": p.slots,
+            "seqs_slice": p.sequences_per_slice,
+            "total_GB": _gb(p.bytes.total),
+            "": "<- recommended" if p is m else "",
+        }
+        for p in plan.fitting
+    ]
+    if rows:
+        print_table(rows, ["tensor", "expert", "data", "seqs_replica", "seqs_slice", "total_GB", ""])
+    print("rejected:" if plan.rejected else "rejected: none")
+    for r in plan.rejected:
+        print(f"  tensor={r.tensor} expert={r.expert} data={r.data}: {r.reason}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Which mesh, and how many sequences of --context tokens fit on --chips chips of --hbm GB each: the
+    replica mesh (tensor x expert; data = replicas) and the bytes per device by kind, counted from the
+    engine's own sharding rules and pool sizing (activations estimated). Exit status 1 when nothing fits."""
+    from serve.plan import PlanError, Planner, PlanRequest, sweep
+    from sharding.mesh import MeshSpecError, parse_mesh_spec
+
+    try:
+        cfg = _config(args)
+        axes = {
+            "chips": _list(args.chips, "--chips"),
+            "hbm_bytes": [int(v * 1e9) for v in _list(args.hbm, "--hbm", float)],
+            "context": _list(args.context, "--context"),
+            "packed": _experts(args.experts),
+            "checkpoint_interval": [0]
+            if args.no_prefix_cache
+            else _list(args.checkpoint_interval, "--checkpoint-interval", allow_zero=True),
+        }
+        cache = args.device_cache_mb
+        base = PlanRequest(
+            chips=axes["chips"][0],
+            hbm_bytes=axes["hbm_bytes"][0],
+            context=axes["context"][0],
+            chips_per_host=args.chips_per_host,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            prefill_chunk=args.prefill_chunk,
+            device_cache_bytes=None if cache == "all" else int(float(cache) * 2**20),
+            scan_layers=args.scan_layers,
+            mesh=None if args.mesh is None else parse_mesh_spec(args.mesh),
+        )
+        planner = Planner(cfg)
+        plans = sweep(planner, base, **axes)
+    except (PlanError, MeshSpecError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    single = len(plans) == 1
+    if args.json:
+        out = plans[0].as_dict() if single else {"config": cfg.name, "plans": [p.as_dict() for p in plans]}
+        print(json.dumps({"config": cfg.name, **out} if single else out))
+    elif single:
+        _print_plan(cfg, plans[0])
+    else:
+        print(f"{cfg.name}: the recommended mesh per case; bytes per device in GB, by kind")
+        columns = ["chips", "hbm_GB", "context", "experts", "interval", "mesh", *(c for _, c in KINDS)]
+        print_table([_row(p) for p in plans], [*columns, "seqs_replica", "seqs_slice"])
+    if single and plans[0].chosen is None:
+        req = plans[0].request
+        reasons = "; ".join(f"tensor={r.tensor} expert={r.expert}: {r.reason}" for r in plans[0].rejected)
+        print(
+            f"error: nothing fits {cfg.name} at {req.context:,} tokens on {req.chips} chips of "
+            f"{req.hbm_bytes / 1e9:g} GB ({reasons})",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="which mesh, and how many sequences fit, on N chips of a given HBM",
+        description=run.__doc__,
+    )
+    add_config_arg(p)
+    p.add_argument("--model", help="a checkpoint directory (its config.json) instead of --config")
+    p.add_argument("--chips", default="8", help="chips in the slice (default 8; a list sweeps)")
+    p.add_argument("--hbm", default="95", help="memory per chip in GB, 1e9 bytes (default 95; a list sweeps)")
+    p.add_argument("--chips-per-host", type=int, default=None, help="keep the tensor axis within one host")
+    p.add_argument("--context", default="131072", help="tokens per sequence, the engine's --max-model-len")
+    p.add_argument(
+        "--experts",
+        default="packed",
+        help="MXFP4 routed experts 'packed' (4.25 bits) or 'dequantized' (the dtype); a list sweeps",
+    )
+    p.add_argument("--mesh", default=None, help="only this replica mesh, e.g. 'expert=4,tensor=8'")
+    p.add_argument(
+        "--dtype", choices=DTYPES, default="bfloat16", help="weights and KV dtype (default bfloat16)"
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="longest prefill piece (default 512)")
+    p.add_argument(
+        "--scan-layers",
+        choices=("auto", "off", "prefill", "all"),
+        default="auto",
+        help="the engine's scan of repeated layers (its stacked copy counts; default auto)",
+    )
+    g = p.add_argument_group("prefix cache")
+    g.add_argument(
+        "--checkpoint-interval",
+        default="32768",
+        help="a KDA state checkpoint every N tokens of each sequence (default 32768; 0: none; a list sweeps)",
+    )
+    g.add_argument(
+        "--device-cache-mb",
+        default="1024",
+        help="the prefix store's device budget, MiB (default 1024, the engine's); 'all': room for every "
+        "sequence's interval checkpoints (the plan prints the budget to set)",
+    )
+    g.add_argument("--no-prefix-cache", action="store_true", help="no state checkpoints")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
