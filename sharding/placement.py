@@ -147,12 +147,17 @@ def load_pretrained_on_mesh(
     dtype: Any = None,
     *,
     rules: LogicalRules | None = None,
+    expert_parallel: bool | str | None = None,
     **kw: Any,
 ) -> HybridLM:
-    """`jaxhybrid.weights.load_pretrained` with every parameter read straight into its sharding on `mesh`
-    (no full copy on any device or host)."""
+    """`jaxhybrid.weights.load_pretrained` with every parameter read straight into its sharding on `mesh`:
+    each process reads only its own devices' shards (safetensors byte ranges, Orbax's sharded restore), no
+    whole tensor on any device or host unless one device holds it whole. `expert_parallel`: as in
+    `shard_model` (default: installed when the expert axis divides num_experts)."""
     from jaxhybrid.weights import load_pretrained
 
-    return load_pretrained(
+    model = load_pretrained(
         path, dtype, shardings=lambda abstract: state_shardings(abstract, mesh, rules), **kw
     )
+    _maybe_install(model, mesh, expert_parallel)
+    return model

@@ -5,8 +5,8 @@
     logits = model(input_ids)
 
 The model is built abstractly (`nnx.eval_shape`, nothing allocated), split into graph and state, and each
-state leaf is filled with a device array made from the tensor just read and placed on its sharding; the
-host never holds a second full copy of the weights.
+state leaf is filled with a device array read straight into its sharding: each process reads only the
+byte ranges (safetensors) or the array slices (Orbax) of its own devices' shards.
 
 The released Kimi K3 layout loads too: `language_model.`-prefixed tensors, the vision tower skipped (and
 reported), MXFP4 routed experts dequantized, config.json with the text model under `text_config`.
@@ -137,7 +137,8 @@ def load_pretrained(
     `lambda m: sharding.rules.state_shardings(m, mesh)`); each parameter is read straight into it (None:
     the default device). `progress`: show a progress bar (None: only on a terminal). `report`: a dict
     filled with `format`, `layout`, `expert_quant`, `skipped` (count), `skipped_summary` ({top-level name:
-    count}), `skipped_names` (the first 20) and `kept_fp32` (names kept fp32 by the rule above).
+    count}), `skipped_names` (the first 20), `kept_fp32` (names kept fp32 by the rule above) and, for
+    safetensors, `read_bytes` / `read_bytes_by_tensor` (what this process read: its own shards only).
     """
     from flax import nnx
 
@@ -205,15 +206,21 @@ def load_pretrained(
         )
 
     if fmt == "hf":
-        for name, arr in hf.read_params(
-            directory,
-            targets,
-            tied_embeddings=cfg.tie_word_embeddings,
-            progress=progress,
-            tensors=tensors,
-            expert_quant=expert_quant,
-        ):
-            variables[name].set_value(arr)
+        from jaxhybrid.weights.slices import SliceReader
+
+        with SliceReader() as reader:
+            for name, arr in hf.read_params(
+                directory,
+                targets,
+                tied_embeddings=cfg.tie_word_embeddings,
+                progress=progress,
+                tensors=tensors,
+                expert_quant=expert_quant,
+                reader=reader,
+            ):
+                variables[name].set_value(arr)
+        if report is not None:
+            report.update(read_bytes=reader.total, read_bytes_by_tensor=dict(reader.bytes_read))
     else:
         for name, arr in orbax_io.restore(directory, targets).items():
             variables[name].set_value(arr)
