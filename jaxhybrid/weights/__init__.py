@@ -35,6 +35,7 @@ __all__ = [
     "read_model_config",
     "save_hf",
     "save_orbax",
+    "stored_dtype",
 ]
 
 
@@ -103,6 +104,20 @@ def checkpoint_format(directory: str | Path) -> str:
     if any(directory.glob("*.safetensors")) or (directory / "model.safetensors.index.json").exists():
         return "hf"
     raise CheckpointError(f"{directory}: neither safetensors files nor an Orbax checkpoint under params/")
+
+
+def stored_dtype(directory: str | Path) -> np.dtype:
+    """The dtype a checkpoint directory stores its embedding table in: the model dtype `load_pretrained`
+    gives when none is asked for (headers / metadata only)."""
+    from jaxhybrid.weights import hf, orbax_io
+
+    directory = Path(directory)
+    if checkpoint_format(directory) == "hf":
+        return hf.checkpoint_dtype(hf.text_model_tensors(hf.scan_checkpoint(directory))[0])
+    arrays = orbax_io.stored_arrays(directory)
+    if "model.embed_tokens.weight" not in arrays:
+        raise CheckpointError(f"{directory}: array 'model.embed_tokens.weight' is missing")
+    return arrays["model.embed_tokens.weight"][1]
 
 
 def _shardings(abstract: Any, names: list[str], shardings: Any) -> dict[str, Any]:

@@ -93,9 +93,7 @@ class SliceReader:
             done += n
         self.bytes_read[name] = self.bytes_read.get(name, 0) + done
 
-    def read(
-        self, name: str, info: TensorInfo, shape: tuple[int, ...], bounds: Any, out: np.ndarray
-    ) -> None:
+    def read(self, name: str, info: TensorInfo, shape: tuple[int, ...], bounds: Any, out: np.ndarray) -> None:
         """Read the slice `bounds` ((start, stop) per dimension) of tensor `name`, seen with our `shape` (a
         flat A_log as [1, 1, H, 1]: the same bytes), into `out` (C-contiguous, the slice's shape; its dtype
         converted from the stored one)."""
