@@ -7,7 +7,8 @@ them into a page-aligned buffer of the target dtype (converting from the stored 
 and counts the bytes it read per checkpoint tensor. `read_sharded` builds the `jax.Array` with
 `jax.make_array_from_callback`, reading each distinct slice once per process even when several local
 devices hold it (replication). Routed experts stacked from per-expert tensors read only the experts of
-the slice; MXFP4 experts are read whole (packed + scale) and dequantized, then sliced.
+the slice; MXFP4 experts read the slice's packed codes and scales (columns widened to whole groups of 32) and
+dequantize them.
 """
 
 from __future__ import annotations
@@ -166,23 +167,22 @@ def _read_mxfp4_slice(
     out: np.ndarray,
     where: str,
 ) -> np.ndarray:
-    """MXFP4 experts of the slice: each read whole (packed + scale), dequantized exactly, then sliced (the
-    dequantize-at-load path, the oracle of packed serving)."""
-    from jaxhybrid.weights.mxfp4 import SCALE_NAN, dequantize_mxfp4
+    """MXFP4 experts of the slice, dequantized exactly (the dequantize-at-load path, the oracle of packed
+    serving): per expert, the slice's rows of `weight_packed` and `weight_scale`, their columns widened to
+    whole scale groups of 32 (two codes a byte, one scale a group), then cut to the slice's columns."""
+    from jaxhybrid.weights.mxfp4 import GROUP, SCALE_NAN, dequantize_mxfp4
 
-    (a, b), rest = bounds[0], bounds[1:]
-    whole = tuple((0, n) for n in spec.hf_shape)
-    whole_scale = tuple((0, n) for n in spec.scale_shape)
-    packed = np.empty(spec.hf_shape, np.uint8)
-    scale = np.empty(spec.scale_shape, np.uint8)
-    inner = tuple(slice(lo, hi) for lo, hi in rest)
+    (a, b), rows, (c, d) = bounds
+    c0, d0 = c - c % GROUP, -(-d // GROUP) * GROUP
+    packed = np.empty((rows[1] - rows[0], (d0 - c0) // 2), np.uint8)
+    scale = np.empty((rows[1] - rows[0], (d0 - c0) // GROUP), np.uint8)
     for e in range(a, b):
         p_name, s_name = spec.hf_names[e], spec.scale_names[e]
-        reader.read(p_name, tensors[p_name], spec.hf_shape, whole, packed)
-        reader.read(s_name, tensors[s_name], spec.scale_shape, whole_scale, scale)
+        reader.read(p_name, tensors[p_name], spec.hf_shape, (rows, (c0 // 2, d0 // 2)), packed)
+        reader.read(s_name, tensors[s_name], spec.scale_shape, (rows, (c0 // GROUP, d0 // GROUP)), scale)
         if np.any(scale == SCALE_NAN):
             raise CheckpointError(f"{where}: tensor '{s_name}' holds the E8M0 NaN scale 255")
-        out[e - a] = dequantize_mxfp4(packed, scale, out.dtype)[inner]
+        out[e - a] = dequantize_mxfp4(packed, scale, out.dtype)[:, c - c0 : d - c0]
     return out
 
 
