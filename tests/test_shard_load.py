@@ -105,7 +105,7 @@ def test_bf16_checkpoint_to_fp32_on_a_mesh_and_mxfp4_experts(ckpt, tmp_path):
         if directory == mx:  # w2's 32 columns split in halves of 16: both read the one scale group whole
             sizes = {n: 2 * v if ".w2." in n else v for n, v in sizes.items()}
         assert report["read_bytes_by_tensor"] == sizes
-    assert want["model.layers.1.block_sparse_moe.experts.w1"].dtype == jnp.float32  # dequantized (stored fp32)
+    assert want["model.layers.1.block_sparse_moe.experts.w1"].dtype == jnp.float32  # dequantized, fp32
 
 
 def test_mesh_flag_loads_a_model_directory_into_its_shardings(ckpt):
