@@ -289,7 +289,8 @@ def test_info_counts_mxfp4_checkpoint_bytes(tmp_path, capsys):
 
     raw = yaml.safe_load((configs_dir() / "tiny.yaml").read_text())
     (tmp_path / "tiny-mx.yaml").write_text(yaml.safe_dump({**raw, "expert_quant": "mxfp4"}))
-    assert cli_main(["info", "--config", str(tmp_path / "tiny-mx.yaml"), "--dtype", "bfloat16", "--json"]) == 0
+    mx = str(tmp_path / "tiny-mx.yaml")
+    assert cli_main(["info", "--config", mx, "--dtype", "bfloat16", "--json"]) == 0
     ckpt = json.loads(capsys.readouterr().out)["checkpoint"]
     other = (155894 - 1638) * 2 + 1638 * 4
     assert ckpt == {
