@@ -133,9 +133,17 @@ def test_two_processes_read_only_their_own_shards(ckpt, model, tmp_path):
     procs = [
         subprocess.Popen(
             [
-                sys.executable, str(worker), f"--coordinator=127.0.0.1:{port}", "--num-processes=2",
-                f"--process-id={i}", "--local-devices=4", "--mesh=expert=8", f"--hf={ckpt}",
-                f"--report={tmp_path / f'report{i}.json'}", f"--batch={tokens[0]}", f"--length={tokens[1]}",
+                sys.executable,
+                str(worker),
+                f"--coordinator=127.0.0.1:{port}",
+                "--num-processes=2",
+                f"--process-id={i}",
+                "--local-devices=4",
+                "--mesh=expert=8",
+                f"--hf={ckpt}",
+                f"--report={tmp_path / f'report{i}.json'}",
+                f"--batch={tokens[0]}",
+                f"--length={tokens[1]}",
                 f"--out={tmp_path / f'logits{i}.npy'}",
             ],  # fmt: skip
             env=env,
