@@ -3,8 +3,6 @@ unsharded one bit for bit, each process reads only the byte ranges of its own de
 once), and two processes x 4 devices load a model directory and compute what one process computes."""
 
 import json
-import os
-import subprocess
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -17,8 +15,8 @@ from conftest import rel_err
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from servers import free_port
 from test_k3_weights import with_mxfp4_experts
+from test_multihost_engine import ENGINE, run_two
 from test_weights import random_model
 
 from jaxhybrid.config import load_config
@@ -126,41 +124,19 @@ def test_two_processes_read_only_their_own_shards(ckpt, model, tmp_path):
     each reads the 4 experts its devices hold (half of the expert bytes, by hand: 4 experts x 3 weights x
     32 x 64 x 4 bytes) and every other tensor once (replicated over its 4 devices), and both compute the
     single-process logits."""
-    port = free_port()
     worker = Path(__file__).with_name("multihost_worker.py")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     tokens = (4, 16)
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(worker),
-                f"--coordinator=127.0.0.1:{port}",
-                "--num-processes=2",
-                f"--process-id={i}",
-                "--local-devices=4",
-                "--mesh=expert=8",
-                f"--hf={ckpt}",
-                f"--report={tmp_path / f'report{i}.json'}",
-                f"--batch={tokens[0]}",
-                f"--length={tokens[1]}",
-                f"--out={tmp_path / f'logits{i}.npy'}",
-            ],  # fmt: skip
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, out[-3000:]
+
+    def cmd(i: int, port: int) -> list[str]:
+        return [
+            sys.executable, str(worker), f"--coordinator=127.0.0.1:{port}", "--num-processes=2",
+            f"--process-id={i}", "--local-devices=4", "--mesh=expert=8", f"--hf={ckpt}",
+            f"--report={tmp_path / f'report{i}.json'}", f"--batch={tokens[0]}", f"--length={tokens[1]}",
+            f"--out={tmp_path / f'logits{i}.npy'}",
+        ]  # fmt: skip
+
+    for rc, out, err in run_two(cmd, tmp_path, tmp_path / "jax-cache"):
+        assert rc == 0, (out + err)[-3000:]
     sizes = file_bytes(ckpt)
     experts = {n for n in sizes if ".experts." in n}
     assert sum(sizes[n] for n in experts) == 8 * 3 * EXPERT_TENSOR_BYTES
@@ -176,3 +152,31 @@ def test_two_processes_read_only_their_own_shards(ckpt, model, tmp_path):
     graphdef, state = nnx.split(model)
     reference = np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, want))
     assert rel_err(got[0], reference) < 1e-5
+
+
+@pytest.mark.slow
+def test_generate_cli_with_a_model_directory_on_two_processes(ckpt, tmp_path):
+    """`jaxhybrid generate --model DIR --mesh expert=8` on two processes x 4 devices (each reading its own
+    shards) gives the greedy tokens of one process's engine on the model loaded whole."""
+    from serve.engine.engine import Engine, EngineConfig
+    from serve.engine.sampling import SamplingParams
+
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, CFG.vocab_size, n).tolist() for n in (7, 20)]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt_ids": p}) for p in prompts))
+    flags = [f"--{k.replace('_', '-').replace('max-slots', 'slots')}={v}" for k, v in ENGINE.items()]
+
+    def cmd(i: int, port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "serve.cli", "generate", f"--model={ckpt}", "--max-tokens=5",
+            *([f"--prompts-file={tmp_path / 'prompts.jsonl'}"] if i == 0 else []), "--ignore-eos", "--json",
+            "--mesh=expert=8", *flags, f"--coordinator=127.0.0.1:{port}", "--num-processes=2",
+            f"--process-id={i}",
+        ]  # fmt: skip
+
+    (rc0, out0, err0), (rc1, _, err1) = run_two(cmd, tmp_path, tmp_path / "jax-cache")
+    assert rc0 == 0 and rc1 == 0, (err0 + err1)[-3000:]
+    engine = Engine(load_pretrained(ckpt, progress=False), EngineConfig(**ENGINE))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    want = [r.token_ids for r in engine.generate(prompts, [params] * len(prompts))]
+    assert [json.loads(x)["token_ids"] for x in out0.splitlines()] == want
