@@ -151,8 +151,9 @@ def load_pretrained_on_mesh(
     **kw: Any,
 ) -> HybridLM:
     """`jaxhybrid.weights.load_pretrained` with every parameter read straight into its sharding on `mesh`:
-    each process reads only its own devices' shards (safetensors byte ranges, Orbax's sharded restore), no
-    whole tensor on any device or host unless one device holds it whole. `expert_parallel`: as in
+    from safetensors each process reads only its own devices' shards (byte ranges), no whole tensor on any
+    device or host unless one device holds it whole; an Orbax directory restores onto the shardings but
+    each process reads every array whole (one stored chunk per array). `expert_parallel`: as in
     `shard_model` (default: installed when the expert axis divides num_experts)."""
     from jaxhybrid.weights import load_pretrained
 

@@ -5,8 +5,9 @@
     logits = model(input_ids)
 
 The model is built abstractly (`nnx.eval_shape`, nothing allocated), split into graph and state, and each
-state leaf is filled with a device array read straight into its sharding: each process reads only the
-byte ranges (safetensors) or the array slices (Orbax) of its own devices' shards.
+state leaf is filled with a device array read straight into its sharding: from safetensors each process
+reads only the byte ranges of its own devices' shards; Orbax restores onto the shardings too, but reads
+each array whole (our directories store one chunk per array).
 
 The released Kimi K3 layout loads too: `language_model.`-prefixed tensors, the vision tower skipped (and
 reported), MXFP4 routed experts dequantized, config.json with the text model under `text_config`.
