@@ -180,3 +180,18 @@ def test_generate_cli_with_a_model_directory_on_two_processes(ckpt, tmp_path):
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     want = [r.token_ids for r in engine.generate(prompts, [params] * len(prompts))]
     assert [json.loads(x)["token_ids"] for x in out0.splitlines()] == want
+
+
+def test_bench_load_on_two_processes_counts_each_process_reads(ckpt):
+    """`bench load --mesh expert=8 --processes 2 --local-devices 4`: each process's figures, its reads
+    those of its own shards (every non-expert tensor once, half of the expert bytes)."""
+    from serve.bench.load import measure
+
+    row = measure(ckpt, "auto", 1, mesh="expert=8", processes=2, local_devices=4)
+    sizes = file_bytes(ckpt)
+    experts = sum(v for n, v in sizes.items() if ".experts." in n)
+    assert row["processes"] == 2 and [r["process"] for r in row["per_process"]] == [0, 1]
+    for r in row["per_process"]:
+        assert r["loader_read_bytes"] == sum(sizes.values()) - experts // 2
+        assert r["io_read_bytes"] >= r["loader_read_bytes"]
+        assert r["peak_rss_bytes"] >= r["baseline_rss_bytes"]
