@@ -54,6 +54,7 @@ def test_a_bf16_checkpoint_serves_in_bf16_unless_dtype_says_otherwise(bf16_dir, 
     assert model.model.embed_tokens.weight[...].dtype == jnp.float32 and args.dtype == "float32"
 
 
+@pytest.mark.slow
 def test_generate_runs_a_bf16_checkpoint_end_to_end(bf16_dir, capsys):
     argv = ["generate", "--model", str(bf16_dir), "--prompt-ids", "5,6,7", "--max-tokens", "3"]
     assert main([*argv, "--ignore-eos", "--json", "--max-model-len", "32", "--slots", "1"]) == 0
