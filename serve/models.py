@@ -1,35 +1,100 @@
-"""Model loading shared by the commands and the benchmarks: `--model` / `--config` / the shipped model,
-placed on the `--mesh` when one is given."""
+"""Model loading shared by the commands and the benchmarks: `--model` / `--config` / the shipped model, in
+the dtype `serving_dtype` resolves, read straight into the `--mesh`'s shardings when one is given."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("jaxhybrid.models")
+
+RANDOM_WEIGHTS_DTYPE = "float32"  # the model's own default, for --config random weights
+DTYPE_HELP = (
+    "weights and KV-cache dtype (default: the checkpoint's own dtype for --model, float32 for --config "
+    "random weights)"
+)
 
 
 class UsageError(ValueError):
     """Bad command-line input; printed as `error: ...` with exit status 2."""
 
 
-def load_model(args: argparse.Namespace) -> Any:
-    """The model named by --model / --config (random weights from --seed for a config). With neither, the
-    shipped model (`jaxhybrid.assets`): `args.model` is set to its directory, so its tokenizer is used."""
-    import jax.numpy as jnp
-    from flax import nnx
+@dataclasses.dataclass(frozen=True)
+class DtypeChoice:
+    """The weights (and KV-cache) dtype a command uses, and why."""
 
+    dtype: str  # numpy name: float32, bfloat16, ...
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.dtype} ({self.reason})"
+
+
+def checkpoint_dir(source: str | None) -> Path | None:
+    """The checkpoint directory `source` names (a directory with weights, or its config.json), else None."""
+    if not source:
+        return None
+    path = Path(source)
+    path = path.parent if path.name == "config.json" else path
+    if not path.is_dir():
+        return None
+    from jaxhybrid.weights import CheckpointError, checkpoint_format
+
+    try:
+        checkpoint_format(path)
+    except CheckpointError:
+        return None
+    return path
+
+
+def serving_dtype(requested: str | None, model_dir: str | Path | None) -> DtypeChoice:
+    """What `serve` / `generate` allocate: `--dtype` when given; else a checkpoint's own dtype (its embedding
+    table's, as `load_pretrained(dtype=None)` loads it); else float32 for random weights (`--config`)."""
+    if requested:
+        return DtypeChoice(requested, "--dtype")
+    if model_dir is not None:
+        from jaxhybrid.weights import stored_dtype
+
+        return DtypeChoice(stored_dtype(model_dir).name, "the checkpoint's dtype")
+    return DtypeChoice(RANDOM_WEIGHTS_DTYPE, "random weights: the model's default")
+
+
+def _resolve(args: argparse.Namespace) -> Any:
+    """Set `args.model` to the shipped model when neither --model nor --config is given, and `args.dtype` to
+    the `serving_dtype` (the engine's KV dtype follows it); returns the ModelConfig for --config."""
     from jaxhybrid.assets import shipped_model_dir
     from jaxhybrid.config import load_config
-    from jaxhybrid.model import HybridLM
 
     if not args.model and not args.config and shipped_model_dir() is not None:
         args.model = str(shipped_model_dir())
+    if args.model and args.config:
+        raise UsageError("give either --model DIR or --config NAME, not both")
+    choice = serving_dtype(args.dtype, args.model)
+    args.dtype = choice.dtype
+    log.debug("weights and KV cache in %s", choice.describe())
+    return None if args.model else load_config(args.config or "tiny")
+
+
+def load_model(args: argparse.Namespace) -> Any:
+    """The model named by --model / --config (random weights from --seed for a config), in the
+    `serving_dtype`. With neither, the shipped model (`jaxhybrid.assets`): `args.model` is set to its
+    directory, so its tokenizer is used."""
+    return _build(args, _resolve(args))
+
+
+def _build(args: argparse.Namespace, cfg: Any) -> Any:
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxhybrid.model import HybridLM
+
     if args.model:
-        if args.config:
-            raise UsageError("give either --model DIR or --config NAME, not both")
         from jaxhybrid.weights import load_pretrained
 
         return load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=False)
-    cfg = load_config(args.config or "tiny")
     return HybridLM(cfg, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype))
 
 
@@ -44,17 +109,31 @@ def make_mesh(spec: str | None) -> Any:
 
 
 def load_on_mesh(args: argparse.Namespace, multi: bool) -> tuple[Any, Any]:
-    """(the model of `load_model`, the `--mesh` mesh or None), its parameters sharded over the mesh;
-    several processes (`multi`) need a mesh over the devices of all of them."""
+    """(the model of `load_model`, the `--mesh` mesh or None), its parameters sharded over the mesh, expert
+    parallelism installed where the expert axis divides the experts. `--model` is read straight into the
+    shardings (each process reads only its own devices' shards); `--config` random weights are created on
+    one device and then sharded. Several processes (`multi`) need a mesh over the devices of all of them."""
     mesh = make_mesh(args.mesh)
     if multi and mesh is None:
         raise UsageError(
             "several processes need --mesh over the devices of all of them "
             "(e.g. --mesh data=2,expert=2,tensor=2)"
         )
-    model = load_model(args)
-    if mesh is not None:
-        from sharding.placement import shard_model
+    cfg = _resolve(args)
+    if mesh is None:
+        return _build(args, cfg), None
+    if args.model:
+        import jax.numpy as jnp
 
-        shard_model(model, mesh)  # expert parallelism installed where the expert axis divides the experts
-    return model, mesh
+        from sharding.placement import load_pretrained_on_mesh
+
+        report: dict[str, Any] = {}
+        model = load_pretrained_on_mesh(
+            args.model, mesh, jnp.dtype(args.dtype), progress=False, report=report
+        )
+        if "read_bytes" in report:
+            log.info("read %d checkpoint bytes: this process's shards", report["read_bytes"])
+        return model, mesh
+    from sharding.placement import shard_model
+
+    return shard_model(_build(args, cfg), mesh), mesh

@@ -147,12 +147,18 @@ def load_pretrained_on_mesh(
     dtype: Any = None,
     *,
     rules: LogicalRules | None = None,
+    expert_parallel: bool | str | None = None,
     **kw: Any,
 ) -> HybridLM:
-    """`jaxhybrid.weights.load_pretrained` with every parameter read straight into its sharding on `mesh`
-    (no full copy on any device or host)."""
+    """`jaxhybrid.weights.load_pretrained` with every parameter read straight into its sharding on `mesh`:
+    from safetensors each process reads only its own devices' shards (byte ranges), no whole tensor on any
+    device or host unless one device holds it whole; an Orbax directory restores onto the shardings but
+    each process reads every array whole (one stored chunk per array). `expert_parallel`: as in
+    `shard_model` (default: installed when the expert axis divides num_experts)."""
     from jaxhybrid.weights import load_pretrained
 
-    return load_pretrained(
+    model = load_pretrained(
         path, dtype, shardings=lambda abstract: state_shardings(abstract, mesh, rules), **kw
     )
+    _maybe_install(model, mesh, expert_parallel)
+    return model

@@ -1,13 +1,15 @@
 """One process of the multi-process test (tests/test_sharding_multihost.py); not collected by pytest.
 
 Joins a process group on localhost, builds a mesh over the devices of all processes, creates the model
-directly in its shardings (or restores it from an Orbax checkpoint onto that mesh), runs a forward pass
+directly in its shardings (or restores it from an Orbax checkpoint onto that mesh, or loads a model
+directory straight into its shardings), runs a forward pass
 (expert parallel across the processes) and writes the (replicated) logits to `--out` as .npy.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -23,6 +25,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=16)
     parser.add_argument("--out", required=True)
     parser.add_argument("--checkpoint", default=None, help="restore parameters from this Orbax checkpoint")
+    parser.add_argument("--hf", default=None, help="load this model directory with load_pretrained_on_mesh")
+    parser.add_argument("--report", default=None, help="with --hf: write the loader's report here (JSON)")
     from sharding import multihost
 
     multihost.add_arguments(parser)
@@ -45,7 +49,14 @@ def main() -> None:
     assert jax.process_count() == args.num_processes
     assert len({d.process_index for d in mesh.devices.reshape(-1)}) == args.num_processes
     cfg = load_config(args.config)
-    if args.checkpoint:
+    if args.hf:
+        from sharding.placement import load_pretrained_on_mesh
+
+        report: dict = {}
+        model = load_pretrained_on_mesh(args.hf, mesh, progress=False, report=report)
+        cfg = model.config
+        Path(args.report).write_text(json.dumps(report))
+    elif args.checkpoint:
         model = load_sharded_model(args.checkpoint, cfg, mesh)
     else:
         model = create_sharded_model(cfg, mesh, seed=0)

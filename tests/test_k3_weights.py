@@ -289,7 +289,8 @@ def test_info_counts_mxfp4_checkpoint_bytes(tmp_path, capsys):
 
     raw = yaml.safe_load((configs_dir() / "tiny.yaml").read_text())
     (tmp_path / "tiny-mx.yaml").write_text(yaml.safe_dump({**raw, "expert_quant": "mxfp4"}))
-    assert cli_main(["info", "--config", str(tmp_path / "tiny-mx.yaml"), "--json"]) == 0
+    mx = str(tmp_path / "tiny-mx.yaml")
+    assert cli_main(["info", "--config", mx, "--dtype", "bfloat16", "--json"]) == 0
     ckpt = json.loads(capsys.readouterr().out)["checkpoint"]
     other = (155894 - 1638) * 2 + 1638 * 4
     assert ckpt == {
@@ -299,11 +300,11 @@ def test_info_counts_mxfp4_checkpoint_bytes(tmp_path, capsys):
         "buffer_bytes": 3 * 8 * 4,
         "total_bytes": 78336 + other + 96,
     }
-    assert cli_main(["info", "--config", str(tmp_path / "tiny-mx.yaml")]) == 0
+    assert cli_main(["info", "--config", str(tmp_path / "tiny-mx.yaml"), "--dtype", "bfloat16"]) == 0
     table = capsys.readouterr().out
     assert "routed experts, MXFP4 (4.25 bit)" in table and f"{78336 + other + 96:,}" in table
     # without quantization the experts count at bf16
-    assert cli_main(["info", "--config", "tiny", "--json"]) == 0
+    assert cli_main(["info", "--config", "tiny", "--dtype", "bfloat16", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)["checkpoint"]
     assert plain["expert_quant"] is None and plain["routed_expert_bytes"] == 147456 * 2
 

@@ -5,8 +5,9 @@
     logits = model(input_ids)
 
 The model is built abstractly (`nnx.eval_shape`, nothing allocated), split into graph and state, and each
-state leaf is filled with a device array made from the tensor just read and placed on its sharding; the
-host never holds a second full copy of the weights.
+state leaf is filled with a device array read straight into its sharding: from safetensors each process
+reads only the byte ranges of its own devices' shards; Orbax restores onto the shardings too, but reads
+each array whole (our directories store one chunk per array).
 
 The released Kimi K3 layout loads too: `language_model.`-prefixed tensors, the vision tower skipped (and
 reported), MXFP4 routed experts dequantized, config.json with the text model under `text_config`.
@@ -35,6 +36,7 @@ __all__ = [
     "read_model_config",
     "save_hf",
     "save_orbax",
+    "stored_dtype",
 ]
 
 
@@ -105,6 +107,20 @@ def checkpoint_format(directory: str | Path) -> str:
     raise CheckpointError(f"{directory}: neither safetensors files nor an Orbax checkpoint under params/")
 
 
+def stored_dtype(directory: str | Path) -> np.dtype:
+    """The dtype a checkpoint directory stores its embedding table in: the model dtype `load_pretrained`
+    gives when none is asked for (headers / metadata only)."""
+    from jaxhybrid.weights import hf, orbax_io
+
+    directory = Path(directory)
+    if checkpoint_format(directory) == "hf":
+        return hf.checkpoint_dtype(hf.text_model_tensors(hf.scan_checkpoint(directory))[0])
+    arrays = orbax_io.stored_arrays(directory)
+    if "model.embed_tokens.weight" not in arrays:
+        raise CheckpointError(f"{directory}: array 'model.embed_tokens.weight' is missing")
+    return arrays["model.embed_tokens.weight"][1]
+
+
 def _shardings(abstract: Any, names: list[str], shardings: Any) -> dict[str, Any]:
     if shardings is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -137,7 +153,8 @@ def load_pretrained(
     `lambda m: sharding.rules.state_shardings(m, mesh)`); each parameter is read straight into it (None:
     the default device). `progress`: show a progress bar (None: only on a terminal). `report`: a dict
     filled with `format`, `layout`, `expert_quant`, `skipped` (count), `skipped_summary` ({top-level name:
-    count}), `skipped_names` (the first 20) and `kept_fp32` (names kept fp32 by the rule above).
+    count}), `skipped_names` (the first 20), `kept_fp32` (names kept fp32 by the rule above) and, for
+    safetensors, `read_bytes` / `read_bytes_by_tensor` (what this process read: its own shards only).
     """
     from flax import nnx
 
@@ -205,15 +222,21 @@ def load_pretrained(
         )
 
     if fmt == "hf":
-        for name, arr in hf.read_params(
-            directory,
-            targets,
-            tied_embeddings=cfg.tie_word_embeddings,
-            progress=progress,
-            tensors=tensors,
-            expert_quant=expert_quant,
-        ):
-            variables[name].set_value(arr)
+        from jaxhybrid.weights.slices import SliceReader
+
+        with SliceReader() as reader:
+            for name, arr in hf.read_params(
+                directory,
+                targets,
+                tied_embeddings=cfg.tie_word_embeddings,
+                progress=progress,
+                tensors=tensors,
+                expert_quant=expert_quant,
+                reader=reader,
+            ):
+                variables[name].set_value(arr)
+        if report is not None:
+            report.update(read_bytes=reader.total, read_bytes_by_tensor=dict(reader.bytes_read))
     else:
         for name, arr in orbax_io.restore(directory, targets).items():
             variables[name].set_value(arr)

@@ -18,11 +18,10 @@ The released Kimi K3 layout (shared/K3.md) differs in three ways, all handled he
   arrays (`jaxhybrid.weights.mxfp4`);
 - `config.json` keeps the text model under `text_config`.
 
-Reading holds at most one parameter (one tensor, or one layer's stacked experts) on the host beyond what
-is already placed: each tensor is read with `safetensors.safe_open` (large ones in row slices) straight
-into a page-aligned buffer of the parameter's dtype, which `jax.device_put` then places on the target
-sharding (on the CPU it adopts the buffer without a copy). The file handle is reopened every
-`REOPEN_BYTES` so the memory-mapped pages it touched do not accumulate in the resident set.
+Reading (`read_params`, through `jaxhybrid.weights.slices`) puts every parameter straight into its sharding:
+a process reads only the byte ranges of the slices its own devices hold, into a page-aligned buffer of the
+parameter's dtype that `jax.make_array_from_callback` places (on the CPU it adopts the buffer without a
+copy); no whole tensor lands on one device or in host memory unless one device holds it whole.
 """
 
 from __future__ import annotations
@@ -42,8 +41,7 @@ from jaxhybrid.model import path_name  # noqa: F401 - re-exported: the checkpoin
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-REOPEN_BYTES = 64 << 20  # reopen a shard after this many bytes so its mapped pages leave the RSS
-CHUNK_BYTES = 16 << 20  # larger tensors are read in row slices of about this size
+CHUNK_BYTES = 16 << 20  # a dtype conversion reads pieces of at most this size
 
 # Tensors some exports carry that the model does not use; anything else unexpected is an error.
 KNOWN_UNUSED: tuple[re.Pattern[str], ...] = (
@@ -298,70 +296,6 @@ def host_buffer(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return np.frombuffer(mapping, dtype, count=count).reshape(shape)
 
 
-class ShardReader:
-    """Reads tensors through `safe_open` into caller-given buffers, in row chunks of at most `chunk_bytes`.
-
-    One file is open at a time and it is reopened after every `reopen_bytes` read, so the memory-mapped
-    pages it touched leave the resident set; with chunked reads, loading a tensor never holds more than
-    about `reopen_bytes + chunk_bytes` beyond the destination buffer.
-    """
-
-    def __init__(self, reopen_bytes: int = REOPEN_BYTES, chunk_bytes: int = CHUNK_BYTES):
-        self.reopen_bytes = reopen_bytes
-        self.chunk_bytes = chunk_bytes
-        self._handle: Any = None
-        self._file: Path | None = None
-        self._read = 0
-
-    def _open(self, file: Path) -> Any:
-        from safetensors import SafetensorError, safe_open
-
-        if self._file != file or self._read >= self.reopen_bytes:
-            self.close()
-            try:
-                handle = safe_open(str(file), framework="np")
-                handle.__enter__()
-            except SafetensorError as exc:
-                raise CheckpointError(f"{file}: cannot open safetensors file: {exc}") from None
-            self._handle, self._file, self._read = handle, file, 0
-        return self._handle
-
-    def read_into(self, name: str, info: TensorInfo, out: np.ndarray) -> None:
-        """Read tensor `name` into `out` (same shape; the dtype is converted on the way)."""
-        from safetensors import SafetensorError
-
-        name = info.key or name
-        rows = info.shape[0] if info.shape else 1
-        row_bytes = info.nbytes // max(rows, 1)
-        step = (
-            rows
-            if not info.shape or info.nbytes <= self.chunk_bytes
-            else max(1, self.chunk_bytes // row_bytes)
-        )
-        try:
-            for a in range(0, rows, step):
-                b = min(a + step, rows)
-                handle = self._open(info.file)
-                if step >= rows:
-                    out[...] = handle.get_tensor(name).reshape(out.shape)  # a flat A_log: same bytes
-                else:
-                    out[a:b] = handle.get_slice(name)[a:b]
-                self._read += (b - a) * row_bytes
-        except SafetensorError as exc:
-            raise CheckpointError(f"tensor '{name}' in {info.file}: cannot be read: {exc}") from None
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.__exit__(None, None, None)
-        self._handle, self._file, self._read = None, None, 0
-
-    def __enter__(self) -> ShardReader:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
 def check_against(
     specs: list[TensorSpec], tensors: Mapping[str, TensorInfo], *, tied_embeddings: bool, where: str
 ) -> None:
@@ -413,15 +347,20 @@ def read_params(
     progress: bool | None = None,
     tensors: Mapping[str, TensorInfo] | None = None,
     expert_quant: str | None = None,
+    reader: Any = None,
 ) -> Iterator[tuple[str, jax.Array]]:
     """Yield (our name, device array) for every target (name -> (abstract leaf, sharding)).
 
-    All names, shapes and dtypes are checked before any data is read. Each array is read, cast to the
-    target dtype and placed on its sharding before the next is read. `tensors`: the checkpoint's tensors
-    under our names (default: scanned, released-layout prefix removed and the rest skipped);
-    `expert_quant="mxfp4"`: routed experts are read as MXFP4 and dequantized exactly.
+    All names, shapes and dtypes are checked before any data is read. Each array is read straight into its
+    sharding (`jaxhybrid.weights.slices.read_sharded`: this process reads only its own devices' slices,
+    cast to the target dtype) before the next is read. `tensors`: the checkpoint's tensors under our names
+    (default: scanned, released-layout prefix removed and the rest skipped); `expert_quant="mxfp4"`: routed
+    experts are read as MXFP4 and dequantized exactly. `reader`: a `slices.SliceReader` to read with (its
+    `bytes_read` counts what this process read per tensor; default: a fresh one).
     """
     from tqdm.auto import tqdm
+
+    from jaxhybrid.weights.slices import SliceReader, read_sharded
 
     directory = Path(directory)
     tensors = text_model_tensors(scan_checkpoint(directory))[0] if tensors is None else tensors
@@ -429,51 +368,28 @@ def read_params(
     check_against(specs, tensors, tied_embeddings=tied_embeddings, where=str(directory))
     # Read in file order so each shard is streamed front to back.
     specs.sort(key=lambda s: (str(tensors[s.hf_names[0]].file), tensors[s.hf_names[0]].offset))
-    total = sum(tensors[hf].nbytes for s in specs for hf in (*s.hf_names, *s.scale_names))
     n_tensors = sum(len(s.hf_names) for s in specs)
     bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
+        total=n_tensors,
+        unit="tensor",
         desc=f"loading {directory.name}",
         disable=None if progress is None else not progress,
         leave=False,
     )
-    done = 0
-    with bar, ShardReader() as reader:
-        for spec in specs:
-            sds, sharding = targets[spec.name]
-            host = host_buffer(sds.shape, sds.dtype)
-            if spec.quant:
-                read_mxfp4_experts(reader, spec, tensors, host, where=str(directory))
-                bar.update(sum(tensors[hf].nbytes for hf in (*spec.hf_names, *spec.scale_names)))
-            for e, hf in enumerate(spec.hf_names if not spec.quant else ()):
-                reader.read_into(hf, tensors[hf], host[e] if spec.stacked else host)
-                bar.update(tensors[hf].nbytes)
-            arr = jax.device_put(host, sharding)
-            arr.block_until_ready()
-            del host
-            done += len(spec.hf_names)
-            bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False)
-            yield spec.name, arr
-
-
-def read_mxfp4_experts(
-    reader: ShardReader, spec: TensorSpec, tensors: Mapping[str, TensorInfo], host: np.ndarray, where: str
-) -> None:
-    """Read each expert's weight_packed / weight_scale and dequantize it into host[e] (exact: E2M1 times a
-    power of two). A NaN scale (E8M0 255) is refused rather than loaded as NaN weights."""
-    from jaxhybrid.weights.mxfp4 import SCALE_NAN, dequantize_mxfp4
-
-    packed = np.empty(spec.hf_shape, np.uint8)
-    scale = np.empty(spec.scale_shape, np.uint8)
-    for e, (p_name, s_name) in enumerate(zip(spec.hf_names, spec.scale_names, strict=True)):
-        reader.read_into(p_name, tensors[p_name], packed)
-        reader.read_into(s_name, tensors[s_name], scale)
-        if np.any(scale == SCALE_NAN):
-            raise CheckpointError(f"{where}: tensor '{s_name}' holds the E8M0 NaN scale 255")
-        host[e] = dequantize_mxfp4(packed, scale, host.dtype)
+    own = reader is None
+    reader = SliceReader() if own else reader
+    try:
+        with bar:
+            for spec in specs:
+                sds, sharding = targets[spec.name]
+                arr = read_sharded(reader, spec, tensors, sds, sharding, where=str(directory))
+                arr.block_until_ready()
+                bar.update(len(spec.hf_names))
+                bar.set_postfix_str(f"{reader.total / 2**20:,.0f} MiB read", refresh=False)
+                yield spec.name, arr
+    finally:
+        if own:
+            reader.close()
 
 
 def checkpoint_dtype(tensors: Mapping[str, TensorInfo]) -> np.dtype:

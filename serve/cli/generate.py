@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from serve.cli.common import add_config_arg, add_engine_args, add_prefix_args, prefix_config
-from serve.models import UsageError, load_on_mesh
+from serve.models import DTYPE_HELP, UsageError, load_on_mesh
 from serve.report import DTYPES
 
 REQUEST_FIELDS = ("prompt_ids", "cache_salt")
@@ -218,9 +218,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_arg(p)
     p.add_argument("--model", help="a checkpoint directory: Hugging Face safetensors or converted Orbax")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and of per-request seeds")
-    p.add_argument(
-        "--dtype", choices=DTYPES, default="float32", help="weights and KV-cache dtype (default float32)"
-    )
+    p.add_argument("--dtype", choices=DTYPES, default=None, help=DTYPE_HELP)
     src = p.add_argument_group("prompts (exactly one)")
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--prompt", help="text, encoded with the model's tokenizer")

@@ -46,17 +46,22 @@ def run(args: argparse.Namespace) -> int:
     from jaxhybrid.cache import cache_bytes_per_sequence
     from jaxhybrid.config import ConfigError, load_config
     from jaxhybrid.counting import count_params
+    from jaxhybrid.weights import CheckpointError
+    from serve.models import checkpoint_dir, serving_dtype
 
     try:
         cfg = load_config(args.config)
-    except ConfigError as exc:
+        choice = serving_dtype(args.dtype, checkpoint_dir(args.config))
+    except (ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    dtype = jnp.dtype(args.dtype)
+    dtype = jnp.dtype(choice.dtype)
     counts = count_params(cfg, dtype)
     cache = cache_bytes_per_sequence(cfg, args.context, dtype)
     ckpt = checkpoint_bytes(cfg, counts, dtype.itemsize)
     out = {
+        "dtype": choice.dtype,
+        "dtype_reason": choice.reason,
         **counts,
         "checkpoint": ckpt,
         "layers": cfg.num_hidden_layers,
@@ -71,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         f"config {cfg.name}: {cfg.num_hidden_layers} layers ({cfg.num_kda_layers} KDA, "
         f"{cfg.num_mla_layers} MLA), hidden {cfg.hidden_size}, vocab {cfg.vocab_size}"
     )
+    print(f"  counted in {choice.describe()}, as `serve` would allocate it")
     if counts["approximate"]:
         print(f"  note: approximate, not implemented yet: {', '.join(counts['unimplemented'])}")
     rows = [
@@ -86,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             f"{counts['routed_expert_params']:,}",
             fmt_count(counts["routed_expert_params"]),
         ),
-        (f"parameter bytes ({args.dtype})", f"{counts['param_bytes']:,}", fmt_bytes(counts["param_bytes"])),
+        (f"parameter bytes ({choice.dtype})", f"{counts['param_bytes']:,}", fmt_bytes(counts["param_bytes"])),
     ]
     if ckpt["expert_quant"] == "mxfp4":
         rows += [
@@ -96,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 fmt_bytes(ckpt["routed_expert_bytes"]),
             ),
             (
-                f"other parameters ({args.dtype} / fp32)",
+                f"other parameters ({choice.dtype} / fp32)",
                 f"{ckpt['other_param_bytes']:,}",
                 fmt_bytes(ckpt["other_param_bytes"]),
             ),
@@ -121,8 +127,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype",
         choices=DTYPES,
-        default="bfloat16",
-        help="parameter and KV-cache dtype for byte counts (default bfloat16); "
+        default=None,
+        help="parameter and KV-cache dtype for byte counts (default: what `serve` would allocate: the "
+        "checkpoint's dtype when --config is a checkpoint directory, else float32 as for random weights); "
         "the KDA recurrent state is always fp32",
     )
     p.add_argument("--context", type=int, default=32768, help="tokens per sequence for the cache bytes")

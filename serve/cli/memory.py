@@ -27,9 +27,13 @@ def run(args: argparse.Namespace) -> int:
 
     from jaxhybrid.cache import memory_report
     from jaxhybrid.config import ConfigError, load_config
+    from jaxhybrid.weights import CheckpointError
+    from serve.models import checkpoint_dir, serving_dtype
 
     try:
         cfg = load_config(args.config)
+        choice = serving_dtype(args.dtype, checkpoint_dir(args.config))
+        args.dtype, args.dtype_reason = choice.dtype, choice.reason
         hbm = None if args.hbm is None else int(args.hbm * 1e9)
         if args.ratios:
             return _ratios(cfg, args, hbm)
@@ -41,16 +45,17 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--context is required (or --turns, or --ratios with --contexts)")
         else:
             rep = memory_report(cfg, args.context, args.interval or None, jnp.dtype(args.dtype), hbm)
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    rep = {**rep, "dtype_reason": choice.reason}
     if args.json:
         print(json.dumps(rep))
         return 0
     gb = lambda n: f"{n / 1e9:,.2f} GB"
     print(
         f"{cfg.name}: {cfg.num_kda_layers} KDA + {cfg.num_mla_layers} MLA layers, context {rep['context']:,} "
-        f"tokens, KV dtype {rep['dtype']} (recurrent state fp32)"
+        f"tokens, KV dtype {choice.describe()}, as `serve` would allocate it (recurrent state fp32)"
     )
     every = f"every {args.interval or '-'} tokens"
     if "chat" in rep:
@@ -128,11 +133,12 @@ def _ratios(cfg, args: argparse.Namespace, hbm: int | None) -> int:
         contexts = sorted({*contexts, args.context})
     rows = layout_report(cfg, contexts, args.interval, jnp.dtype(args.dtype), hbm)
     if args.json:
-        print(json.dumps({"config": cfg.name, "interval": args.interval, "layouts": rows}))
+        dtype = {"dtype": args.dtype, "dtype_reason": args.dtype_reason}
+        print(json.dumps({"config": cfg.name, "interval": args.interval, **dtype, "layouts": rows}))
         return 0
     print(
         f"{cfg.name}: {cfg.num_hidden_layers} layers as every KDA:MLA mix; per-sequence cache, KV dtype "
-        f"{args.dtype}, checkpoints every {args.interval or '-'} tokens"
+        f"{args.dtype} ({args.dtype_reason}), checkpoints every {args.interval or '-'} tokens"
     )
     columns = ["layout", "kda", "mla", "context", "no_checkpoints", "with_checkpoints", "vs_all_MLA"]
     fit = "fit" if args.hbm is None else f"fit_{args.hbm:g}GB"
@@ -207,7 +213,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="state checkpoint interval in tokens (default 32768; 0 = no checkpoints)",
     )
     p.add_argument(
-        "--dtype", choices=DTYPES, default="bfloat16", help="KV and conv-state dtype (default bfloat16)"
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="KV and conv-state dtype (default: what `serve` would allocate: the checkpoint's dtype when "
+        "--config is a checkpoint directory, else float32 as for random weights)",
     )
     p.add_argument(
         "--hbm",
