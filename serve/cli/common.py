@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
+
+log = logging.getLogger("jaxhybrid.cli")
 
 
 def add_config_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -24,7 +28,8 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
         "--checkpoint-interval",
         type=int,
         default=32768,
-        help="keep a KDA state checkpoint every N tokens (a multiple of --block-size; default 32768)",
+        help="keep a KDA state checkpoint every N tokens, rounded to a multiple of --block-size "
+        "(default 32768)",
     )
     g.add_argument(
         "--checkpoint-policy",
@@ -133,3 +138,42 @@ def setup_logging(level: str) -> None:
     libraries = logging.INFO if level == "debug" else logging.WARNING
     for name in ("absl", "jax", "orbax"):
         logging.getLogger(name).setLevel(libraries)
+
+
+def default_compile_cache_dir() -> Path:
+    """Where compiled programs are kept by default: `xla/` under the user's cache directory
+    (`~/.cache/jaxhybrid/xla` on Linux, or under $XDG_CACHE_HOME)."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("jaxhybrid")) / "xla"
+
+
+def add_compile_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile-cache",
+        metavar="DIR|off",
+        default=None,
+        help="JAX's persistent compilation cache: compiled programs are written to DIR and a later start "
+        "reads them instead of compiling again (default: $JAX_COMPILATION_CACHE_DIR when set, else "
+        f"{default_compile_cache_dir()}); off: compile at every start",
+    )
+
+
+def setup_compile_cache(setting: str | None) -> Path | None:
+    """Turn JAX's persistent compilation cache on in the directory `setting` names (None: the default,
+    `default_compile_cache_dir`, or $JAX_COMPILATION_CACHE_DIR) or off ("off"); the directory in use, or
+    None. Every program is cached however small or quick to compile: a server's start compiles dozens of
+    programs of a few seconds each. Call it before the first compile: JAX opens its cache once."""
+    import jax
+
+    if setting == "off":
+        jax.config.update("jax_enable_compilation_cache", False)
+        log.info("compilation cache off (--compile-cache off): every program compiles at this start")
+        return None
+    directory = Path(setting or os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_compile_cache_dir())
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    log.info("compilation cache: %s (--compile-cache off to disable)", directory)
+    return directory

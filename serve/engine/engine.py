@@ -101,6 +101,15 @@ class Engine:
         self.runner = Runner(model, shape, mesh)
         self.store: PrefixStore | None = None
         if config.prefix is not None and config.prefix.enabled:
+            prefix = config.prefix.aligned(shape.block_size)
+            if prefix.checkpoint_interval != config.prefix.checkpoint_interval:
+                log.info(
+                    "checkpoint interval %d -> %d tokens: rounded to a multiple of the block size (%d)",
+                    config.prefix.checkpoint_interval,
+                    prefix.checkpoint_interval,
+                    shape.block_size,
+                )
+                config.prefix = prefix  # our own copy of the config
             peers = Peers()
             if peers.several and config.prefix.store_dir is not None:
                 self.runner.init_restore_shardings()
@@ -341,11 +350,13 @@ class Engine:
         once on rows that touch only idle slots and the scratch block); False if it already was compiled."""
         return self._ahead(lambda: self.runner.compile_program(program, run_once=not self.has_unfinished()))
 
-    def compile_helpers(self) -> None:
-        """Compile the small programs every request meets (sampling per batch size, slot reset, checkpoint
-        copy and restore), changing no request's state."""
-        rows = tuple(sorted({1, *self.shape.decode_buckets}))
-        self._ahead(lambda: self.runner.compile_helpers(rows, run_once=not self.has_unfinished()))
+    def compile_helpers(self, rows: tuple[int, ...] | None = None, slot_programs: bool = True) -> None:
+        """Compile the small programs every request meets (sampling for batches of `rows`, default every
+        decode batch; with `slot_programs` slot reset, checkpoint copy and restore), changing no request's
+        state."""
+        rows = tuple(sorted({1, *self.shape.decode_buckets})) if rows is None else rows
+        run_once = not self.has_unfinished()
+        self._ahead(lambda: self.runner.compile_helpers(rows, run_once=run_once, slot_programs=slot_programs))
 
     def _ahead(self, fn: Any) -> Any:
         try:
