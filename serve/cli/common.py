@@ -21,24 +21,29 @@ def add_config_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 
 def add_prefix_args(p: argparse.ArgumentParser) -> None:
-    """Prefix-store flags shared by `generate` and `serve` (the prefix cache is on by default)."""
+    """Prefix-store flags shared by `generate` and `serve` (the prefix cache is on by default); defaults are
+    PrefixStoreConfig's."""
+    from serve.prefix.store import PrefixStoreConfig
+
+    default = PrefixStoreConfig()
     g = p.add_argument_group("prefix cache")
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix store off")
     g.add_argument(
         "--checkpoint-interval",
         type=int,
-        default=32768,
+        default=default.checkpoint_interval,
         help="keep a KDA state checkpoint every N tokens, rounded to a multiple of --block-size "
-        "(default 32768)",
+        f"(default {default.checkpoint_interval})",
     )
     g.add_argument(
         "--checkpoint-policy",
         choices=("fixed", "adaptive"),
-        default="adaptive",
+        default=default.checkpoint_policy,
         help="fixed: a checkpoint every --checkpoint-interval tokens and at prompt / sequence ends, least "
         "recently used evicted first; adaptive: --checkpoint-interval is the finest spacing, junctions where "
         "prompts leave a shared prefix are added, requests sharing a prefix being computed wait for its "
-        "checkpoint, and what saves the least prefill per byte is evicted first (default adaptive)",
+        "checkpoint, and what saves the least prefill per byte is evicted first "
+        f"(default {default.checkpoint_policy})",
     )
     g.add_argument(
         "--eviction",
@@ -59,14 +64,16 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--device-cache-mb",
         type=float,
-        default=1024.0,
-        help="byte budget of checkpoints kept in device memory, MiB (default 1024)",
+        default=default.device_bytes / 2**20,
+        help="byte budget of checkpoints kept in device memory, MiB "
+        f"(default {default.device_bytes / 2**20:g})",
     )
     g.add_argument(
         "--host-cache-mb",
         type=float,
-        default=4096.0,
-        help="byte budget of checkpoints demoted to host memory, MiB (default 4096)",
+        default=default.host_bytes / 2**20,
+        help="byte budget of checkpoints demoted to host memory, MiB "
+        f"(default {default.host_bytes / 2**20:g})",
     )
     g.add_argument(
         "--store-dir",
@@ -74,7 +81,10 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
         help="directory of the disk (Orbax) tier: checkpoints are written through and reused after a restart",
     )
     g.add_argument(
-        "--disk-cache-mb", type=float, default=16384.0, help="disk tier budget, MiB (default 16384)"
+        "--disk-cache-mb",
+        type=float,
+        default=default.disk_bytes / 2**20,
+        help=f"disk tier budget, MiB (default {default.disk_bytes / 2**20:g})",
     )
 
 
@@ -99,10 +109,15 @@ def prefix_config(args: argparse.Namespace):  # -> PrefixStoreConfig | None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Engine-shape flags shared by `generate` and `serve`; returns the group for command-specific extras."""
+    """Engine-shape flags shared by `generate` and `serve` (defaults: EngineConfig's); returns the group for
+    command-specific extras."""
+    from serve.engine.config import engine_default
+
+    names = ("max_slots", "block_size", "prefill_chunk", "prefill_rows")
+    slots, block, chunk, rows = map(engine_default, names)
     e = p.add_argument_group("engine")
-    e.add_argument("--slots", type=int, default=4, help="sequences decoded at once (default 4)")
-    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    e.add_argument("--slots", type=int, default=slots, help=f"sequences decoded at once (default {slots})")
+    e.add_argument("--block-size", type=int, default=block, help=f"tokens per KV block (default {block})")
     e.add_argument(
         "--num-blocks",
         type=int,
@@ -113,14 +128,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--kv-memory-mb", type=float, default=None, help="size the KV pool by a memory budget (MiB) instead"
     )
     e.add_argument(
-        "--prefill-chunk", type=int, default=512, help="longest prefill piece in tokens (default 512)"
+        "--prefill-chunk", type=int, default=chunk, help=f"longest prefill piece in tokens (default {chunk})"
     )
     e.add_argument(
         "--prefill-rows",
         type=int,
-        default=4,
+        default=rows,
         help="short prefill chunks (up to 128 tokens of sequences up to 256) of different requests run "
-        "together in one call, this many at most (default 4; 1: one request per call)",
+        f"together in one call, this many at most (default {rows}; 1: one request per call)",
     )
     e.add_argument(
         "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"
