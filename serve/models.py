@@ -28,7 +28,8 @@ def load_model(args: argparse.Namespace) -> Any:
             raise UsageError("give either --model DIR or --config NAME, not both")
         from jaxhybrid.weights import load_pretrained
 
-        return load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=False)
+        # a bar on a terminal, log lines otherwise, once the load takes a few seconds
+        return load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=None)
     cfg = load_config(args.config or "tiny")
     return HybridLM(cfg, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype))
 

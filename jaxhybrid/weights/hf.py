@@ -421,7 +421,7 @@ def read_params(
     under our names (default: scanned, released-layout prefix removed and the rest skipped);
     `expert_quant="mxfp4"`: routed experts are read as MXFP4 and dequantized exactly.
     """
-    from tqdm.auto import tqdm
+    from jaxhybrid.weights.progress import load_progress
 
     directory = Path(directory)
     tensors = text_model_tensors(scan_checkpoint(directory))[0] if tensors is None else tensors
@@ -431,15 +431,7 @@ def read_params(
     specs.sort(key=lambda s: (str(tensors[s.hf_names[0]].file), tensors[s.hf_names[0]].offset))
     total = sum(tensors[hf].nbytes for s in specs for hf in (*s.hf_names, *s.scale_names))
     n_tensors = sum(len(s.hf_names) for s in specs)
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc=f"loading {directory.name}",
-        disable=None if progress is None else not progress,
-        leave=False,
-    )
+    bar = load_progress(total, f"loading {directory.name}", progress)
     done = 0
     with bar, ShardReader() as reader:
         for spec in specs:
