@@ -51,7 +51,7 @@ class Helpers:
 
     def describe(self) -> str:
         what = "sampling" + (", slot reset and restore" if self.slot_programs else "")
-        return f"helpers ({what}) for {'/'.join(map(str, self.rows))} rows"
+        return f"helpers ({what}) for {'/'.join(map(str, self.rows))} row{'' if self.rows == (1,) else 's'}"
 
 
 WarmupItem = Helpers | ProgramShape
