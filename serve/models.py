@@ -94,7 +94,8 @@ def _build(args: argparse.Namespace, cfg: Any) -> Any:
     if args.model:
         from jaxhybrid.weights import load_pretrained
 
-        return load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=False)
+        # a bar on a terminal, log lines otherwise, once the load takes a few seconds
+        return load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=None)
     return HybridLM(cfg, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype))
 
 
@@ -129,7 +130,7 @@ def load_on_mesh(args: argparse.Namespace, multi: bool) -> tuple[Any, Any]:
 
         report: dict[str, Any] = {}
         model = load_pretrained_on_mesh(
-            args.model, mesh, jnp.dtype(args.dtype), progress=False, report=report
+            args.model, mesh, jnp.dtype(args.dtype), progress=None, report=report
         )
         if "read_bytes" in report:
             log.info("read %d checkpoint bytes: this process's shards", report["read_bytes"])

@@ -1,10 +1,20 @@
 """Test-wide settings: fp32 matmuls at full precision so numerical comparisons are meaningful."""
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 # Multi-device tests need simulated CPU devices; set before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+# `serve` and `generate` keep compiled programs in the user's cache directory (`--compile-cache`): every
+# server and command the tests start uses one of this session instead, removed at the end.
+_COMPILE_CACHE_HOME = tempfile.mkdtemp(prefix="jaxhybrid-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _COMPILE_CACHE_HOME
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+atexit.register(shutil.rmtree, _COMPILE_CACHE_HOME, True)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -96,6 +96,8 @@ def test_bench_prefix_recompute_falls_and_bytes_rise_as_the_interval_shrinks(cap
                 "32",
                 "--max-model-len",
                 "256",
+                "--checkpoint-policy",
+                "fixed",
             ]
         )
         == 0

@@ -316,6 +316,8 @@ def test_bench_prefix_all_workloads_under_budgets_simulated(capsys, tmp_path):
         "16,64,256",
         "--intervals",
         "16,64",
+        "--checkpoint-policy",
+        "fixed",
     ]
     assert main([*args, "--plot", str(plot)]) == 0
     result = json.loads(capsys.readouterr().out.strip())

@@ -33,7 +33,7 @@ from serve.bench.workload import Arrivals, WorkloadError, arrival_times, read_da
 from serve.cli import main
 from serve.engine.config import EngineConfig, EngineShape, ProgramShape
 from serve.engine.engine import Engine
-from serve.engine.warmup import Warmup, WarmupLevel, WarmupState, warmup_plan
+from serve.engine.warmup import Helpers, Warmup, WarmupLevel, WarmupState, warmup_plan
 from serve.http.app import create_app
 
 # --- latency summaries, arrivals, prompts -----------------------------------------------------------------
@@ -122,23 +122,43 @@ def test_prefill_plan_holds_every_chunk_the_engine_runs(block, chunk, max_len, p
     }
 
 
-def test_warmup_plan_order():
+def test_warmup_plan_puts_what_a_first_request_needs_first():
+    """The README's first request (a prompt of a few tokens, 16 generated) meets the one-row helpers, the
+    smallest prefill chunk at the narrowest table and the one-row decode steps of 1 and 2 blocks: those are
+    the first items, before any batched program; every program is planned once."""
     shape = shape_of()
     plan = warmup_plan(shape, WarmupLevel.ALL)
-    assert len(plan) == len(set(plan)) == len(shape.decode_programs()) + len(shape.prefill_programs())
-    assert [p.width for p in plan] == sorted(p.width for p in plan)  # short contexts first
-    assert plan[:3] == [ProgramShape(1, 16, 1), ProgramShape(1, 1, 1), ProgramShape(4, 1, 1)]
-    assert all(p.is_decode for p in warmup_plan(shape, WarmupLevel.DECODE)) and not warmup_plan(
-        shape, WarmupLevel.NONE
-    )
+    programs = [p for p in plan if isinstance(p, ProgramShape)]
+    assert len(programs) == len(set(programs)) == len(shape.decode_programs()) + len(shape.prefill_programs())
+    assert plan[:4] == [
+        Helpers((1,), slot_programs=True),
+        ProgramShape(1, 1, 1),
+        ProgramShape(1, 16, 1),
+        ProgramShape(1, 1, 2),
+    ]
+    # the first request's programs, whatever its prompt: one row, short contexts (narrow tables) first
+    first_batched = next(i for i, p in enumerate(programs) if p.rows > 1)
+    assert all(p.rows == 1 for p in programs[:first_batched])
+    assert all(p.rows > 1 for p in programs[first_batched:])
+    assert plan[first_batched + 1] == Helpers((4,), slot_programs=False)  # before the batched programs
+    for part in (programs[:first_batched], programs[first_batched:]):
+        assert [p.width for p in part] == sorted(p.width for p in part)
+        at_width = {}
+        for p in part:  # at each width the decode step first, then prefill chunks shortest first
+            at_width.setdefault(p.width, []).append(p.length)
+        assert all(lengths == sorted(lengths) and lengths[0] == 1 for lengths in at_width.values())
+    decode_only = warmup_plan(shape, WarmupLevel.DECODE)
+    assert all(p.is_decode for p in decode_only if isinstance(p, ProgramShape))
+    assert decode_only[:3] == [Helpers((1,), True), ProgramShape(1, 1, 1), ProgramShape(1, 1, 2)]
+    assert not warmup_plan(shape, WarmupLevel.NONE)
 
 
 class FakeEngine:
     def __init__(self, fail_at=None):
         self.shape, self.done, self.fail_at = shape_of(2, 16, 32, 64), [], fail_at
 
-    def compile_helpers(self):
-        self.done.append("helpers")
+    def compile_helpers(self, rows=None, slot_programs=True):
+        self.done.append(Helpers(rows, slot_programs))
 
     def compile_program(self, program):
         if len(self.done) == self.fail_at:
@@ -151,14 +171,13 @@ def test_warmup_steps_timeout_and_failure():
     now = [0.0]
     eng = FakeEngine()
     w = Warmup(eng, WarmupLevel.DECODE, timeout_s=10, clock=lambda: now[0])
-    total = 1 + len(eng.shape.decode_programs())
+    total = len(warmup_plan(eng.shape, WarmupLevel.DECODE))
+    assert total == 2 + len(eng.shape.decode_programs())  # helpers of 1 row, then of 2
     assert w.progress().state is WarmupState.WARMING and w.progress().total == total
     while w.step():
         now[0] += 1.0
-    assert w.state is WarmupState.DONE and eng.done == [
-        "helpers",
-        *warmup_plan(eng.shape, WarmupLevel.DECODE),
-    ]
+    assert w.state is WarmupState.DONE and eng.done == warmup_plan(eng.shape, WarmupLevel.DECODE)
+    assert w.progress().last == "decode, 2 rows, a block table of 64 tokens"
     assert w.progress().compiled == total and w.progress().elapsed_s == pytest.approx(total - 1)
 
     now[0], eng = 0.0, FakeEngine()
@@ -203,9 +222,9 @@ def warm():
     engine = Engine(model, EngineConfig(max_slots=1, block_size=64, prefill_chunk=16, max_model_len=64))
     gate, helpers = threading.Event(), engine.compile_helpers
 
-    def gated():  # the warm-up waits until the test has seen it warming
+    def gated(*args, **kw):  # the warm-up waits until the test has seen it warming
         gate.wait(60)
-        helpers()
+        helpers(*args, **kw)
 
     engine.compile_helpers = gated
     app = create_app(engine, ByteTokenizer(512), "tiny", warmup=Warmup(engine, WarmupLevel.ALL, 300))

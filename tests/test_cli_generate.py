@@ -100,5 +100,59 @@ def test_prefix_cache_flags(capsys, tmp_path):
     assert [s["prefix_hit_tokens"] for s in stats] == [0, 30, 0]  # prompt-end hit; another salt never hits
     rc, out, _ = run(capsys, "--prompts-file", str(f), "--json", "--slots", "1", "--no-prefix-cache")
     assert rc == 0 and all(json.loads(x)["stats"]["prefix_hit_tokens"] == 0 for x in out.strip().splitlines())
-    rc, _, err = run(capsys, "--prompt-ids", "1", "--checkpoint-interval", "12")
-    assert rc == 2 and "multiple of the block size" in err
+    # an interval off the blocks is rounded (tests/test_prefix_store.py); one below a block is an error
+    rc, _, err = run(capsys, "--prompt-ids", "1", "--checkpoint-interval", "0")
+    assert rc == 2 and "positive multiple of the block size" in err
+
+
+def generate_in_process(home, *flag):
+    """`jaxhybrid generate` of tiny in a fresh process (JAX opens its cache once) with the user's cache
+    directory at `home`; its stdout."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(home)}
+    cmd = [sys.executable, "-m", "serve.cli", *ARGS, "--prompt-ids", "5,6,7", "--max-tokens", "2"]
+    cmd += ["--slots", "1", "--prefill-chunk", "16", "--max-model-len", "32", "--no-prefix-cache", *flag]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def files_under(d):
+    return [p for p in d.rglob("*") if p.is_file()] if d.exists() else []
+
+
+def test_compile_cache_dir_is_honoured(tmp_path):
+    """`--compile-cache DIR` writes the compiled programs to DIR, nothing to the default directory."""
+    chosen, home = tmp_path / "chosen", tmp_path / "home"
+    generate_in_process(home, "--compile-cache", str(chosen))
+    assert files_under(chosen) and not files_under(home)
+
+
+@pytest.mark.slow
+def test_compile_cache_off_writes_nothing(tmp_path):
+    generate_in_process(tmp_path, "--compile-cache", "off")
+    assert not files_under(tmp_path)
+
+
+def test_default_compile_cache_is_under_the_user_cache_dir(tmp_path, monkeypatch):
+    import jax
+
+    from serve.cli.common import default_compile_cache_dir, setup_compile_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    assert default_compile_cache_dir() == tmp_path / "jaxhybrid" / "xla"
+    names = ("jax_enable_compilation_cache", "jax_compilation_cache_dir")
+    saved = {n: getattr(jax.config, n) for n in names}
+    try:
+        assert setup_compile_cache(None) == tmp_path / "jaxhybrid" / "xla"
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "jaxhybrid" / "xla")
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+        assert setup_compile_cache(None) == tmp_path / "env"
+        assert setup_compile_cache("off") is None and not jax.config.jax_enable_compilation_cache
+    finally:
+        for n, v in saved.items():
+            jax.config.update(n, v)

@@ -89,6 +89,8 @@ def test_bench_prefix_simulate_runs_the_k3_shape_in_seconds(capsys):
         "4096",
         "--conversations",
         "8",
+        "--checkpoint-policy",
+        "fixed",
     ]
     args += ["--turns", "3", "--system-len", "4096", "--user-min", "512", "--user-max", "2048"]
     args += ["--max-tokens", "64", "--slots", "4", "--block-size", "64", "--chunk", "4096"]

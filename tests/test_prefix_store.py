@@ -250,3 +250,29 @@ def test_store_on_equals_store_off_for_generated_workloads(
     ledger = on.ledger()
     assert ledger["checkpoint_bytes"]["device"] <= cfg.device_bytes
     assert ledger["checkpoint_bytes"]["host"] <= cfg.host_bytes
+
+
+@pytest.mark.parametrize("block_size", [24, pytest.param(48, marks=pytest.mark.slow)])
+def test_any_block_size_rounds_the_interval_and_stays_exact(model, block_size, caplog):
+    """A block size that does not divide the checkpoint interval (the default 32768, or 64 here) rounds the
+    interval to the nearest multiple of the block size, says so in one log line, and the store on gives
+    the tokens of the store off, with interval checkpoints taken and reused."""
+    default = {24: 32760, 48: 32784}[block_size]  # 1365.3 blocks of 24, 682.7 blocks of 48
+    assert PrefixStoreConfig().aligned(block_size).checkpoint_interval == default
+    rng = np.random.default_rng(block_size)
+    base = rng.integers(3, 512, 100).tolist()
+    tok = lambda n: rng.integers(3, 512, n).tolist()  # noqa: E731
+    rounds = [[base], [base + tok(30), base[:80] + tok(9)]]
+    kw = dict(block_size=block_size, max_slots=1, prefill_rows=1, prefill_chunk=128, max_model_len=144)
+    off = serve_rounds(engine(model, None, **kw), rounds, n=2)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="jaxhybrid"):
+        eng = engine(model, PrefixStoreConfig(checkpoint_interval=64, prompt_end_checkpoints=False), **kw)
+    interval = {24: 72, 48: 48}[block_size]
+    assert eng.store.config.checkpoint_interval == eng.config.prefix.checkpoint_interval == interval
+    lines = [r.getMessage() for r in caplog.records if "checkpoint interval" in r.getMessage()]
+    assert len(lines) == 1 and f"64 -> {interval}" in lines[0], lines
+    on = serve_rounds(eng, rounds, n=2)
+    assert token_ids(on) == token_ids(off)
+    ledger = eng.ledger()
+    assert sum(ledger["checkpoints_by_kind"]["interval"].values()) > 0 and ledger["hit_tokens"] >= interval

@@ -151,7 +151,8 @@ def load_pretrained(
     fp32 while its embedding is in a narrower type (K3: conv weights, A_log, dt_bias, o_norm).
     `shardings`: a function from the abstract model to the nnx.State of each parameter's sharding (e.g.
     `lambda m: sharding.rules.state_shardings(m, mesh)`); each parameter is read straight into it (None:
-    the default device). `progress`: show a progress bar (None: only on a terminal). `report`: a dict
+    the default device). `progress`: a bar (True), nothing (False), or (None) a bar on a terminal and log
+    lines otherwise (`jaxhybrid.weights.progress`), shown once the load takes a few seconds. `report`: a dict
     filled with `format`, `layout`, `expert_quant`, `skipped` (count), `skipped_summary` ({top-level name:
     count}), `skipped_names` (the first 20), `kept_fp32` (names kept fp32 by the rule above) and, for
     safetensors, `read_bytes` / `read_bytes_by_tensor` (what this process read: its own shards only).
@@ -238,6 +239,12 @@ def load_pretrained(
         if report is not None:
             report.update(read_bytes=reader.total, read_bytes_by_tensor=dict(reader.bytes_read))
     else:
-        for name, arr in orbax_io.restore(directory, targets).items():
+        from jaxhybrid.weights.progress import load_progress
+
+        total = sum(int(np.prod(sds.shape)) * np.dtype(sds.dtype).itemsize for sds, _ in targets.values())
+        with load_progress(total, f"loading {directory.name}", progress, stepwise=False) as bar:
+            restored = orbax_io.restore(directory, targets)
+            bar.update(total)
+        for name, arr in restored.items():
             variables[name].set_value(arr)
     return nnx.merge(graphdef, state)

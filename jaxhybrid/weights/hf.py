@@ -358,8 +358,7 @@ def read_params(
     experts are read as MXFP4 and dequantized exactly. `reader`: a `slices.SliceReader` to read with (its
     `bytes_read` counts what this process read per tensor; default: a fresh one).
     """
-    from tqdm.auto import tqdm
-
+    from jaxhybrid.weights.progress import load_progress
     from jaxhybrid.weights.slices import SliceReader, read_sharded
 
     directory = Path(directory)
@@ -368,14 +367,9 @@ def read_params(
     check_against(specs, tensors, tied_embeddings=tied_embeddings, where=str(directory))
     # Read in file order so each shard is streamed front to back.
     specs.sort(key=lambda s: (str(tensors[s.hf_names[0]].file), tensors[s.hf_names[0]].offset))
-    n_tensors = sum(len(s.hf_names) for s in specs)
-    bar = tqdm(
-        total=n_tensors,
-        unit="tensor",
-        desc=f"loading {directory.name}",
-        disable=None if progress is None else not progress,
-        leave=False,
-    )
+    total = sum(tensors[hf].nbytes for s in specs for hf in (*s.hf_names, *s.scale_names))
+    # The bar walks the checkpoint's bytes; its postfix says what this process really read (its own slices).
+    bar = load_progress(total, f"loading {directory.name}", progress)
     own = reader is None
     reader = SliceReader() if own else reader
     try:
@@ -384,7 +378,7 @@ def read_params(
                 sds, sharding = targets[spec.name]
                 arr = read_sharded(reader, spec, tensors, sds, sharding, where=str(directory))
                 arr.block_until_ready()
-                bar.update(len(spec.hf_names))
+                bar.update(sum(tensors[hf].nbytes for hf in (*spec.hf_names, *spec.scale_names)))
                 bar.set_postfix_str(f"{reader.total / 2**20:,.0f} MiB read", refresh=False)
                 yield spec.name, arr
     finally:

@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from serve.engine.config import engine_default
+
     p = sub.add_parser(
         "decode", help="decode step time vs context, config vs its KDA-only variant", description=__doc__
     )
@@ -116,7 +118,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--batch", type=int, default=1, help="sequences per decode step (default 1)")
     p.add_argument("--repeats", type=int, default=20, help="timed steps per context (median reported)")
-    p.add_argument("--block-size", type=int, default=64, help="KV block size (default 64)")
+    block = engine_default("block_size")
+    p.add_argument("--block-size", type=int, default=block, help=f"KV block size (default {block}, as serve)")
     p.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and cache dtype"
     )

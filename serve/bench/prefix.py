@@ -114,12 +114,12 @@ def settings(args: argparse.Namespace) -> list[Setting]:
             f"--checkpoint-policy takes {' and/or '.join(CHECKPOINT_POLICIES)}, "
             f"got {args.checkpoint_policy!r}"
         )
-    evictions = args.eviction.split(",")
+    evictions = args.eviction.split(",") if args.eviction else [None]
     out = [Setting("off", "off")]
     for budget in budgets(args) or [None]:
         mem = memory(args, budget)
         for eviction in evictions if "fixed" in policies else []:
-            tag = f" ({eviction})" if len(evictions) > 1 else ""
+            tag = f" ({eviction})" if len(evictions) > 1 else ""  # None: the policy's own (lru), as serve
             for at_ends, spacing in ((False, intervals), (True, ends)):
                 for interval in spacing:
                     cfg = PrefixStoreConfig(
@@ -392,6 +392,10 @@ def _defaults(field: str) -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from serve.engine.config import engine_default
+    from serve.prefix.store import PrefixStoreConfig
+
+    store_default = PrefixStoreConfig()
     p = sub.add_parser(
         "prefix", help="seeded workload replays over prefix-store settings and budgets", description=__doc__
     )
@@ -413,13 +417,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "smallest of --intervals)",
     )
     p.add_argument(
-        "--eviction", default="lru", help="eviction policies of the fixed settings, comma-separated (lru)"
+        "--eviction",
+        default=None,
+        help="eviction policies of the fixed settings, comma-separated (default: the policy's own, lru, as "
+        "serve)",
     )
     p.add_argument(
         "--checkpoint-policy",
-        default="fixed",
-        help="fixed and/or adaptive, comma-separated (default fixed); adaptive: one setting per budget at "
-        "the smallest interval, with its own eviction policy",
+        default=f"fixed,{store_default.checkpoint_policy}",
+        help="fixed and/or adaptive, comma-separated (default: fixed, for the intervals compared, and "
+        f"serve's {store_default.checkpoint_policy}); adaptive: one setting per budget at the smallest "
+        "interval, with its own eviction policy",
     )
     p.add_argument(
         "--budgets",
@@ -452,18 +460,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument(
         "--retry-prob", type=float, help="agentic: chance a fork retries an earlier fork point (0.5)"
     )
-    p.add_argument("--slots", type=int, default=4, help="engine slots (default 4)")
-    p.add_argument("--block-size", type=int, default=16, help="KV block size (default 16)")
-    p.add_argument("--chunk", type=int, default=64, help="prefill chunk (default 64)")
-    p.add_argument("--max-model-len", type=int, default=1024, help="context limit (default 1024)")
+    slots, block, chunk = map(engine_default, ("max_slots", "block_size", "prefill_chunk"))
+    p.add_argument("--slots", type=int, default=slots, help=f"engine slots (default {slots}, as serve)")
+    p.add_argument("--block-size", type=int, default=block, help=f"KV block size (default {block}, as serve)")
+    p.add_argument("--chunk", type=int, default=chunk, help=f"prefill chunk (default {chunk}, as serve)")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context limit (default as serve: min(config, 4096))"
+    )
     p.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and cache dtype"
     )
     p.add_argument(
         "--device-cache-mb",
         type=float,
-        default=1024.0,
-        help="the store's device budget for checkpoints without --budgets, MiB (default 1024)",
+        default=store_default.device_bytes / 2**20,
+        help="the store's device budget for checkpoints without --budgets, MiB "
+        f"(default {store_default.device_bytes / 2**20:g})",
     )
     p.add_argument(
         "--host-cache-mb",

@@ -333,6 +333,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from serve.engine.config import engine_default
+
     p = sub.add_parser(
         "throughput",
         help="prefill / decode tokens/s vs the measured matmul rate and memory bandwidth",
@@ -351,7 +353,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--repeats", type=int, default=5, help="timed calls per point, after 2 warm-ups (default 5)"
     )
-    p.add_argument("--block-size", type=int, default=64, help="KV block size (default 64)")
+    block = engine_default("block_size")
+    p.add_argument("--block-size", type=int, default=block, help=f"KV block size (default {block}, as serve)")
     p.add_argument(
         "--matmul-size",
         type=int,

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
+
+log = logging.getLogger("jaxhybrid.cli")
 
 
 def add_config_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -17,23 +21,29 @@ def add_config_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 
 def add_prefix_args(p: argparse.ArgumentParser) -> None:
-    """Prefix-store flags shared by `generate` and `serve` (the prefix cache is on by default)."""
+    """Prefix-store flags shared by `generate` and `serve` (the prefix cache is on by default); defaults are
+    PrefixStoreConfig's."""
+    from serve.prefix.store import PrefixStoreConfig
+
+    default = PrefixStoreConfig()
     g = p.add_argument_group("prefix cache")
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix store off")
     g.add_argument(
         "--checkpoint-interval",
         type=int,
-        default=32768,
-        help="keep a KDA state checkpoint every N tokens (a multiple of --block-size; default 32768)",
+        default=default.checkpoint_interval,
+        help="keep a KDA state checkpoint every N tokens, rounded to a multiple of --block-size "
+        f"(default {default.checkpoint_interval})",
     )
     g.add_argument(
         "--checkpoint-policy",
         choices=("fixed", "adaptive"),
-        default="adaptive",
+        default=default.checkpoint_policy,
         help="fixed: a checkpoint every --checkpoint-interval tokens and at prompt / sequence ends, least "
         "recently used evicted first; adaptive: --checkpoint-interval is the finest spacing, junctions where "
         "prompts leave a shared prefix are added, requests sharing a prefix being computed wait for its "
-        "checkpoint, and what saves the least prefill per byte is evicted first (default adaptive)",
+        "checkpoint, and what saves the least prefill per byte is evicted first "
+        f"(default {default.checkpoint_policy})",
     )
     g.add_argument(
         "--eviction",
@@ -54,14 +64,16 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--device-cache-mb",
         type=float,
-        default=1024.0,
-        help="byte budget of checkpoints kept in device memory, MiB (default 1024)",
+        default=default.device_bytes / 2**20,
+        help="byte budget of checkpoints kept in device memory, MiB "
+        f"(default {default.device_bytes / 2**20:g})",
     )
     g.add_argument(
         "--host-cache-mb",
         type=float,
-        default=4096.0,
-        help="byte budget of checkpoints demoted to host memory, MiB (default 4096)",
+        default=default.host_bytes / 2**20,
+        help="byte budget of checkpoints demoted to host memory, MiB "
+        f"(default {default.host_bytes / 2**20:g})",
     )
     g.add_argument(
         "--store-dir",
@@ -69,7 +81,10 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
         help="directory of the disk (Orbax) tier: checkpoints are written through and reused after a restart",
     )
     g.add_argument(
-        "--disk-cache-mb", type=float, default=16384.0, help="disk tier budget, MiB (default 16384)"
+        "--disk-cache-mb",
+        type=float,
+        default=default.disk_bytes / 2**20,
+        help=f"disk tier budget, MiB (default {default.disk_bytes / 2**20:g})",
     )
 
 
@@ -94,10 +109,15 @@ def prefix_config(args: argparse.Namespace):  # -> PrefixStoreConfig | None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Engine-shape flags shared by `generate` and `serve`; returns the group for command-specific extras."""
+    """Engine-shape flags shared by `generate` and `serve` (defaults: EngineConfig's); returns the group for
+    command-specific extras."""
+    from serve.engine.config import engine_default
+
+    names = ("max_slots", "block_size", "prefill_chunk", "prefill_rows")
+    slots, block, chunk, rows = map(engine_default, names)
     e = p.add_argument_group("engine")
-    e.add_argument("--slots", type=int, default=4, help="sequences decoded at once (default 4)")
-    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    e.add_argument("--slots", type=int, default=slots, help=f"sequences decoded at once (default {slots})")
+    e.add_argument("--block-size", type=int, default=block, help=f"tokens per KV block (default {block})")
     e.add_argument(
         "--num-blocks",
         type=int,
@@ -108,14 +128,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--kv-memory-mb", type=float, default=None, help="size the KV pool by a memory budget (MiB) instead"
     )
     e.add_argument(
-        "--prefill-chunk", type=int, default=512, help="longest prefill piece in tokens (default 512)"
+        "--prefill-chunk", type=int, default=chunk, help=f"longest prefill piece in tokens (default {chunk})"
     )
     e.add_argument(
         "--prefill-rows",
         type=int,
-        default=4,
+        default=rows,
         help="short prefill chunks (up to 128 tokens of sequences up to 256) of different requests run "
-        "together in one call, this many at most (default 4; 1: one request per call)",
+        f"together in one call, this many at most (default {rows}; 1: one request per call)",
     )
     e.add_argument(
         "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"
@@ -133,3 +153,42 @@ def setup_logging(level: str) -> None:
     libraries = logging.INFO if level == "debug" else logging.WARNING
     for name in ("absl", "jax", "orbax"):
         logging.getLogger(name).setLevel(libraries)
+
+
+def default_compile_cache_dir() -> Path:
+    """Where compiled programs are kept by default: `xla/` under the user's cache directory
+    (`~/.cache/jaxhybrid/xla` on Linux, or under $XDG_CACHE_HOME)."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("jaxhybrid")) / "xla"
+
+
+def add_compile_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile-cache",
+        metavar="DIR|off",
+        default=None,
+        help="JAX's persistent compilation cache: compiled programs are written to DIR and a later start "
+        "reads them instead of compiling again (default: $JAX_COMPILATION_CACHE_DIR when set, else "
+        f"{default_compile_cache_dir()}); off: compile at every start",
+    )
+
+
+def setup_compile_cache(setting: str | None) -> Path | None:
+    """Turn JAX's persistent compilation cache on in the directory `setting` names (None: the default,
+    `default_compile_cache_dir`, or $JAX_COMPILATION_CACHE_DIR) or off ("off"); the directory in use, or
+    None. Every program is cached however small or quick to compile: a server's start compiles dozens of
+    programs of a few seconds each. Call it before the first compile: JAX opens its cache once."""
+    import jax
+
+    if setting == "off":
+        jax.config.update("jax_enable_compilation_cache", False)
+        log.info("compilation cache off (--compile-cache off): every program compiles at this start")
+        return None
+    directory = Path(setting or os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_compile_cache_dir())
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    log.info("compilation cache: %s (--compile-cache off to disable)", directory)
+    return directory

@@ -11,7 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from serve.cli.common import add_config_arg, add_engine_args, add_prefix_args, prefix_config
+from serve.cli.common import (
+    add_compile_cache_arg,
+    add_config_arg,
+    add_engine_args,
+    add_prefix_args,
+    prefix_config,
+    setup_compile_cache,
+)
 from serve.models import DTYPE_HELP, UsageError, load_on_mesh
 from serve.report import DTYPES
 
@@ -163,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
     from serve.engine.sampling import SamplingError
     from sharding import multihost
 
+    setup_compile_cache(args.compile_cache)
     multi = False
     quiet = contextlib.ExitStack()
     try:
@@ -247,6 +255,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_prefix_args(p)
     multihost.add_arguments(p)
+    add_compile_cache_arg(p)
     p.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt: token_ids, text, stats"
     )

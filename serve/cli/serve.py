@@ -18,7 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from serve.cli.common import add_config_arg, add_engine_args, add_prefix_args, setup_logging
+from serve.cli.common import (
+    add_compile_cache_arg,
+    add_config_arg,
+    add_engine_args,
+    add_prefix_args,
+    setup_compile_cache,
+    setup_logging,
+)
 from serve.cli.generate import engine_config
 from serve.models import DTYPE_HELP, UsageError, load_on_mesh
 from serve.report import DTYPES
@@ -153,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
     import uvicorn  # noqa: F401  (fail here, before loading a model, when it is missing)
+
+    setup_compile_cache(args.compile_cache)
 
     from jaxhybrid.config import ConfigError
     from jaxhybrid.tokenizer import TokenizerError, load_tokenizer
@@ -326,6 +335,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=300.0,
         help="seconds the warm-up may take; what is left then compiles on first use",
     )
+    add_compile_cache_arg(s)
     s.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log verbosity"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -74,6 +75,12 @@ class EngineConfig:
             )
         if self.num_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("set either num_blocks or kv_memory_bytes, not both")
+
+
+def engine_default(name: str) -> Any:
+    """The default of EngineConfig's field `name`. The flags of `serve`, `generate` and the benchmarks take
+    their defaults from here, so that a benchmark measures what `serve` runs unless a flag says otherwise."""
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
 
 
 def prefill_buckets(prefill_chunk: int, smallest: int = 16) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ from serve.engine.runner import Runner
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import PrefillJob, Scheduler, prefill_calls
 from serve.prefix.fingerprint import model_fingerprint
-from serve.prefix.store import PrefixStore
+from serve.prefix.store import PrefixStore, PrefixStoreConfig
 from sharding.multihost import Peers
 
 log = logging.getLogger("jaxhybrid.engine")
@@ -87,6 +87,19 @@ class EngineAPI(Protocol):
     def memory(self) -> dict[str, Any]: ...
 
 
+def aligned_prefix(prefix: PrefixStoreConfig, block_size: int) -> PrefixStoreConfig:
+    """`prefix` with its checkpoint interval rounded to a multiple of `block_size`, said in one log line."""
+    aligned = prefix.aligned(block_size)
+    if aligned.checkpoint_interval != prefix.checkpoint_interval:
+        log.info(
+            "checkpoint interval %d -> %d tokens: rounded to a multiple of the block size (%d)",
+            prefix.checkpoint_interval,
+            aligned.checkpoint_interval,
+            block_size,
+        )
+    return aligned
+
+
 class Engine:
     """See the module doc. `mesh`: a device mesh the model's parameters are already sharded over
     (`sharding.placement`); the cache pools are then laid out on it too."""
@@ -101,6 +114,7 @@ class Engine:
         self.runner = Runner(model, shape, mesh)
         self.store: PrefixStore | None = None
         if config.prefix is not None and config.prefix.enabled:
+            config.prefix = aligned_prefix(config.prefix, shape.block_size)  # on our own copy of the config
             peers = Peers()
             if peers.several and config.prefix.store_dir is not None:
                 self.runner.init_restore_shardings()
@@ -341,11 +355,11 @@ class Engine:
         once on rows that touch only idle slots and the scratch block); False if it already was compiled."""
         return self._ahead(lambda: self.runner.compile_program(program, run_once=not self.has_unfinished()))
 
-    def compile_helpers(self) -> None:
-        """Compile the small programs every request meets (sampling per batch size, slot reset, checkpoint
-        copy and restore), changing no request's state."""
-        rows = tuple(sorted({1, *self.shape.decode_buckets}))
-        self._ahead(lambda: self.runner.compile_helpers(rows, run_once=not self.has_unfinished()))
+    def compile_helpers(self, rows: tuple[int, ...] | None = None, slot_programs: bool = True) -> None:
+        """`Runner.compile_helpers` for batches of `rows` (default: all), changing no request's state."""
+        rows = tuple(sorted({1, *self.shape.decode_buckets})) if rows is None else rows
+        run_once = not self.has_unfinished()
+        self._ahead(lambda: self.runner.compile_helpers(rows, run_once=run_once, slot_programs=slot_programs))
 
     def _ahead(self, fn: Any) -> Any:
         try:

@@ -329,16 +329,20 @@ class Runner:
             self._compiled.add(program)
         return True
 
-    def compile_helpers(self, sample_rows: tuple[int, ...], run_once: bool = False) -> None:
+    def compile_helpers(
+        self, sample_rows: tuple[int, ...], run_once: bool = False, slot_programs: bool = True
+    ) -> None:
         """Compile the small programs around the model program: sampling for each batch of `sample_rows`,
-        logits slicing, a checkpoint's copy, a slot reset and a restore (the last two also run on slot 0 with
-        `run_once`, only while no request holds a slot)."""
+        logits slicing, and with `slot_programs` a checkpoint's copy, a slot reset and a restore (the last two
+        also run on slot 0 with `run_once`, only while no request holds a slot)."""
         vocab = self.model_config.vocab_size
         for rows in sample_rows:
             logits = self._run_like_logits(rows, vocab)
             self.sample(logits, [None] * rows)
             # a prompt-end checkpoint keeps logits[0]; a full hit samples [None] of that
             jax.block_until_ready(logits[0][None])
+        if not slot_programs:
+            return
         slot, scratch = jnp.int32(0), jnp.int32(SCRATCH_BLOCK)
         states, kv = self.take(0, SCRATCH_BLOCK)
         if run_once:

@@ -2,8 +2,9 @@
 
 Without it the first request that meets a program shape (a prefill bucket, a decode batch, a block-table
 width) pays its compilation, seconds each. `Warmup` compiles them one at a time, on the thread that owns
-the engine, between its steps: the helpers every request meets first, then per block-table width (short
-contexts first) the prefill chunks and the decode steps. Nothing it does changes a request's state: each
+the engine, between its steps, in the order a first request meets them (`warmup_plan`): the helpers of one
+row and the one-row programs of short contexts first, so that a request sent as soon as the server answers
+finds them compiled or in progress. Nothing it does changes a request's state: each
 program is compiled ahead of time and, while no request is in the engine, run once on rows with no real
 token (idle slots, the scratch block) so that its first real run is not slower either. Requests may be
 served while it goes on; a program a request needs before its turn is compiled by that request as before,
@@ -41,14 +42,42 @@ class WarmupState(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class Helpers:
+    """The small programs around the model program for batches of `rows` rows (sampling, logits slicing);
+    with `slot_programs`, also a slot's reset and a checkpoint's restore, which every request meets."""
+
+    rows: tuple[int, ...]
+    slot_programs: bool
+
+    def describe(self) -> str:
+        what = "sampling" + (", slot reset and restore" if self.slot_programs else "")
+        return f"helpers ({what}) for {'/'.join(map(str, self.rows))} row{'' if self.rows == (1,) else 's'}"
+
+
+WarmupItem = Helpers | ProgramShape
+
+
+def describe(item: WarmupItem, block_size: int) -> str:
+    """One warm-up item in words, for the log."""
+    if isinstance(item, Helpers):
+        return item.describe()
+    context = f"a block table of {item.width * block_size} tokens"
+    if item.is_decode:
+        return f"decode, {item.rows} row{'s' if item.rows > 1 else ''}, {context}"
+    return f"prefill, {item.rows} x {item.length} tokens, {context}"
+
+
+@dataclasses.dataclass(frozen=True)
 class WarmupProgress:
-    """What /health reports: the state, programs compiled so far of those planned, and the seconds spent."""
+    """What /health reports: the state, programs compiled so far of those planned, the seconds spent, and
+    the last program compiled (in words)."""
 
     level: WarmupLevel
     state: WarmupState
     compiled: int
     total: int
     elapsed_s: float
+    last: str | None = None
 
     def as_json(self) -> dict:
         return {
@@ -57,6 +86,7 @@ class WarmupProgress:
             "compiled": self.compiled,
             "total": self.total,
             "elapsed_s": round(self.elapsed_s, 3),
+            "last": self.last,
         }
 
 
@@ -65,20 +95,35 @@ class Compilable(Protocol):
 
     shape: EngineShape
 
-    def compile_helpers(self) -> None: ...
+    def compile_helpers(self, rows: tuple[int, ...] | None = None, slot_programs: bool = True) -> None: ...
 
     def compile_program(self, program: ProgramShape) -> bool: ...
 
 
-def warmup_plan(shape: EngineShape, level: WarmupLevel) -> list[ProgramShape]:
-    """The model programs `level` compiles, in order: per table width (narrowest first), the prefill chunks
-    and then the decode steps, so the programs of short contexts are ready first."""
+def first_request_key(program: ProgramShape) -> tuple[bool, int, int, int]:
+    """The warm-up order of model programs: what one request meets first, first. One-row programs (a lone
+    request) before batched ones (several requests at once: decode rows, packed prefill); within each, narrow
+    block tables (short contexts) first, and at each width the decode step (which every generated token
+    runs) before the prefill chunks, shortest first. A short first prompt thus finds the smallest prefill
+    chunk and the one-row decode steps of its context among the first programs compiled."""
+    return (program.rows > 1, program.width, program.length, program.rows)
+
+
+def warmup_plan(shape: EngineShape, level: WarmupLevel) -> list[WarmupItem]:
+    """What `level` compiles, in order (`first_request_key`): the helpers of one row, the one-row model
+    programs, the helpers of the other batch sizes, the batched model programs."""
     if level is WarmupLevel.NONE:
         return []
     programs = shape.decode_programs()
     if level is WarmupLevel.ALL:
         programs += shape.prefill_programs()
-    return sorted(programs, key=lambda p: (p.width, p.is_decode, p.rows, p.length))
+    programs.sort(key=first_request_key)
+    single = [p for p in programs if p.rows == 1]
+    batched_rows = tuple(r for r in shape.decode_buckets if r > 1)
+    plan: list[WarmupItem] = [Helpers((1,), slot_programs=True), *single]
+    if batched_rows:
+        plan.append(Helpers(batched_rows, slot_programs=False))
+    return plan + [p for p in programs if p.rows > 1]
 
 
 class Warmup:
@@ -95,10 +140,9 @@ class Warmup:
         if not timeout_s > 0:
             raise ValueError(f"the warm-up timeout must be > 0 seconds, got {timeout_s}")
         self.engine, self.level, self.timeout_s, self.clock = engine, level, timeout_s, clock
-        # the helpers (None) first, then the model programs
-        self.items: list[ProgramShape | None] = [] if level is WarmupLevel.NONE else [None]
-        self.items += warmup_plan(engine.shape, level)
+        self.items = warmup_plan(engine.shape, level)
         self._done = 0
+        self._last: str | None = None
         self._started: float | None = None
         self._elapsed = 0.0
         self.state = WarmupState.WARMING if self.items else WarmupState.DONE
@@ -111,7 +155,7 @@ class Warmup:
         elapsed = self._elapsed
         if self.pending and self._started is not None:
             elapsed = self.clock() - self._started
-        return WarmupProgress(self.level, self.state, self._done, len(self.items), elapsed)
+        return WarmupProgress(self.level, self.state, self._done, len(self.items), elapsed, self._last)
 
     def step(self) -> bool:
         """Compile the next program (skipping those already compiled); False once nothing is left to do."""
@@ -121,24 +165,35 @@ class Warmup:
         if self._started is None:
             self._started = now
             log.info(
-                "warm-up (--warmup %s): compiling the helpers and %d model programs in the background, "
-                "at most %.0f s; requests are served meanwhile",
+                "warm-up (--warmup %s): compiling %d programs in the background, what a first request "
+                "needs first, at most %.0f s; requests are served meanwhile",
                 self.level.value,
-                len(self.items) - 1,
+                len(self.items),
                 self.timeout_s,
             )
         elif now - self._started > self.timeout_s:
             return self._finish(WarmupState.TIMED_OUT)
         item = self.items[self._done]
+        t0 = self.clock()
         try:
-            if item is None:
-                self.engine.compile_helpers()
+            if isinstance(item, Helpers):
+                self.engine.compile_helpers(item.rows, item.slot_programs)
+                fresh = True
             else:
-                self.engine.compile_program(item)
+                fresh = self.engine.compile_program(item)
         except Exception:  # a program that cannot compile now fails its first request instead, as before
             log.exception("warm-up: compiling an engine program failed; the rest compile on first use")
             return self._finish(WarmupState.FAILED)
         self._done += 1
+        self._last = describe(item, self.engine.shape.block_size)
+        log.info(
+            "warm-up %d/%d: %s %s in %.1f s",
+            self._done,
+            len(self.items),
+            self._last,
+            "compiled" if fresh else "already compiled (a request met it first)",
+            self.clock() - t0,
+        )
         if self._done == len(self.items):
             return self._finish(WarmupState.DONE)
         return True
@@ -153,7 +208,7 @@ class Warmup:
             self._elapsed = self.clock() - self._started
         self.state = state
         if state is WarmupState.DONE:
-            log.info("warm-up done: %d model programs compiled in %.1f s", self._done - 1, self._elapsed)
+            log.info("warm-up done: %d programs compiled in %.1f s", self._done, self._elapsed)
         elif state is not WarmupState.FAILED:
             log.info(
                 "warm-up %s after %.1f s: %d of %d steps done; the rest compile on first use",

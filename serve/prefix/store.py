@@ -77,6 +77,14 @@ class PrefixStoreConfig:
     def adaptive(self) -> bool:
         return self.checkpoint_policy == "adaptive"
 
+    def aligned(self, block_size: int) -> PrefixStoreConfig:
+        """This config with `checkpoint_interval` rounded to the nearest positive multiple of `block_size`
+        (checkpoints sit on block boundaries), so that any block size works with the default interval."""
+        if self.checkpoint_interval < 1:
+            return self  # `validate` says what is wrong
+        blocks = max(1, (self.checkpoint_interval + block_size // 2) // block_size)
+        return dataclasses.replace(self, checkpoint_interval=blocks * block_size)
+
     def validate(self, block_size: int) -> None:
         if self.checkpoint_interval < 1 or self.checkpoint_interval % block_size:
             raise ValueError(
