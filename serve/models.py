@@ -129,9 +129,7 @@ def load_on_mesh(args: argparse.Namespace, multi: bool) -> tuple[Any, Any]:
         from sharding.placement import load_pretrained_on_mesh
 
         report: dict[str, Any] = {}
-        model = load_pretrained_on_mesh(
-            args.model, mesh, jnp.dtype(args.dtype), progress=None, report=report
-        )
+        model = load_pretrained_on_mesh(args.model, mesh, jnp.dtype(args.dtype), progress=None, report=report)
         if "read_bytes" in report:
             log.info("read %d checkpoint bytes: this process's shards", report["read_bytes"])
         return model, mesh
