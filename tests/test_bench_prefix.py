@@ -82,14 +82,14 @@ def chat_bases(workload, prompts):
     rebuilt here) of the longest one it extends by a user message of user_min..user_max tokens; None if none.
     The prompts come chat by chat within a round, `conversations` a round."""
     history = [[prompts[0][: workload.system_len]] for _ in range(workload.conversations)]
+    lo, hi = workload.user_min, workload.user_max
     bases = []
     for i, p in enumerate(prompts):
         chat = history[i % workload.conversations]
         fits = [
             k
             for k, seq in enumerate(chat)
-            if np.array_equal(p[: len(seq)], seq)
-            and workload.user_min <= len(p) - len(seq) <= workload.user_max
+            if np.array_equal(p[: len(seq)], seq) and lo <= len(p) - len(seq) <= hi
         ]
         bases.append(max(fits, default=None))
         chat.append(np.concatenate([p, np.asarray(answer(p, workload.max_tokens), np.int32)]))
