@@ -22,8 +22,8 @@ import numpy as np
 
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import HybridLM
-from serve.engine.blocks import BlockAllocator
 from serve.engine.config import EngineConfig, EngineShape, ProgramShape
+from serve.engine.pools import EnginePools
 from serve.engine.requests import (
     FinishReason,
     GenerateResult,
@@ -35,12 +35,9 @@ from serve.engine.requests import (
     check_request,
     stop_reason,
 )
-from serve.engine.runner import Runner
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import PrefillJob, Scheduler, prefill_calls
-from serve.prefix.fingerprint import model_fingerprint
 from serve.prefix.store import PrefixStore
-from sharding.multihost import Peers
 
 log = logging.getLogger("jaxhybrid.engine")
 
@@ -97,24 +94,9 @@ class Engine:
         self.config = config = dataclasses.replace(config) if config else EngineConfig()
         self.shape = shape = EngineShape.resolve(config, self.model_config)
         self.max_model_len = shape.max_model_len
-        self.allocator = BlockAllocator(shape.num_blocks)
-        self.runner = Runner(model, shape, mesh)
-        self.store: PrefixStore | None = None
-        if config.prefix is not None and config.prefix.enabled:
-            peers = Peers()
-            if peers.several and config.prefix.store_dir is not None:
-                self.runner.init_restore_shardings()
-            self.store = PrefixStore(
-                config.prefix,
-                block_size=shape.block_size,
-                block_bytes=shape.block_bytes,
-                state_bytes=shape.state_bytes,
-                fingerprint=model_fingerprint(model),
-                allocator=self.allocator,
-                layout=f"bs{shape.block_size}-{shape.kv_dtype.name}",
-                peers=peers,
-                restore_shardings=self.runner.restore_sharding,
-            )
+        self.pools = EnginePools(model, shape, config.prefix, mesh)
+        self.allocator, self.runner = self.pools.allocator, self.pools.runner
+        self.store: PrefixStore | None = self.pools.store
         self.scheduler = Scheduler(shape, self.allocator, self.store)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -324,11 +306,7 @@ class Engine:
             outputs.append(
                 RequestOutput(req.id, [], [], True, FinishReason.ERROR, req.prefix_hit_tokens, req.error)
             )
-        if self.runner.pools_lost():
-            log.warning("rebuilding the cache pools after a failed program call")
-            if self.store is not None:
-                self.store.forget_blocks()
-            self.runner.rebuild()
+        self.pools.rebuild_lost()
         return outputs
 
     # --- compiling ahead of use (the server's warm-up; call between steps) -------------------------------
@@ -339,23 +317,12 @@ class Engine:
     def compile_program(self, program: ProgramShape) -> bool:
         """Compile one model program ahead of its first use (and, while no request is in the engine, run it
         once on rows that touch only idle slots and the scratch block); False if it already was compiled."""
-        return self._ahead(lambda: self.runner.compile_program(program, run_once=not self.has_unfinished()))
+        return self.pools.compile_program(program, run_once=not self.has_unfinished())
 
     def compile_helpers(self) -> None:
         """Compile the small programs every request meets (sampling per batch size, slot reset, checkpoint
         copy and restore), changing no request's state."""
-        rows = tuple(sorted({1, *self.shape.decode_buckets}))
-        self._ahead(lambda: self.runner.compile_helpers(rows, run_once=not self.has_unfinished()))
-
-    def _ahead(self, fn: Any) -> Any:
-        try:
-            return fn()
-        except Exception:
-            if self.runner.pools_lost():  # a failed run took the (idle) pools with it
-                if self.store is not None:
-                    self.store.forget_blocks()
-                self.runner.rebuild()
-            raise
+        self.pools.compile_helpers(run_once=not self.has_unfinished())
 
     # --- batch API -----------------------------------------------------------------------------------------
     def generate(
@@ -399,20 +366,4 @@ class Engine:
 
     def memory(self) -> dict[str, Any]:
         """Bytes held by the engine: KV blocks (used/free), live KDA states, and per running request."""
-        alloc, shape, live = self.allocator, self.shape, len(self.running)
-        return {
-            "block_size": shape.block_size,
-            "block_bytes": shape.block_bytes,
-            "num_blocks": alloc.usable,
-            "used_blocks": alloc.num_used,
-            "free_blocks": alloc.num_free,
-            "kv_bytes_total": alloc.usable * shape.block_bytes,
-            "kv_bytes_used": alloc.num_used * shape.block_bytes,
-            "kv_bytes_free": alloc.num_free * shape.block_bytes,
-            "slots": shape.slots,
-            "state_bytes_per_slot": shape.state_bytes,
-            "state_pool_bytes": shape.slots * shape.state_bytes,
-            "live_states": live,
-            "state_bytes_live": live * shape.state_bytes,
-            "requests": {r.id: self.scheduler.memory_of(r) for r in self.running},
-        }
+        return self.pools.memory(self.running, self.scheduler.memory_of)
