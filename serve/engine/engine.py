@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -88,16 +88,29 @@ class Engine:
     """See the module doc. `mesh`: a device mesh the model's parameters are already sharded over
     (`sharding.placement`); the cache pools are then laid out on it too."""
 
-    def __init__(self, model: HybridLM, config: EngineConfig | None = None, mesh: Any = None):
-        self.model_config: ModelConfig = model.config
-        self.mesh = mesh
+    def __init__(
+        self,
+        model: HybridLM | None,
+        config: EngineConfig | None = None,
+        mesh: Any = None,
+        *,
+        pools: EnginePools | None = None,
+        model_config: ModelConfig | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        """With `pools` and `model_config` instead of a model: this step loop over pools whose runner
+        computes nothing, on a `clock` of its own (the simulator: `serve.bench.simulate`)."""
         self.config = config = dataclasses.replace(config) if config else EngineConfig()
-        self.shape = shape = EngineShape.resolve(config, self.model_config)
-        self.max_model_len = shape.max_model_len
-        self.pools = EnginePools(model, shape, config.prefix, mesh)
-        self.allocator, self.runner = self.pools.allocator, self.pools.runner
-        self.store: PrefixStore | None = self.pools.store
-        self.scheduler = Scheduler(shape, self.allocator, self.store)
+        self.model_config: ModelConfig = model.config if model is not None else model_config
+        if pools is None:
+            shape = EngineShape.resolve(config, self.model_config)
+            pools = EnginePools.for_model(model, shape, config.prefix, mesh)
+        self.mesh, self.pools, self.clock = mesh, pools, clock
+        self.shape = pools.shape
+        self.max_model_len = self.shape.max_model_len
+        self.allocator, self.runner = pools.allocator, pools.runner
+        self.store: PrefixStore | None = pools.store
+        self.scheduler = Scheduler(self.shape, self.allocator, self.store, clock)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
@@ -140,7 +153,7 @@ class Engine:
         check_cache_salt(cache_salt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**31 - 1))
-        req = Request(rid, prompt, params, seed, time.perf_counter(), cache_salt)
+        req = Request(rid, prompt, params, seed, self.clock(), cache_salt)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -219,9 +232,9 @@ class Engine:
         return list(outputs.values())
 
     def _decode(self, reqs: list[Request], outputs: dict[str, RequestOutput]) -> None:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         ids, logps = self.runner.decode(reqs)
-        dt = time.perf_counter() - t0
+        dt = self.clock() - t0
         for req, token, logp in zip(reqs, ids, logps, strict=True):
             req.num_computed += 1
             req.decode_time += dt
@@ -241,7 +254,7 @@ class Engine:
             ids, logps = self.runner.sample(logits, [req])
             self._append(req, int(ids[0]), float(logps[0]), outputs)
             return
-        t0 = time.perf_counter()
+        t0 = self.clock()
         reqs = [j.request for j in jobs]
         logits = self.runner.prefill_rows(reqs, [j.tokens for j in jobs])
         for job in jobs:
@@ -252,7 +265,7 @@ class Engine:
             ids, logps = self.runner.sample(logits, rows)
         else:
             jax.block_until_ready(logits)
-        dt = time.perf_counter() - t0
+        dt = self.clock() - t0
         for i, req in enumerate(reqs):
             req.prefill_time += dt
             try:  # from here on a failure is this request's alone (e.g. a checkpoint that could not be kept)
@@ -265,7 +278,7 @@ class Engine:
 
     def _append(self, req: Request, token: int, logprob: float, outputs: dict[str, RequestOutput]) -> None:
         if req.first_token_time is None:
-            req.first_token_time = time.perf_counter()
+            req.first_token_time = self.clock()
         req.generated.append(token)
         req.logprobs.append(logprob)
         reason = stop_reason(req, token, self.model_config.eos_token_id, self.max_model_len)

@@ -24,26 +24,33 @@ log = logging.getLogger("jaxhybrid.engine")
 class EnginePools:
     """See the module doc. `mesh`: the mesh the model is sharded over (the pools are laid out on it)."""
 
-    def __init__(self, model: HybridLM, shape: EngineShape, prefix: PrefixStoreConfig | None, mesh: Any):
-        self.shape = shape
-        self.allocator = BlockAllocator(shape.num_blocks)
-        self.runner = Runner(model, shape, mesh)
-        self.store: PrefixStore | None = None
+    def __init__(self, shape: EngineShape, allocator: BlockAllocator, runner: Any, store: PrefixStore | None):
+        """`runner`: a `Runner`, or one with its step interface and no model (`serve.bench.simulate`)."""
+        self.shape, self.allocator, self.runner, self.store = shape, allocator, runner, store
+
+    @classmethod
+    def for_model(
+        cls, model: HybridLM, shape: EngineShape, prefix: PrefixStoreConfig | None, mesh: Any
+    ) -> EnginePools:
+        allocator = BlockAllocator(shape.num_blocks)
+        runner = Runner(model, shape, mesh)
+        store = None
         if prefix is not None and prefix.enabled:
             peers = Peers()
             if peers.several and prefix.store_dir is not None:
-                self.runner.init_restore_shardings()
-            self.store = PrefixStore(
+                runner.init_restore_shardings()
+            store = PrefixStore(
                 prefix,
                 block_size=shape.block_size,
                 block_bytes=shape.block_bytes,
                 state_bytes=shape.state_bytes,
                 fingerprint=model_fingerprint(model),
-                allocator=self.allocator,
+                allocator=allocator,
                 layout=f"bs{shape.block_size}-{shape.kv_dtype.name}",
                 peers=peers,
-                restore_shardings=self.runner.restore_sharding,
+                restore_shardings=runner.restore_sharding,
             )
+        return cls(shape, allocator, runner, store)
 
     def rebuild_lost(self) -> None:
         """If a failed program call consumed the pools: rebuild them (the prefix store then forgets its KV
