@@ -96,16 +96,19 @@ def chat_bases(workload, prompts):
     return bases
 
 
-chats = st.builds(
+def family(cls, **fields):
+    """A small workload of the family: any seed, 2-token messages at least (agentic needs them)."""
+    return st.builds(cls, seed=st.integers(0, 99), user_min=st.just(2), **fields)
+
+
+chats = family(
     ChatWorkload,
-    seed=st.integers(0, 99),
     conversations=st.integers(1, 4),
-    turns=st.integers(1, 5),
-    system_len=st.integers(1, 30),
-    user_min=st.integers(1, 4),
-    user_max=st.integers(4, 12),
+    turns=st.integers(1, 3),
+    system_len=st.integers(1, 20),
+    user_max=st.integers(2, 9),
     max_tokens=st.integers(1, 4),
-    branch_prob=st.sampled_from([0.0, 0.5, 1.0]),
+    branch_prob=st.one_of(st.just(0.0), st.floats(0, 1)),
 )
 
 
@@ -280,21 +283,8 @@ STORES = {
 }
 
 
-def family(cls, **fields):
-    """A small workload of the family: any seed, 2-token messages at least (agentic needs them)."""
-    return st.builds(cls, seed=st.integers(0, 99), user_min=st.just(2), **fields)
-
-
 families = st.one_of(
-    family(
-        ChatWorkload,
-        conversations=st.integers(1, 4),
-        turns=st.integers(1, 3),
-        system_len=st.integers(1, 20),
-        user_max=st.integers(2, 9),
-        max_tokens=st.integers(1, 4),
-        branch_prob=st.floats(0, 1),
-    ),
+    chats,
     family(
         DocQAWorkload,
         documents=st.integers(1, 3),
