@@ -133,7 +133,8 @@ def test_bench_slots_counts_the_decode_steps_and_its_ratios_follow_from_the_rate
 
 @pytest.mark.parametrize("argv", [["--model", "/nonexistent"], ["--make-small", "/tmp/unused"]])
 def test_bench_reference_without_transformers_is_one_error_line(capsys, monkeypatch, argv):
-    """Without the optional extra (CI has no torch) the command says what to install; nothing is written."""
+    """Without the optional extra (hidden here: CI installs it) the command says what to install; nothing is
+    written."""
     monkeypatch.setitem(__import__("sys").modules, "torch", None)  # `import torch` raises ImportError
     assert main(["bench", "reference", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -77,25 +77,72 @@ def lcp(a, b):
 
 
 # --- the families ---------------------------------------------------------------------------------------
-def test_the_chat_family_sends_the_prompts_it_sent_before_it_moved():
-    """Fingerprints of the prompts `serve.bench.chat.replay` sent at 8b2ddab (before the move), answered the
-    same way: the bench's chat figures and the simulator test replay exactly what they did."""
-    cases = [
-        (ChatWorkload(), "1bda3c4e13f737c7e7e3875dced65eaa8f8b05df1f14c531c9f6af2e03615c90", 121, 230),
-        (
-            ChatWorkload(seed=5, conversations=3, turns=5, branch_prob=0.6, max_tokens=3),
-            "6f58d0f1f64bda7ed1f58a259a2e8fb590e1bbbc25bb9eee2e3221c98d6d72b4",
-            136,
-            223,
-        ),
-    ]
-    for workload, expected, first, last in cases:
-        server = Answering()
-        rep = replay(server, workload, VOCAB)
-        assert digest(server.prompts) == expected
-        assert (len(server.prompts[0]), len(server.prompts[-1])) == (first, last)
-        assert [len(s.prompt) for s in rep.served] == [len(p) for p in server.prompts]
-        assert [s.round for s in rep.served] == [i // workload.conversations for i in range(len(rep.served))]
+def chat_bases(workload, prompts):
+    """Per prompt, the index in its chat's sequences (the system prompt, then each turn's prompt + `answer`,
+    rebuilt here) of the longest one it extends by a user message of user_min..user_max tokens; None if none.
+    The prompts come chat by chat within a round, `conversations` a round."""
+    history = [[prompts[0][: workload.system_len]] for _ in range(workload.conversations)]
+    lo, hi = workload.user_min, workload.user_max
+    bases = []
+    for i, p in enumerate(prompts):
+        chat = history[i % workload.conversations]
+        fits = [
+            k
+            for k, seq in enumerate(chat)
+            if np.array_equal(p[: len(seq)], seq) and lo <= len(p) - len(seq) <= hi
+        ]
+        bases.append(max(fits, default=None))
+        chat.append(np.concatenate([p, np.asarray(answer(p, workload.max_tokens), np.int32)]))
+    return bases
+
+
+def family(cls, **fields):
+    """A small workload of the family: any seed, 2-token messages at least (agentic needs them)."""
+    return st.builds(cls, seed=st.integers(0, 99), user_min=st.just(2), **fields)
+
+
+chats = family(
+    ChatWorkload,
+    conversations=st.integers(1, 4),
+    turns=st.integers(1, 3),
+    system_len=st.integers(1, 20),
+    user_max=st.integers(2, 9),
+    max_tokens=st.integers(1, 4),
+    branch_prob=st.one_of(st.just(0.0), st.floats(0, 1)),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chats)
+def test_the_chat_family_continues_or_forks_each_chat(workload):
+    """What `replay` sends for the chat family, checked against the sequences the server answered: every
+    prompt starts with one system prompt; round 0 adds a user message; later a chat's prompt is one of its
+    own earlier turns (its last without branching) + a user message, never the bare system prompt again."""
+    server = Answering()
+    rep = replay(server, workload, VOCAB)
+    prompts = server.prompts
+    assert len(prompts) == workload.turns * workload.conversations
+    system = prompts[0][: workload.system_len]
+    assert all(np.array_equal(p[: workload.system_len], system) for p in prompts)
+    assert all(p.dtype == np.int32 and p.min() >= 3 and p.max() < VOCAB for p in prompts)
+    bases = chat_bases(workload, prompts)
+    rounds = [i // workload.conversations for i in range(len(prompts))]
+    assert [b == 0 for b in bases] == [r == 0 for r in rounds]  # round 0 (only) on the system prompt
+    assert None not in bases and all(b <= r for b, r in zip(bases, rounds, strict=True))
+    if workload.branch_prob == 0:
+        assert bases == rounds  # each chat continues its last turn
+    assert [len(s.prompt) for s in rep.served] == [len(p) for p in prompts]
+    assert [s.round for s in rep.served] == rounds
+
+
+def test_chats_fork_from_an_earlier_turn():
+    workload = ChatWorkload(seed=5, conversations=3, turns=5, branch_prob=0.6, max_tokens=3)
+    server = Answering()
+    replay(server, workload, VOCAB)
+    bases = chat_bases(workload, server.prompts)
+    rounds = [i // workload.conversations for i in range(len(bases))]
+    assert sum(0 < b < r for b, r in zip(bases, rounds, strict=True)) >= 2  # forks to a turn before the last
+    assert sum(b == r > 0 for b, r in zip(bases, rounds, strict=True)) >= 2  # and continuations
 
 
 @pytest.mark.parametrize("family", [ChatWorkload, DocQAWorkload, AgenticWorkload])
@@ -236,21 +283,8 @@ STORES = {
 }
 
 
-def family(cls, **fields):
-    """A small workload of the family: any seed, 2-token messages at least (agentic needs them)."""
-    return st.builds(cls, seed=st.integers(0, 99), user_min=st.just(2), **fields)
-
-
 families = st.one_of(
-    family(
-        ChatWorkload,
-        conversations=st.integers(1, 4),
-        turns=st.integers(1, 3),
-        system_len=st.integers(1, 20),
-        user_max=st.integers(2, 9),
-        max_tokens=st.integers(1, 4),
-        branch_prob=st.floats(0, 1),
-    ),
+    chats,
     family(
         DocQAWorkload,
         documents=st.integers(1, 3),

@@ -1,6 +1,6 @@
 """The layout by role keeps its arrows (DESIGN.md): `jaxhybrid` imports neither `sharding` nor `serve`;
 `sharding` imports `jaxhybrid` only; `serve/bench` never imports `serve/cli` (cli runs the benchmarks);
-outside `serve/prefix/` only its interface modules are imported; no class in serve/ much over 300 lines.
+outside `serve/prefix/` only its interface modules are imported; no class in serve/ over 300 lines.
 Read from the source (every import, lazy ones inside functions too)."""
 
 import ast
@@ -72,10 +72,17 @@ def test_only_the_prefix_store_interface_is_imported_outside_it():
     assert found == {}
 
 
-def test_no_class_in_serve_is_much_over_300_lines():
+# A class is the unit a reader must hold in mind at once; past about 300 lines one has taken on a second role
+# (the engine's step loop and its device pools, the store's decisions and its write path), which belongs in a
+# collaborator of its own. Counted from the `class` line to its last line, docstring and comments included.
+MAX_CLASS_LINES = 300
+
+
+def test_no_class_in_serve_is_over_300_lines():
     big = {}
     for path in sorted((ROOT / "serve").rglob("*.py")):
         for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 330:
-                big[f"{path.relative_to(ROOT)}:{node.name}"] = node.end_lineno - node.lineno + 1
+            lines = node.end_lineno - node.lineno + 1
+            if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
+                big[f"{path.relative_to(ROOT)}:{node.name}"] = lines
     assert big == {}

@@ -2,19 +2,22 @@
 simulator (fed the engine's own answers, so both meet the same tokens), every request's prefix hit,
 recomputed and prefilled tokens and the ledger's checkpoint counts and bytes per tier and per kind after
 every turn are equal, for several store settings, including budgets that demote and drop checkpoints and a
-KV pool small enough to evict cached blocks. Both serve each turn's requests concurrently: the simulator
-runs the engine's scheduler step by step, so admission order, chunking and eviction are the same."""
+KV pool small enough to evict cached blocks; with long prompts across many chunks whose chunks run alone
+beside short ones packed into one call (`prefill_rows` 2), and with a request that fails. Both serve each
+turn's requests concurrently; the simulator is the engine's own step loop over a runner with no model."""
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from serve.bench.simulate import CostModel, SimEngine
-from serve.bench.workloads import ChatWorkload, replay
+from serve.bench.workloads import ChatWorkload, Round, replay
 from serve.cli import main
 from serve.engine.engine import Engine, EngineConfig
 from serve.prefix.store import PrefixStoreConfig
@@ -75,6 +78,88 @@ def test_the_simulator_agrees_with_the_engine(model, name):
     assert sum(s["prefix_hit_tokens"] for s in real.stats) > 0 and last["evicted_blocks"] > 0
     if "budgets" in name:
         assert last["demotions"] > 0 and last["dropped_checkpoints"] > 0
+
+
+def fail_at(store, prompt, position):
+    """Make the store raise once `prompt`'s request has computed `position` tokens: that request fails alone
+    (finish reason "error", its slot and blocks freed), the others go on."""
+    on_computed = store.on_computed
+
+    def failing(seq, source, logits=None):
+        if list(seq.prompt) == prompt and seq.num_computed >= position:
+            raise RuntimeError("injected")
+        return on_computed(seq, source, logits)
+
+    store.on_computed = failing
+
+
+def test_the_simulator_agrees_with_the_engine_when_a_request_fails(model):
+    config = EngineConfig(**SHAPE, prefix=PrefixStoreConfig(checkpoint_interval=8))
+    prompt = next(WORKLOAD.rounds(CFG.vocab_size)).prompts[2].tolist()  # round 0's third: it waits for a slot
+    engine = Recorder(Engine(model, config))
+    fail_at(engine.engine.store, prompt, 8)
+    real = replay(engine, WORKLOAD, CFG.vocab_size)
+    # the failed request's answer is empty, but its one prefill call samples a token before the store raises
+    answers = lambda prompt, n: (engine.answers[tuple(prompt)] + [3] * n)[:n]  # noqa: E731
+    sim_engine = SimEngine(CFG, config, answers, CostModel.of(CFG, 0.0))
+    fail_at(sim_engine.store, prompt, 8)
+    sim = replay(sim_engine, WORKLOAD, CFG.vocab_size)
+    keys = (*REQUEST_KEYS, "finish_reason")
+    assert [[s[k] for k in keys] for s in sim.stats] == [[s[k] for k in keys] for s in real.stats]
+    assert sim.ledgers == real.ledgers
+    assert [s["finish_reason"] for s in real.stats].count("error") == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedLengths:
+    """Prompts on both sides of the 256 tokens a packed prefill call's block table holds, behind one system
+    prompt: in one step a long request's chunk runs alone and before the short ones packed together (the
+    engine's order, not the plan's), and long prompts cross many chunks and checkpoints. Round 1 sends each
+    round-0 sequence back with a few new tokens (hits), and a new long prompt."""
+
+    lengths: tuple[int, ...] = (270, 40, 300, 30, 180)
+    max_tokens: int = 2
+    name: str = "mixed"
+
+    def rounds(self, vocab):
+        rng = np.random.default_rng(7)
+        system = rng.integers(3, vocab, 24).astype(np.int32)
+        tokens = lambda n: rng.integers(3, vocab, n).astype(np.int32)  # noqa: E731
+        sequences = yield Round([np.concatenate([system, tokens(n - 24)]) for n in self.lengths])
+        yield Round(
+            [np.concatenate([s, tokens(3)]) for s in sequences] + [np.concatenate([system, tokens(250)])]
+        )
+
+
+# 2 slots, so prefill_rows 2; 312 tokens at most (tables of 39 blocks: wider than the 32 a packed call holds);
+# a pool of 64 usable blocks (the two longest requests hold 78 at once: one is preempted and recomputed)
+LONG_SHAPE = dict(max_slots=2, block_size=8, prefill_chunk=16, max_model_len=312, num_blocks=65)
+LONG_CASES = {
+    "interval 16": dict(checkpoint_interval=16, **NO_ENDS),
+    "ends + interval 32, budgets that demote and drop": dict(
+        checkpoint_interval=32, device_bytes=40_000, host_bytes=60_000
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LONG_CASES))
+def test_the_simulator_agrees_with_the_engine_on_long_prompts_run_alone_and_packed(model, name):
+    config = EngineConfig(**LONG_SHAPE, prefix=PrefixStoreConfig(**LONG_CASES[name]))
+    engine = Recorder(Engine(model, config))
+    assert engine.engine.shape.prefill_rows == 2
+    calls = []
+    calls_of = engine.engine.runner.prefill_rows
+    engine.engine.runner.prefill_rows = lambda reqs, ns: calls.append(len(reqs)) or calls_of(reqs, ns)
+    workload = MixedLengths()
+    real = replay(engine, workload, CFG.vocab_size)
+    assert 1 in calls and 2 in calls  # chunks ran alone and packed
+    answers = lambda prompt, n: engine.answers[tuple(prompt)]  # noqa: E731
+    sim = replay(SimEngine(CFG, config, answers, CostModel.of(CFG, 0.0)), workload, CFG.vocab_size)
+    assert [[s[k] for k in REQUEST_KEYS] for s in sim.stats] == [
+        [s[k] for k in REQUEST_KEYS] for s in real.stats
+    ]
+    assert sim.ledgers == real.ledgers
+    assert sum(s["prefix_hit_tokens"] for s in real.stats) > 0
 
 
 def test_bench_prefix_simulate_runs_the_k3_shape_in_seconds(capsys):

@@ -1,6 +1,7 @@
-"""The scheduler on its own, with no model: a simulated executor stands in for the runner (a prefill job
-computes its tokens, a decode row computes one and appends a token). Admission order, chunking, the token
-budget, preemption order, and invariants of every plan over generated workloads."""
+"""The scheduler with no model: the engine's own step loop over the simulator's runner (`SimRunner`: a
+prefill call computes its chunks, a decode row one token, every answer token is 7), every plan checked before
+it runs. Admission order, chunking, the token budget, preemption order, packed prefill calls, and invariants
+of every plan over generated workloads."""
 
 import itertools
 
@@ -9,17 +10,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxhybrid.config import load_config
+from serve.bench.simulate import CostModel, SimRunner
 from serve.engine.blocks import BlockAllocator
-from serve.engine.config import EngineShape, decode_buckets, prefill_buckets, table_buckets
+from serve.engine.config import PACK_LENGTHS, EngineShape, decode_buckets, prefill_buckets, table_buckets
+from serve.engine.engine import Engine
+from serve.engine.pools import EnginePools
 from serve.engine.requests import FinishReason, Request
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import Scheduler
 from serve.prefix.store import PrefixStore, PrefixStoreConfig
 
 BS = 4
+CFG = load_config("tiny")
 
 
-def shape(slots=2, num_blocks=64, chunk=8, budget=None, max_len=256, bs=BS) -> EngineShape:
+def shape(slots=2, num_blocks=64, chunk=8, budget=None, max_len=256, bs=BS, rows=1) -> EngineShape:
     return EngineShape(
         slots=slots,
         block_size=bs,
@@ -33,6 +39,8 @@ def shape(slots=2, num_blocks=64, chunk=8, budget=None, max_len=256, bs=BS) -> E
         buckets=prefill_buckets(chunk),
         table_buckets=table_buckets(max_len // bs),
         decode_buckets=decode_buckets(slots),
+        prefill_rows=rows,
+        pack_lengths=tuple(sorted({min(n, chunk) for n in PACK_LENGTHS})),
     )
 
 
@@ -46,31 +54,41 @@ def request(prompt_len: int, new: int, first: int = 3) -> Request:
 
 
 class Sim:
-    """Runs plans the way the engine does, minus the model: tokens are a counter."""
+    """The engine's step loop with no model (see the module doc); `step` returns the plan it ran and every
+    program call is checked: at most `prefill_rows` chunks, several only when each packs."""
 
-    def __init__(self, sched: Scheduler):
-        self.sched, self.steps = sched, 0
+    def __init__(self, shape: EngineShape, allocator: BlockAllocator, store: PrefixStore | None = None):
+        runner = SimRunner(lambda prompt, n: [7] * n, CostModel(CFG, 0.0, 0.0))
+        pools = EnginePools(shape, allocator, runner, store)
+        self.engine = Engine(None, pools=pools, model_config=CFG, clock=runner.now)
+        self.sched, self.plans, self.calls = self.engine.scheduler, [], []
+        schedule, prefill_rows = self.sched.schedule, runner.prefill_rows
+
+        def checked_schedule():
+            plan = schedule()
+            check_plan(self.sched, plan)
+            self.plans.append(plan)
+            return plan
+
+        def checked_call(reqs, ns):
+            assert len(reqs) <= shape.prefill_rows
+            assert len(reqs) == 1 or all(shape.packs(n, len(r.blocks)) for r, n in zip(reqs, ns, strict=True))
+            self.calls.append(list(zip(reqs, ns, strict=True)))
+            return prefill_rows(reqs, ns)
+
+        self.sched.schedule, runner.prefill_rows = checked_schedule, checked_call
+
+    @property
+    def steps(self) -> int:
+        return self.engine.steps
 
     def step(self):
-        plan = self.sched.schedule()
-        self.steps += 1
-        check_plan(self.sched, plan)
-        for req in plan.decode:
-            req.num_computed += 1
-            self.append(req)
-        for job in plan.prefill:
-            req = job.request
-            req.num_computed += job.tokens
-            if req.pending == 0:
-                self.append(req)
+        calls = len(self.calls)
+        self.engine.step()
+        plan = self.plans[-1]
+        ran = [(id(r), n) for call in self.calls[calls:] for r, n in call]
+        assert sorted(ran) == sorted((id(j.request), j.tokens) for j in plan.prefill)  # each chunk once
         return plan
-
-    def append(self, req):
-        req.generated.append(7)
-        if len(req.generated) >= req.params.max_tokens:
-            if self.sched.store is not None:
-                self.sched.store.on_finished(req, FakeSource())
-            self.sched.finish(req, FinishReason.LENGTH)
 
 
 def check_plan(sched: Scheduler, plan) -> None:
@@ -120,24 +138,25 @@ class FakeSource:
 
 
 def test_admission_in_order_by_slots_and_chunks_under_the_budget():
-    sched = Scheduler(shape(slots=2, chunk=8), BlockAllocator(64))
+    sim = Sim(shape(slots=2, chunk=8), BlockAllocator(64))
+    sched = sim.sched
     a, b, c = request(20, 2), request(3, 2), request(5, 2)
     for r in (a, b, c):
         sched.add(r)
-    plan = Sim(sched).step()
+    plan = sim.step()
     assert [adm.request for adm in plan.admissions] == [a, b]  # two slots, arrival order
     assert [(j.request, j.tokens) for j in plan.prefill] == [(a, 8), (b, 2)]  # budget 10 = 8 + 2
     assert list(sched.waiting) == [c]
-    plan = Sim(sched).step()
+    plan = sim.step()
     # b has one prompt token left: the decode program computes it (and samples), reserving its budget first
     assert plan.decode == [b] and [(j.request, j.tokens) for j in plan.prefill] == [(a, 8)]
 
 
 def test_decode_rows_reserve_the_budget_before_prefill():
-    sched = Scheduler(shape(slots=3, chunk=8, budget=9), BlockAllocator(64))
+    sim = Sim(shape(slots=3, chunk=8, budget=9), BlockAllocator(64))
+    sched = sim.sched
     short, long = request(2, 5), request(40, 2)
     sched.add(short)
-    sim = Sim(sched)
     sim.step()  # short prefilled: it decodes from now on
     sched.add(long)
     plan = sim.step()
@@ -146,11 +165,11 @@ def test_decode_rows_reserve_the_budget_before_prefill():
 
 def test_the_newest_request_is_preempted_and_recomputed_when_blocks_run_out():
     # 8 usable blocks of 4 tokens; a: 12 prompt tokens + 12 new, b: 4 + 12: together 40 tokens > 32
-    sched = Scheduler(shape(slots=2, chunk=8), BlockAllocator(9))
+    sim = Sim(shape(slots=2, chunk=8), BlockAllocator(9))
+    sched = sim.sched
     a, b = request(12, 12), request(4, 12)
     sched.add(a)
     sched.add(b)
-    sim = Sim(sched)
     preempted = []
     while sched.has_unfinished():
         assert sim.steps < 500
@@ -165,10 +184,10 @@ def test_the_newest_request_is_preempted_and_recomputed_when_blocks_run_out():
 def test_a_request_preempted_and_readmitted_in_one_step_keeps_only_its_new_job():
     """The issue's case at the scheduler: a long prompt's next chunk needs a block a decoding request holds;
     the decoding one is preempted and readmitted in the same step, and must not also be decoded."""
-    sched = Scheduler(shape(slots=2, chunk=16, budget=18, bs=16, max_len=512), BlockAllocator(18))
+    sim = Sim(shape(slots=2, chunk=16, budget=18, bs=16, max_len=512), BlockAllocator(18))
+    sched = sim.sched
     a, b = request(256, 1), request(5, 40)
     sched.add(a)
-    sim = Sim(sched)
     sim.step()
     sched.add(b)
     seen_readmission = False
@@ -180,20 +199,31 @@ def test_a_request_preempted_and_readmitted_in_one_step_keeps_only_its_new_job()
     assert seen_readmission
 
 
+PROMPT_LENGTHS = st.one_of(st.integers(1, 60), st.integers(250, 300))  # and past 256: chunks run alone
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     slots=st.integers(1, 4),
     chunk=st.sampled_from([4, 8, 16]),
     spare=st.integers(0, 12),
+    rows=st.sampled_from([1, 2, 4]),
     reqs=st.lists(
-        st.tuples(st.integers(1, 60), st.integers(1, 20), st.integers(0, 8)), min_size=1, max_size=8
+        st.tuples(
+            st.one_of(st.integers(1, 60), st.integers(250, 300)), st.integers(1, 20), st.integers(0, 8)
+        ),
+        min_size=1,
+        max_size=8,
     ),
 )
-def test_every_plan_is_consistent_and_every_request_finishes(slots, chunk, spare, reqs):
+def test_every_plan_is_consistent_and_every_request_finishes(slots, chunk, spare, rows, reqs):
+    """With packed prefill too (`rows` > 1); chunks of sequences past 64 blocks (256 tokens) run alone."""
     need = max(-(-(p + n) // BS) for p, n, _ in reqs)
-    sched = Scheduler(shape(slots=slots, chunk=chunk), BlockAllocator(need + 1 + spare))
+    sim = Sim(
+        shape(slots=slots, chunk=chunk, max_len=512, rows=min(rows, slots)), BlockAllocator(need + 1 + spare)
+    )
+    sched = sim.sched
     made = [(request(p, n), at) for p, n, at in reqs]
-    sim = Sim(sched)
     step = 0
     while step <= max(at for _, at in made) or sched.has_unfinished():
         for req, at in made:
@@ -214,19 +244,12 @@ def test_with_a_store_a_shared_prefix_is_attached_not_recomputed(interval):
     store = PrefixStore(
         cfg, block_size=BS, block_bytes=100, state_bytes=1000, fingerprint=b"f", allocator=alloc
     )
-    sched = Scheduler(shape(slots=2, chunk=8), alloc, store)
+    sim = Sim(shape(slots=2, chunk=8), alloc, store)
+    sched, source = sim.sched, FakeSource()
     first = request(14, 1)
     sched.add(first)
-    sim = Sim(sched)
-    source = FakeSource()
     while sched.has_unfinished():
-        plan = sched.schedule()
-        check_plan(sched, plan)
-        for job in plan.prefill:
-            job.request.num_computed += job.tokens
-            store.on_computed(job.request, source)
-            if job.request.pending == 0:
-                sim.append(job.request)
+        sim.step()
     follow = request(14, 1)
     follow.prompt = first.prompt + [99, 98, 97]
     sched.add(follow)

@@ -1,9 +1,9 @@
-"""Against transformers' own KimiLinearForCausalLM (the optional extra `reference`; skipped without it): a
-checkpoint that transformers initialises and saves loads here and gives its logits (fp32, 1e-5 relative),
-for tiny and tiny-grouped (q_lora, group-limited routing, two shared experts) over 72 tokens. Its Kimi Linear
-has none of Kimi K3's additions; `make_small` refuses a config that sets one."""
+"""Against transformers' own KimiLinearForCausalLM (the optional extra `reference`; `.ci/run` installs it, a
+checkout without it skips this file): a checkpoint that transformers initialises and saves loads here and
+gives its logits (fp32, 1e-5 relative), for tiny and tiny-grouped (q_lora, group-limited routing, two shared
+experts) over 72 tokens, through the jitted full pass `bench reference` times. Its Kimi Linear has none of
+Kimi K3's additions; `make_small` refuses a config that sets one."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import rel_err
@@ -12,9 +12,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from jaxhybrid.config import load_config  # noqa: E402
-from jaxhybrid.weights import load_pretrained  # noqa: E402
 from jaxhybrid.weights.hf import write_config  # noqa: E402
-from serve.bench.reference import TorchModel, make_small  # noqa: E402
+from serve.bench.reference import OurModel, TorchModel, make_small  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-grouped"])
@@ -26,8 +25,7 @@ def test_a_transformers_checkpoint_gives_transformers_logits(tmp_path, name):
     make_small(str(tmp_path / "model"), str(tmp_path / "cfg" / "config.json"), seed=3)
     tokens = np.random.default_rng(0).integers(3, 300, 72).astype(np.int32)
     want, _ = TorchModel(str(tmp_path / "model")).logits(tokens)
-    model = load_pretrained(str(tmp_path / "model"), dtype=jnp.float32, progress=False)
-    got = np.asarray(model(jnp.asarray(tokens[None])))[0]
+    got, _ = OurModel(str(tmp_path / "model"), max_len=len(tokens)).logits(tokens)
     assert rel_err(got, want) < 1e-5
 
 

@@ -10,10 +10,12 @@ test). Checkpoints hold placeholders (`SimSource`); the store sizes each from th
 is built with, as in the engine (`EngineShape.block_bytes` / `state_bytes`), so its tiers, budgets and
 eviction behave as with real copies. There is no disk tier.
 
-Order: requests are admitted, chunked, evicted and preempted by the engine's `Scheduler`, step by step as
-`Engine.step` runs them, so concurrency within a turn meets the store in the engine's order. A request is
-built only when the scheduler can meet it (the queue is kept longer than every admission a step can make),
-so thousands of 100K-token prompts need not exist as Python lists at once.
+One step loop: the simulator is the engine itself (`Engine` given `pools`) over a runner that computes
+nothing (`SimRunner`), so requests are admitted, chunked, packed into program calls, evicted, preempted and
+failed by the engine's own code, and meet the store in the engine's order. First tokens are stamped on the
+simulated clock at the end of their program call, as the engine stamps them. A request is built only when
+the scheduler can meet it (the queue is kept longer than every admission a step can make), so thousands of
+100K-token prompts need not exist as Python lists at once.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import dataclasses
 import hashlib
 import itertools
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,14 +34,11 @@ from jaxhybrid.config import ModelConfig
 from serve.bench.throughput import prefill_flops
 from serve.engine.blocks import BlockAllocator
 from serve.engine.config import EngineConfig, EngineShape
-from serve.engine.requests import GenerateResult, Request, RequestError, stop_reason
+from serve.engine.engine import Engine
+from serve.engine.pools import EnginePools
+from serve.engine.requests import GenerateResult, Request, RequestError
 from serve.engine.sampling import SamplingParams
-from serve.engine.scheduler import Scheduler, StepPlan
 from serve.prefix.store import PrefixStore
-
-# what a checkpoint keeps where the engine keeps next-token logits (the store only tests it for None and the
-# scheduler indexes it with [None])
-PLACEHOLDER_LOGITS = np.zeros((1,), np.float32)
 
 # the answer a request generates: (its prompt, max_tokens) -> token ids (at least max_tokens of them)
 Answers = Callable[[list[int], int], list[int]]
@@ -91,16 +89,70 @@ class CostModel:
         return prefill_flops(self.cfg, self.matmul_params, tokens, start)["flops"]
 
 
+class SimRunner(SimSource):
+    """The runner's step interface (`serve.engine.runner.Runner`) with no model: a program call computes
+    nothing, counts its FLOPs and moves the clock by them; the tokens it "samples" are each request's answer
+    (`Answers`, drawn the first time the request needs one). Logits are placeholders (one value a row: the
+    store only tests kept logits for None, the scheduler indexes them)."""
+
+    def __init__(self, answers: Answers, cost: CostModel):
+        self.answers, self.cost = answers, cost
+        self.clock = 0.0  # simulated seconds
+        self.flops = {"prefill": 0.0, "decode": 0.0}
+        self._answers: dict[str, list[int]] = {}
+
+    def now(self) -> float:
+        return self.clock
+
+    def _spend(self, kind: str, flops: float) -> None:
+        self.flops[kind] += flops
+        if self.cost.flops_per_s > 0:
+            self.clock += flops / self.cost.flops_per_s
+
+    def _next(self, reqs: Sequence[Request | None]) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.zeros(len(reqs), np.int64)
+        for i, req in enumerate(reqs):
+            if req is not None:
+                answer = self._answers.get(req.id)
+                if answer is None:
+                    answer = self._answers[req.id] = self.answers(req.prompt, req.params.max_tokens)
+                ids[i] = answer[len(req.generated)]
+        return ids, np.zeros(len(reqs), np.float32)
+
+    def forget(self, request_id: str) -> None:
+        self._answers.pop(request_id, None)
+
+    def reset_slot(self, slot: int) -> None:
+        pass
+
+    def restore(self, restore: Any) -> None:
+        pass
+
+    def pools_lost(self) -> bool:
+        return False
+
+    def decode(self, reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+        self._spend("decode", sum(self.cost.flops(r.num_computed, 1) for r in reqs))
+        return self._next(reqs)
+
+    def prefill_rows(self, reqs: list[Request], ns: list[int]) -> np.ndarray:
+        self._spend("prefill", sum(self.cost.flops(r.num_computed, n) for r, n in zip(reqs, ns, strict=True)))
+        return np.zeros((len(reqs), 1), np.float32)
+
+    def sample(self, logits: Any, rows: list[Request | None]) -> tuple[np.ndarray, np.ndarray]:
+        return self._next(rows)
+
+
 class SimEngine:
-    """`generate` and `ledger` as `Engine` has them (what `serve.bench.workloads.replay` needs), run by the
-    engine's scheduler and prefix store over placeholder caches (see the module doc)."""
+    """`generate` and `ledger` as `Engine` has them (what `serve.bench.workloads.replay` needs): the engine's
+    step loop over a `SimRunner` (see the module doc)."""
 
     def __init__(self, cfg: ModelConfig, config: EngineConfig, answers: Answers, cost: CostModel):
-        self.model_config, self.config, self.answers, self.cost = cfg, config, answers, cost
+        self.model_config, self.config = cfg, config
         self.shape = shape = EngineShape.resolve(config, cfg)
         self.max_model_len = shape.max_model_len
         self.allocator = BlockAllocator(shape.num_blocks)
-        self.source = SimSource()
+        self.runner = SimRunner(answers, cost)
         self.store: PrefixStore | None = None
         if config.prefix is not None and config.prefix.enabled:
             if config.prefix.store_dir is not None:
@@ -113,12 +165,23 @@ class SimEngine:
                 fingerprint=hashlib.sha256(f"simulated:{cfg.name}".encode()).digest(),
                 allocator=self.allocator,
             )
-        self.scheduler = Scheduler(shape, self.allocator, self.store)
-        self.clock = 0.0  # simulated seconds
-        self.flops = {"prefill": 0.0, "decode": 0.0}
-        self.steps = 0
+        pools = EnginePools(shape, self.allocator, self.runner, self.store)
+        self.engine = Engine(None, config, pools=pools, model_config=cfg, clock=self.runner.now)
+        self.scheduler = self.engine.scheduler
         self._ids = itertools.count()
-        self._answers: dict[str, list[int]] = {}
+
+    @property
+    def clock(self) -> float:
+        """Simulated seconds so far."""
+        return self.runner.clock
+
+    @property
+    def flops(self) -> dict[str, float]:
+        return self.runner.flops
+
+    @property
+    def steps(self) -> int:
+        return self.engine.steps
 
     # --- what a replay uses ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateResult]:
@@ -139,69 +202,17 @@ class SimEngine:
         out = []
         for i in range(len(prompts)):
             req = reqs[i]
-            self._answers.pop(req.id, None)
+            self.runner.forget(req.id)
             out.append(GenerateResult(req.id, list(req.generated), None, str(req.finish_reason), req.stats()))
         return out
 
     def ledger(self) -> dict[str, Any]:
         """The engine's ledger (`Engine.ledger`): live bytes, and the store's accounts."""
-        return self.scheduler.ledger()
+        return self.engine.ledger()
 
-    # --- one step, as Engine.step: plan -> (simulated) run -> update ----------------------------------------
     def step(self) -> None:
-        self.steps += 1
-        plan = self.scheduler.schedule()
-        if plan.failed:  # only a disk read fails a request in the scheduler, and there is no disk tier
-            raise RuntimeError(f"simulated requests failed: {[str(e) for _, e in plan.failed]}")
-        for adm in plan.admissions:
-            if adm.restore is not None:
-                self.store.attached(adm.request, adm.attachment, self.source, time.perf_counter())
-        decode = [r for r in plan.decode if r.running]
-        self._advance(plan, decode)
-        for req in decode:
-            req.num_computed += 1
-            if self.store is not None:
-                self.store.on_computed(req, self.source)
-            self._append(req)
-        for job in plan.prefill:
-            req, n = job.request, job.tokens
-            if not req.running:
-                continue
-            if n == 0 and req.stored_logits is not None:  # full prefix hit: "sample" from the kept logits
-                req.stored_logits = None
-                self._append(req)
-                continue
-            req.num_computed += n
-            req.prefill_tokens += n
-            if self.store is not None:
-                self.store.on_computed(req, self.source, PLACEHOLDER_LOGITS)
-            if req.pending == 0:
-                self._append(req)
-
-    def _advance(self, plan: StepPlan, decode: list[Request]) -> None:
-        """The step's FLOPs (decode rows, prefill chunks) and the clock they move: first tokens of this
-        step are stamped at its end."""
-        prefill = sum(self.cost.flops(j.request.num_computed, j.tokens) for j in plan.prefill if j.tokens)
-        dec = sum(self.cost.flops(r.num_computed, 1) for r in decode)
-        self.flops["prefill"] += prefill
-        self.flops["decode"] += dec
-        if self.cost.flops_per_s > 0:
-            self.clock += (prefill + dec) / self.cost.flops_per_s
-
-    def _append(self, req: Request) -> None:
-        answer = self._answers.get(req.id)
-        if answer is None:
-            answer = self._answers[req.id] = self.answers(req.prompt, req.params.max_tokens)
-        token = answer[len(req.generated)]
-        if req.first_token_time is None:
-            req.first_token_time = self.clock
-        req.generated.append(token)
-        reason = stop_reason(req, token, self.model_config.eos_token_id, self.max_model_len)
-        if reason is not None:
-            if self.store is not None and req.slot is not None:
-                self.store.on_finished(req, self.source)
-            self.scheduler.finish(req, reason)
-            req.finish_time = self.clock
+        """One step of the engine's loop (plan -> simulated run -> update)."""
+        self.engine.step()
 
     def _check(self, length: int, params: SamplingParams) -> None:
         """The engine's length checks (`check_request`) without its per-token ones (the ids are ours)."""

@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -22,8 +22,8 @@ import numpy as np
 
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import HybridLM
-from serve.engine.blocks import BlockAllocator
 from serve.engine.config import EngineConfig, EngineShape, ProgramShape
+from serve.engine.pools import EnginePools, aligned_prefix
 from serve.engine.requests import (
     FinishReason,
     GenerateResult,
@@ -35,12 +35,9 @@ from serve.engine.requests import (
     check_request,
     stop_reason,
 )
-from serve.engine.runner import Runner
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import PrefillJob, Scheduler, prefill_calls
-from serve.prefix.fingerprint import model_fingerprint
-from serve.prefix.store import PrefixStore, PrefixStoreConfig
-from sharding.multihost import Peers
+from serve.prefix.store import PrefixStore
 
 log = logging.getLogger("jaxhybrid.engine")
 
@@ -87,49 +84,35 @@ class EngineAPI(Protocol):
     def memory(self) -> dict[str, Any]: ...
 
 
-def aligned_prefix(prefix: PrefixStoreConfig, block_size: int) -> PrefixStoreConfig:
-    """`prefix` with its checkpoint interval rounded to a multiple of `block_size`, said in one log line."""
-    aligned = prefix.aligned(block_size)
-    if aligned.checkpoint_interval != prefix.checkpoint_interval:
-        log.info(
-            "checkpoint interval %d -> %d tokens: rounded to a multiple of the block size (%d)",
-            prefix.checkpoint_interval,
-            aligned.checkpoint_interval,
-            block_size,
-        )
-    return aligned
-
-
 class Engine:
     """See the module doc. `mesh`: a device mesh the model's parameters are already sharded over
     (`sharding.placement`); the cache pools are then laid out on it too."""
 
-    def __init__(self, model: HybridLM, config: EngineConfig | None = None, mesh: Any = None):
-        self.model_config: ModelConfig = model.config
-        self.mesh = mesh
+    def __init__(
+        self,
+        model: HybridLM | None,
+        config: EngineConfig | None = None,
+        mesh: Any = None,
+        *,
+        pools: EnginePools | None = None,
+        model_config: ModelConfig | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        """With `pools` and `model_config` instead of a model: this step loop over pools whose runner
+        computes nothing, on a `clock` of its own (the simulator: `serve.bench.simulate`)."""
         self.config = config = dataclasses.replace(config) if config else EngineConfig()
-        self.shape = shape = EngineShape.resolve(config, self.model_config)
-        self.max_model_len = shape.max_model_len
-        self.allocator = BlockAllocator(shape.num_blocks)
-        self.runner = Runner(model, shape, mesh)
-        self.store: PrefixStore | None = None
-        if config.prefix is not None and config.prefix.enabled:
-            config.prefix = aligned_prefix(config.prefix, shape.block_size)  # on our own copy of the config
-            peers = Peers()
-            if peers.several and config.prefix.store_dir is not None:
-                self.runner.init_restore_shardings()
-            self.store = PrefixStore(
-                config.prefix,
-                block_size=shape.block_size,
-                block_bytes=shape.block_bytes,
-                state_bytes=shape.state_bytes,
-                fingerprint=model_fingerprint(model),
-                allocator=self.allocator,
-                layout=f"bs{shape.block_size}-{shape.kv_dtype.name}",
-                peers=peers,
-                restore_shardings=self.runner.restore_sharding,
-            )
-        self.scheduler = Scheduler(shape, self.allocator, self.store)
+        self.model_config: ModelConfig = model.config if model is not None else model_config
+        if pools is None:
+            shape = EngineShape.resolve(config, self.model_config)
+            if config.prefix is not None and config.prefix.enabled:
+                config.prefix = aligned_prefix(config.prefix, shape.block_size)  # our own copy of the config
+            pools = EnginePools.for_model(model, shape, config.prefix, mesh)
+        self.mesh, self.pools, self.clock = mesh, pools, clock
+        self.shape = pools.shape
+        self.max_model_len = self.shape.max_model_len
+        self.allocator, self.runner = pools.allocator, pools.runner
+        self.store: PrefixStore | None = pools.store
+        self.scheduler = Scheduler(self.shape, self.allocator, self.store, clock)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
@@ -172,7 +155,7 @@ class Engine:
         check_cache_salt(cache_salt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**31 - 1))
-        req = Request(rid, prompt, params, seed, time.perf_counter(), cache_salt)
+        req = Request(rid, prompt, params, seed, self.clock(), cache_salt)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -251,9 +234,9 @@ class Engine:
         return list(outputs.values())
 
     def _decode(self, reqs: list[Request], outputs: dict[str, RequestOutput]) -> None:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         ids, logps = self.runner.decode(reqs)
-        dt = time.perf_counter() - t0
+        dt = self.clock() - t0
         for req, token, logp in zip(reqs, ids, logps, strict=True):
             req.num_computed += 1
             req.decode_time += dt
@@ -273,7 +256,7 @@ class Engine:
             ids, logps = self.runner.sample(logits, [req])
             self._append(req, int(ids[0]), float(logps[0]), outputs)
             return
-        t0 = time.perf_counter()
+        t0 = self.clock()
         reqs = [j.request for j in jobs]
         logits = self.runner.prefill_rows(reqs, [j.tokens for j in jobs])
         for job in jobs:
@@ -284,7 +267,7 @@ class Engine:
             ids, logps = self.runner.sample(logits, rows)
         else:
             jax.block_until_ready(logits)
-        dt = time.perf_counter() - t0
+        dt = self.clock() - t0
         for i, req in enumerate(reqs):
             req.prefill_time += dt
             try:  # from here on a failure is this request's alone (e.g. a checkpoint that could not be kept)
@@ -297,7 +280,7 @@ class Engine:
 
     def _append(self, req: Request, token: int, logprob: float, outputs: dict[str, RequestOutput]) -> None:
         if req.first_token_time is None:
-            req.first_token_time = time.perf_counter()
+            req.first_token_time = self.clock()
         req.generated.append(token)
         req.logprobs.append(logprob)
         reason = stop_reason(req, token, self.model_config.eos_token_id, self.max_model_len)
@@ -338,11 +321,7 @@ class Engine:
             outputs.append(
                 RequestOutput(req.id, [], [], True, FinishReason.ERROR, req.prefix_hit_tokens, req.error)
             )
-        if self.runner.pools_lost():
-            log.warning("rebuilding the cache pools after a failed program call")
-            if self.store is not None:
-                self.store.forget_blocks()
-            self.runner.rebuild()
+        self.pools.rebuild_lost()
         return outputs
 
     # --- compiling ahead of use (the server's warm-up; call between steps) -------------------------------
@@ -353,23 +332,12 @@ class Engine:
     def compile_program(self, program: ProgramShape) -> bool:
         """Compile one model program ahead of its first use (and, while no request is in the engine, run it
         once on rows that touch only idle slots and the scratch block); False if it already was compiled."""
-        return self._ahead(lambda: self.runner.compile_program(program, run_once=not self.has_unfinished()))
+        return self.pools.compile_program(program, run_once=not self.has_unfinished())
 
     def compile_helpers(self, rows: tuple[int, ...] | None = None, slot_programs: bool = True) -> None:
-        """`Runner.compile_helpers` for batches of `rows` (default: all), changing no request's state."""
-        rows = tuple(sorted({1, *self.shape.decode_buckets})) if rows is None else rows
-        run_once = not self.has_unfinished()
-        self._ahead(lambda: self.runner.compile_helpers(rows, run_once=run_once, slot_programs=slot_programs))
-
-    def _ahead(self, fn: Any) -> Any:
-        try:
-            return fn()
-        except Exception:
-            if self.runner.pools_lost():  # a failed run took the (idle) pools with it
-                if self.store is not None:
-                    self.store.forget_blocks()
-                self.runner.rebuild()
-            raise
+        """Compile the small programs every request meets (sampling for batches of `rows`, default every
+        size; with `slot_programs` also slot reset, checkpoint copy and restore), changing no request."""
+        self.pools.compile_helpers(rows, run_once=not self.has_unfinished(), slot_programs=slot_programs)
 
     # --- batch API -----------------------------------------------------------------------------------------
     def generate(
@@ -413,20 +381,4 @@ class Engine:
 
     def memory(self) -> dict[str, Any]:
         """Bytes held by the engine: KV blocks (used/free), live KDA states, and per running request."""
-        alloc, shape, live = self.allocator, self.shape, len(self.running)
-        return {
-            "block_size": shape.block_size,
-            "block_bytes": shape.block_bytes,
-            "num_blocks": alloc.usable,
-            "used_blocks": alloc.num_used,
-            "free_blocks": alloc.num_free,
-            "kv_bytes_total": alloc.usable * shape.block_bytes,
-            "kv_bytes_used": alloc.num_used * shape.block_bytes,
-            "kv_bytes_free": alloc.num_free * shape.block_bytes,
-            "slots": shape.slots,
-            "state_bytes_per_slot": shape.state_bytes,
-            "state_pool_bytes": shape.slots * shape.state_bytes,
-            "live_states": live,
-            "state_bytes_live": live * shape.state_bytes,
-            "requests": {r.id: self.scheduler.memory_of(r) for r in self.running},
-        }
+        return self.pools.memory(self.running, self.scheduler.memory_of)

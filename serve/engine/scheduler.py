@@ -20,6 +20,7 @@ import itertools
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from jaxhybrid.cache import SCRATCH_BLOCK
@@ -65,8 +66,15 @@ def prefill_calls(shape: EngineShape, jobs: list[PrefillJob]) -> list[list[Prefi
 
 
 class Scheduler:
-    def __init__(self, shape: EngineShape, allocator: BlockAllocator, store: PrefixStore | None = None):
-        self.shape, self.allocator, self.store = shape, allocator, store
+    def __init__(
+        self,
+        shape: EngineShape,
+        allocator: BlockAllocator,
+        store: PrefixStore | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        """`clock`: when requests finish (the simulator's is simulated seconds)."""
+        self.shape, self.allocator, self.store, self.clock = shape, allocator, store, clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: list[Request] = []  # waiting for their prefix to be read from disk
@@ -92,7 +100,7 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
-        req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, time.perf_counter()
+        req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, self.clock()
 
     # --- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:

@@ -92,6 +92,26 @@ class _Stop:
     pass
 
 
+class TokenRate:
+    """Tokens generated: in all, and per second over the last RATE_WINDOW_S seconds (the metrics' gauge)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._recent: deque[tuple[float, int]] = deque()  # (when, tokens) within the window
+
+    def add(self, n: int) -> None:
+        now = time.perf_counter()
+        if n:
+            self.total += n
+            self._recent.append((now, n))
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+            self._recent.popleft()
+
+    def per_second(self) -> float:
+        now = time.perf_counter()
+        return sum(n for t, n in self._recent if t >= now - RATE_WINDOW_S) / RATE_WINDOW_S
+
+
 class EngineLoop:
     """Owns `engine` on one background thread. `max_waiting`: the most requests that may wait for a slot
     (None: no limit); a submission that would exceed it fails with QueueFull.
@@ -130,8 +150,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._step_started: float | None = None  # monotonic start of the step in progress
-        self._rate: deque[tuple[float, int]] = deque()
-        self.generated_tokens = 0
+        self.rate = TokenRate()
 
     # -- called from any thread --
     def start(self) -> None:
@@ -320,13 +339,7 @@ class EngineLoop:
         _settle(cmd.future, cmd.request_id)
 
     def _deliver(self, outputs: Sequence[Any]) -> None:
-        now = time.perf_counter()
-        n = sum(len(o.new_token_ids) for o in outputs)
-        if n:
-            self.generated_tokens += n
-            self._rate.append((now, n))
-        while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
-            self._rate.popleft()
+        self.rate.add(sum(len(o.new_token_ids) for o in outputs))
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is not None:
@@ -348,16 +361,14 @@ class EngineLoop:
                 self._hits[out.request_id] = out.cached_tokens
 
     def _snapshot(self, engine: Any) -> dict[str, Any]:
-        now = time.perf_counter()
-        recent = sum(n for t, n in self._rate if t >= now - RATE_WINDOW_S)
         memory = engine.memory()
         memory.pop("requests", None)
         q = engine.queue_state()
         return {
             "running": q.running,
             "waiting": q.waiting,
-            "tokens_per_second": recent / RATE_WINDOW_S,
-            "generated_tokens": self.generated_tokens,
+            "tokens_per_second": self.rate.per_second(),
+            "generated_tokens": self.rate.total,
             "healthy": self.health() is None,
             "ledger": engine.ledger(),
             "memory": memory,

@@ -26,7 +26,8 @@ The engine talks to the store through these methods only: `match`, `start_load` 
 `on_finished` (checkpoints and block indexing), `evict_one` / `evictable`, `observe` / `apply` (what finished
 in the background, applied at a step boundary: with several processes process 0 observes and every process
 applies the same), `poll` (both, one process), `ledger`, `forget_blocks`, `close`. The data it keeps comes
-from a CheckpointSource (the runner): the store decides, the source copies.
+from a CheckpointSource (the runner): the store decides, the source copies (`serve.prefix.writer` takes a
+checkpoint the store decided on).
 """
 
 from __future__ import annotations
@@ -37,14 +38,13 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from jaxhybrid.cache import SCRATCH_BLOCK
 from serve.prefix import junctions
 from serve.prefix.checkpoints import Checkpoint, CheckpointKind, CheckpointTiers, KindTally, Tier
 from serve.prefix.disk import DiskEntry, DiskTier, namespace
-from serve.prefix.entries import entry_meta
 from serve.prefix.index import BlockIndex, ChainHasher, TailIndex, kv_match
 from serve.prefix.policies import POLICIES, make_policy
 from serve.prefix.stats import LookupStats, MemoryStats, flatten
+from serve.prefix.writer import CheckpointWriter
 
 CHECKPOINT_POLICIES = ("fixed", "adaptive")
 
@@ -249,6 +249,17 @@ class PrefixStore:
             )
             for entry in self.disk.entries.values():
                 self._note_disk_tail(entry)
+        self.writer = CheckpointWriter(
+            self.hasher,
+            self.blocks,
+            self.tails,
+            self.checkpoints,
+            self.disk,
+            self.memory_stats,
+            fingerprint,
+            block_bytes,
+            state_bytes,
+        )
 
     # --- matching --------------------------------------------------------------------------------------
     def match(self, tokens: list[int], salt: str | None) -> Hit:
@@ -378,11 +389,11 @@ class PrefixStore:
         at_prompt_end = self.config.prompt_end_checkpoints and pos == len(seq.prompt)
         keep = logits if at_prompt_end else None
         if pos % self.config.checkpoint_interval == 0:
-            self._checkpoint(seq, source, CheckpointKind.INTERVAL, logits=keep)
+            self.writer.write(seq, source, CheckpointKind.INTERVAL, logits=keep)
         elif at_prompt_end:
-            self._checkpoint(seq, source, CheckpointKind.PROMPT_END, logits=keep)
+            self.writer.write(seq, source, CheckpointKind.PROMPT_END, logits=keep)
         elif pos in seq.cuts:
-            self._checkpoint(seq, source, CheckpointKind.JUNCTION)
+            self.writer.write(seq, source, CheckpointKind.JUNCTION)
         elif self.config.adaptive and (pos <= len(seq.prompt) or pos % self.block_size == 0):
             self._index_blocks(seq)
         seq.cuts.discard(pos)
@@ -409,63 +420,7 @@ class PrefixStore:
     def on_finished(self, seq: Sequence_, source: CheckpointSource) -> None:
         """A sequence ended normally: index its blocks, and keep its end state (sequence-end checkpoints)."""
         save = self.config.sequence_end_checkpoints
-        self._checkpoint(seq, source, CheckpointKind.SEQUENCE_END, save_state=save)
-
-    def _checkpoint(
-        self,
-        seq: Sequence_,
-        source: CheckpointSource,
-        kind: CheckpointKind,
-        save_state: bool = True,
-        logits: Any = None,
-    ) -> None:
-        pos, bs = seq.num_computed, self.block_size
-        if pos == 0:
-            return
-        tokens = seq.tokens
-        key, chain = self.hasher.key_for(tokens, pos, seq.cache_salt)
-        self.blocks.register(chain[1:], seq.blocks[: len(chain) - 1])
-        tail = tuple(tokens[(pos // bs) * bs : pos])
-        if tail:
-            self.tails.add(chain[-1], tail)
-        if not save_state:
-            return
-        existing = self.checkpoints.get(key)
-        if existing is not None:
-            seq.checkpoint_base = key
-            self.checkpoints.used(key)
-            if logits is not None and existing.logits is None:
-                existing.logits = logits
-            return
-        t0 = time.perf_counter()
-        partial = pos % bs != 0
-        states, kv = source.take(seq.slot, seq.blocks[pos // bs] if partial else SCRATCH_BLOCK)
-        nbytes = self.state_bytes + (self.block_bytes if partial else 0)
-        ck = Checkpoint(
-            key,
-            pos,
-            states,
-            kv if partial else None,
-            nbytes,
-            Tier.DEVICE,
-            kind,
-            logits=logits,
-            parent=seq.checkpoint_base,
-        )
-        seq.checkpoint_base = key
-        self.checkpoints.add(ck)
-        self.checkpoints.enforce(source.to_host)
-        num_full = pos // bs
-        if self.disk is not None and self.disk.wants(key, nbytes + num_full * self.block_bytes):
-            # write-through: the disk entry holds the KV of the whole prefix
-            meta = entry_meta(key, self.fingerprint, self.block_size, pos, kind, chain, tail)
-            kv_full, held = None, nbytes  # held: device bytes the queued save keeps alive
-            if num_full:
-                kv_full = source.gather(seq.blocks[:num_full])
-                held += source.gathered_bytes(num_full)
-            arrays = source.pack(states, kv_full, num_full, kv if partial else None)
-            self.disk.submit(meta, arrays, held)
-        self.memory_stats.save_time_s += time.perf_counter() - t0
+        self.writer.write(seq, source, CheckpointKind.SEQUENCE_END, save_state=save)
 
     # --- disk tier ---------------------------------------------------------------------------------------
     def _note_disk_tail(self, entry: DiskEntry) -> None:
