@@ -9,7 +9,8 @@ state leaf is filled with a device array made from the tensor just read and plac
 host never holds a second full copy of the weights.
 
 The released Kimi K3 layout loads too: `language_model.`-prefixed tensors, the vision tower skipped (and
-reported), MXFP4 routed experts dequantized, config.json with the text model under `text_config`.
+reported), MXFP4 routed experts kept packed (or dequantized on request), config.json with the text model
+under `text_config`.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def load_pretrained(
     *,
     progress: bool | None = None,
     report: dict[str, Any] | None = None,
+    dequantize_experts: bool = False,
 ) -> Any:
     """A ready HybridLM from a Hugging Face Kimi Linear / released K3 directory or one from `save_orbax`.
 
@@ -137,7 +139,10 @@ def load_pretrained(
     `lambda m: sharding.rules.state_shardings(m, mesh)`); each parameter is read straight into it (None:
     the default device). `progress`: show a progress bar (None: only on a terminal). `report`: a dict
     filled with `format`, `layout`, `expert_quant`, `skipped` (count), `skipped_summary` ({top-level name:
-    count}), `skipped_names` (the first 20) and `kept_fp32` (names kept fp32 by the rule above).
+    count}), `skipped_names` (the first 20), `kept_fp32` (names kept fp32 by the rule above) and
+    `packed_experts`. MXFP4 routed experts load packed (uint8 codes + scales, `HybridLM` docs) unless
+    `dequantize_experts` (dequantized exactly at load: 3.6x the bytes, the oracle). An Orbax directory
+    restores its experts as it stored them (packed, or dense from a dequantized model).
     """
     from flax import nnx
 
@@ -165,6 +170,13 @@ def load_pretrained(
         stored = arrays["model.embed_tokens.weight"][1]
         stored_dtypes = {n: np.dtype(d) for n, (_, d) in arrays.items()}
         released = False
+        stored_packed = any(n.endswith(".experts.w1_packed") for n in arrays)
+        if stored_packed and dequantize_experts:
+            raise CheckpointError(
+                f"{directory}: this Orbax directory holds packed MXFP4 experts; load it packed, or "
+                "dequantize from the Hugging Face checkpoint"
+            )
+        dequantize_experts = not stored_packed
     dtype = np.dtype(stored if dtype is None else jnp.dtype(dtype))
     if skipped:
         summary = hf.skipped_summary(skipped)
@@ -175,7 +187,7 @@ def load_pretrained(
             ", ".join(f"{k}: {v}" for k, v in summary.items()),
         )
 
-    abstract = abstract_model(cfg, dtype)
+    abstract = abstract_model(cfg, dtype, dequantize_experts=dequantize_experts)
     graphdef, state = nnx.split(abstract)
     variables = {}
     for p, var in nnx.to_flat_state(state):
@@ -202,6 +214,7 @@ def load_pretrained(
             skipped_summary=hf.skipped_summary(skipped),
             skipped_names=skipped[:20],
             kept_fp32=kept_fp32,
+            packed_experts=abstract.packed_experts,
         )
 
     if fmt == "hf":

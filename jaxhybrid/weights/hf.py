@@ -14,8 +14,9 @@ The released Kimi K3 layout (shared/K3.md) differs in three ways, all handled he
   is not part of the text model and is skipped (`text_model_tensors`, reported by the loader);
 - routed experts are MXFP4 (`experts.E.wK.weight_packed` uint8 [out, in/2] + `weight_scale` uint8
   [out, in/32]) when config.json's `quantization_config` says compressed-tensors `mxfp4-pack-quantized`
-  (`ModelConfig.expert_quant == "mxfp4"`); the loader dequantizes them exactly into the stacked expert
-  arrays (`jaxhybrid.weights.mxfp4`);
+  (`ModelConfig.expert_quant == "mxfp4"`); a model that keeps them packed (the default) reads them as
+  stacked uint8 arrays `experts.wK_packed` / `experts.wK_scale`; with `dequantize_experts` the loader
+  dequantizes them exactly into the stacked expert arrays (`jaxhybrid.weights.mxfp4`);
 - `config.json` keeps the text model under `text_config`.
 
 Reading holds at most one parameter (one tensor, or one layer's stacked experts) on the host beyond what
@@ -58,6 +59,11 @@ MXFP4_FORMAT = "mxfp4-pack-quantized"
 QUANT_METHOD = "compressed-tensors"
 
 _EXPERT_PARAM = re.compile(r"^(?P<prefix>model\.layers\.\d+\.block_sparse_moe\.experts)\.(?P<w>w[123])$")
+# MXFP4 experts kept packed: `experts.w1_packed` [E, out, in/2] stacks `experts.{e}.w1.weight_packed`
+# (and `_scale` likewise), read as ordinary stacked uint8 tensors.
+_PACKED_EXPERT_PARAM = re.compile(
+    r"^(?P<prefix>model\.layers\.\d+\.block_sparse_moe\.experts)\.(?P<w>w[123])_(?P<part>packed|scale)$"
+)
 
 # safetensors dtype names -> numpy dtypes (bfloat16 and the fp8 types through ml_dtypes).
 _ST_DTYPES: dict[str, str] = {
@@ -106,7 +112,24 @@ class TensorSpec:
 
     @property
     def stacked(self) -> bool:
-        return len(self.hf_names) > 1 or bool(_EXPERT_PARAM.match(self.name))
+        return len(self.hf_names) > 1 or bool(_EXPERT_PARAM.match(self.name) or self.packed_part)
+
+    @property
+    def packed_part(self) -> str | None:
+        """ "packed" / "scale" for the stacked uint8 arrays of experts kept packed, else None."""
+        m = _PACKED_EXPERT_PARAM.match(self.name)
+        return m["part"] if m else None
+
+    def check_data(self, host: np.ndarray, where: str) -> None:
+        """Refuse what was read but must not load: an E8M0 NaN scale (255) among packed experts' scales."""
+        from jaxhybrid.weights.mxfp4 import SCALE_NAN
+
+        if self.packed_part == "scale":
+            bad = np.flatnonzero(np.any(host.reshape(host.shape[0], -1) == SCALE_NAN, axis=1))
+            if bad.size:
+                raise CheckpointError(
+                    f"{where}: tensor '{self.hf_names[bad[0]]}' holds the E8M0 NaN scale 255"
+                )
 
     @property
     def scale_names(self) -> tuple[str, ...]:
@@ -131,7 +154,12 @@ def tensor_specs(shapes: Mapping[str, tuple[int, ...]], expert_quant: str | None
     for name, shape in shapes.items():
         shape = tuple(shape)
         m = _EXPERT_PARAM.match(name)
-        if m and expert_quant == "mxfp4":
+        packed = _PACKED_EXPERT_PARAM.match(name)
+        if packed:
+            p = packed
+            hf = tuple(f"{p['prefix']}.{e}.{p['w']}.weight_{p['part']}" for e in range(shape[0]))
+            specs.append(TensorSpec(name, hf, shape[1:], shape))
+        elif m and expert_quant == "mxfp4":
             hf = tuple(f"{m['prefix']}.{e}.{m['w']}.weight_packed" for e in range(shape[0]))
             specs.append(TensorSpec(name, hf, packed_shapes(shape[1:])[0], shape, quant="mxfp4"))
         elif m:
@@ -389,7 +417,7 @@ def check_against(
                         f"the config needs {list(shape)}"
                     )
                 np_dtype(tensors[hf].dtype)  # unsupported dtypes fail here, before anything is read
-                if spec.quant and tensors[hf].dtype != "U8":
+                if (spec.quant or spec.packed_part) and tensors[hf].dtype != "U8":
                     raise CheckpointError(
                         f"{where}: MXFP4 tensor '{hf}' has dtype {tensors[hf].dtype}, expected U8"
                     )
@@ -451,6 +479,7 @@ def read_params(
             for e, hf in enumerate(spec.hf_names if not spec.quant else ()):
                 reader.read_into(hf, tensors[hf], host[e] if spec.stacked else host)
                 bar.update(tensors[hf].nbytes)
+            spec.check_data(host, str(directory))
             arr = jax.device_put(host, sharding)
             arr.block_until_ready()
             del host
@@ -637,8 +666,9 @@ def save_hf(
 
     `layout="kimi-linear"`: Kimi Linear's names. `layout="k3-released"`: the released K3 layout, tensors
     under `language_model.` and config.json with `text_config` (+ `quantization_config`).
-    `expert_quant="mxfp4"`: routed experts as MXFP4 packed + scale tensors. `extra_tensors`: written as
-    given (e.g. vision-tower tensors, which the loader skips).
+    `expert_quant="mxfp4"`: routed experts as MXFP4 packed + scale tensors (always so for a model that keeps
+    them packed: its bytes are written as they are). `extra_tensors`: written as given (e.g. vision-tower
+    tensors, which the loader skips).
     """
     if layout not in ("kimi-linear", "k3-released"):
         raise ValueError(f"unknown checkpoint layout {layout!r} (kimi-linear or k3-released)")
@@ -646,6 +676,8 @@ def save_hf(
     directory.mkdir(parents=True, exist_ok=True)
     released = layout == "k3-released"
     cfg = model.config
+    if getattr(model, "packed_experts", False):  # experts held as MXFP4 are written as MXFP4
+        expert_quant = "mxfp4"
     if hasattr(cfg, "expert_quant"):  # the config says how the experts are stored: as written here
         cfg = cfg.replace(expert_quant=expert_quant)
     if released:
