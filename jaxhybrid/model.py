@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxhybrid.cache import LayerCache, init_cache
@@ -182,6 +183,12 @@ def abstract_model(
             dequantize_experts=dequantize_experts,
         )
     )
+
+
+def held_bytes(model: nnx.Module) -> int:
+    """Bytes of every array the model holds (parameters and buffers as stored: packed experts as uint8; on a
+    mesh, of the global arrays)."""
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in jax.tree.leaves(nnx.state(model)))
 
 
 def path_name(path: tuple[Any, ...]) -> str:

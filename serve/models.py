@@ -11,9 +11,19 @@ class UsageError(ValueError):
     """Bad command-line input; printed as `error: ...` with exit status 2."""
 
 
+def add_dequantize_experts_arg(p: Any) -> None:
+    """`--dequantize-experts`, for every command that loads a model (`load_model` reads it)."""
+    p.add_argument(
+        "--dequantize-experts",
+        action="store_true",
+        help="hold MXFP4 routed experts dequantized (3.6x their bytes at bf16) instead of packed",
+    )
+
+
 def load_model(args: argparse.Namespace) -> Any:
     """The model named by --model / --config (random weights from --seed for a config). With neither, the
-    shipped model (`jaxhybrid.assets`): `args.model` is set to its directory, so its tokenizer is used."""
+    shipped model (`jaxhybrid.assets`): `args.model` is set to its directory, so its tokenizer is used.
+    MXFP4 experts stay packed unless --dequantize-experts."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -21,6 +31,7 @@ def load_model(args: argparse.Namespace) -> Any:
     from jaxhybrid.config import load_config
     from jaxhybrid.model import HybridLM
 
+    dq = getattr(args, "dequantize_experts", False)
     if not args.model and not args.config and shipped_model_dir() is not None:
         args.model = str(shipped_model_dir())
     if args.model:
@@ -28,9 +39,9 @@ def load_model(args: argparse.Namespace) -> Any:
             raise UsageError("give either --model DIR or --config NAME, not both")
         from jaxhybrid.weights import load_pretrained
 
-        return load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=False)
+        return load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=False, dequantize_experts=dq)
     cfg = load_config(args.config or "tiny")
-    return HybridLM(cfg, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype))
+    return HybridLM(cfg, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype), dequantize_experts=dq)
 
 
 def make_mesh(spec: str | None) -> Any:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from serve.cli.common import add_config_arg, add_engine_args, add_prefix_args, prefix_config
-from serve.models import UsageError, load_on_mesh
+from serve.models import UsageError, add_dequantize_experts_arg, load_on_mesh
 from serve.report import DTYPES
 
 REQUEST_FIELDS = ("prompt_ids", "cache_salt")
@@ -217,6 +217,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate tokens for one or more prompts", description=run.__doc__)
     add_config_arg(p)
     p.add_argument("--model", help="a checkpoint directory: Hugging Face safetensors or converted Orbax")
+    add_dequantize_experts_arg(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and of per-request seeds")
     p.add_argument(
         "--dtype", choices=DTYPES, default="float32", help="weights and KV-cache dtype (default float32)"

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxhybrid.config import ModelConfig
-from jaxhybrid.model import HybridLM
+from jaxhybrid.model import HybridLM, held_bytes
 from serve.engine.blocks import BlockAllocator
 from serve.engine.config import EngineConfig, EngineShape, ProgramShape
 from serve.engine.requests import (
@@ -99,6 +99,7 @@ class Engine:
         self.max_model_len = shape.max_model_len
         self.allocator = BlockAllocator(shape.num_blocks)
         self.runner = Runner(model, shape, mesh)
+        self.model_bytes = held_bytes(model)  # the weights as held (packed MXFP4 experts at 4.25 bits)
         self.store: PrefixStore | None = None
         if config.prefix is not None and config.prefix.enabled:
             peers = Peers()
@@ -415,4 +416,5 @@ class Engine:
             "live_states": live,
             "state_bytes_live": live * shape.state_bytes,
             "requests": {r.id: self.scheduler.memory_of(r) for r in self.running},
+            "model_bytes": self.model_bytes,
         }
