@@ -68,12 +68,22 @@ def is_packed(w: Any) -> bool:
 
 
 def dequantize(packed: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """[.., out, in/2] codes and [.., out, in/32] E8M0 scales -> [.., out, in] in `dtype` (traceable)."""
+    """[.., out, in/2] codes and [.., out, in/32] E8M0 scales -> [.., out, in] in `dtype` (traceable).
+
+    No table lookup (a gather, slow on the CPU): each E2M1 magnitude is built as float32 bits (exponent
+    127 + (m >> 1) - 1 and one mantissa bit for m >= 2; 0.5 for m = 1; 0 for m = 0), then multiplied by the
+    scale's power of two, exactly as the table of `jaxhybrid.weights.mxfp4` gives."""
     if packed.shape[:-1] != scale.shape[:-1] or 2 * packed.shape[-1] != GROUP * scale.shape[-1]:
         raise ValueError(f"MXFP4 packed shape {packed.shape} and scale shape {scale.shape} do not fit")
     cols = 2 * packed.shape[-1]
     codes = jnp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], cols)
-    values = jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]
+    c = codes.astype(jnp.uint32)
+    m = c & 7
+    normal = (((m >> 1) + 126) << 23) | ((m & 1) << 22)
+    bits = jnp.where(m >= 2, normal, jnp.where(m == 1, jnp.uint32(126 << 23), jnp.uint32(0))) | (
+        (c >> 3) << 31
+    )
+    values = jax.lax.bitcast_convert_type(bits, jnp.float32)
     e = scale.astype(jnp.int32)
     factor = jnp.where(e == SCALE_NAN, jnp.nan, jnp.ldexp(jnp.float32(1.0), e - SCALE_BIAS))
     out = values.reshape(*scale.shape, GROUP) * factor[..., None].astype(jnp.float32)
@@ -103,14 +113,9 @@ def quantize(w: jax.Array) -> MXFP4:
 
 
 def as_dense(w: ExpertWeight, dtype: Any) -> jax.Array:
-    """The dense weight: an MXFP4 dequantized to `dtype`; a dense array as it is.
-
-    The dequantized weight is materialised (an optimization barrier) before the matmul that reads it: fused
-    into its consumer, XLA:CPU turned a matrix-vector product into a loop with another summation order, so
-    packed and dequantized models differed in the last bits; this way they compute the same products."""
-    if not isinstance(w, MXFP4):
-        return w
-    return jax.lax.optimization_barrier(dequantize(w.packed, w.scale, dtype))
+    """The dense weight: an MXFP4 dequantized to `dtype` (XLA may fuse this into the matmul reading it); a
+    dense array as it is."""
+    return dequantize(w.packed, w.scale, dtype) if isinstance(w, MXFP4) else w
 
 
 def expert_slice(w: ExpertWeight, index: Any) -> ExpertWeight:
