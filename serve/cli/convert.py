@@ -1,5 +1,6 @@
 """`jaxhybrid convert HF_DIR OUT_DIR`: a Hugging Face Kimi Linear (or released Kimi K3) checkpoint to our
-Orbax directory. K3's vision tower is skipped (counted in the summary) and its MXFP4 experts dequantized."""
+Orbax directory. K3's vision tower is skipped (counted in the summary); its MXFP4 experts stay packed
+(`--dequantize-experts`: stored dense)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import sys
 import time
 
+from serve.models import add_dequantize_experts_arg
 from serve.report import DTYPES, fmt_bytes
 
 
@@ -25,7 +27,11 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         report: dict = {}
         model = load_pretrained(
-            args.hf_dir, dtype=dtype, progress=None if args.progress else False, report=report
+            args.hf_dir,
+            dtype=dtype,
+            progress=None if args.progress else False,
+            report=report,
+            dequantize_experts=args.dequantize_experts,
         )
         t1 = time.perf_counter()
         save_orbax(model, args.out_dir, tokenizer_dir=args.hf_dir, overwrite=args.overwrite)
@@ -76,6 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="parameter dtype to store (default auto: the checkpoint's; fp32 parts stay fp32)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace the parameters in a non-empty OUT_DIR")
+    add_dequantize_experts_arg(p)
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
