@@ -172,3 +172,28 @@ def test_packed_load_refuses_nan_scales(k3, tmp_path):
     for dequantize in (False, True):
         with pytest.raises(CheckpointError, match=f"'{name}' holds the E8M0 NaN scale 255"):
             load_pretrained(tmp_path / "bad", dequantize_experts=dequantize)
+
+
+@pytest.mark.slow  # compiles both forms of a 10-layer model (as tests/test_scan.py)
+def test_scanned_layers_read_packed_experts_in_place():
+    """The scanned layers (`jaxhybrid.scan`: each chosen expert read from the experts stacked over the
+    groups, `moe_experts_dropless_stacked`) with packed experts equal the unrolled packed model."""
+    import jax
+
+    from jaxhybrid.scan import forward_scanned, scan_layout, split_for_scan
+
+    kda = tuple(i for i in range(1, 11) if i % 4)
+    cfg = load_config("tiny").replace(
+        num_hidden_layers=10, kda_layers=kda, full_attn_layers=(4, 8), expert_quant="mxfp4"
+    )
+    model = HybridLM(cfg, rngs=nnx.Rngs(0))
+    defs, params = split_for_scan(model, scan_layout(model))
+    assert params.groups[1]["block_sparse_moe"]["experts"]["w1_packed"].get_value().dtype == jnp.uint8
+    cached, state = pure_fn(model, "forward_cached")
+    scanned = jax.jit(lambda p, *a: forward_scanned(defs, p, *a))
+    toks = jnp.asarray(tokens(cfg, 2, seed=6)[:, :24])
+    want, want_cache = cached(state, toks, model.init_cache(2, 32))
+    got, got_cache = scanned(params, toks, model.init_cache(2, 32))
+    assert rel_err(got, want) < EXACT
+    step = toks[:, :1]
+    assert rel_err(scanned(params, step, got_cache)[0], cached(state, step, want_cache)[0]) < EXACT
