@@ -98,8 +98,7 @@ class Engine:
         self.shape = shape = EngineShape.resolve(config, self.model_config)
         self.max_model_len = shape.max_model_len
         self.allocator = BlockAllocator(shape.num_blocks)
-        self.runner = Runner(model, shape, mesh)
-        self.model_bytes = held_bytes(model)  # the weights as held (packed MXFP4 experts at 4.25 bits)
+        self.runner, self.model_bytes = Runner(model, shape, mesh), held_bytes(model)  # weights as held
         self.store: PrefixStore | None = None
         if config.prefix is not None and config.prefix.enabled:
             peers = Peers()
