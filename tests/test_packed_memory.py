@@ -74,3 +74,27 @@ def test_fingerprint_covers_the_packed_bytes(checkpoint):
     ex.w2_packed.set_value(ex.w2_packed[...].at[3, 7, 2].add(jnp.uint8(1)))
     assert model_fingerprint(model) != before
     assert np.asarray(ex.w2_packed[...]).dtype == np.uint8
+
+
+def test_bench_decode_compares_packed_with_dequantized(tmp_path, capsys):
+    """`bench decode --compare-dequantized`: both variants of tiny with MXFP4 experts, each row with the bytes
+    its model holds (they differ by the routed weights' 4 bytes against 17/32 of a byte, counted by hand:
+    3 MoE layers x 8 experts x 3 x 32 x 64) and the ratio of their tokens/s."""
+    import yaml
+
+    from jaxhybrid.config import configs_dir
+
+    raw = yaml.safe_load((configs_dir() / "tiny.yaml").read_text())
+    (tmp_path / "tiny-mx.yaml").write_text(yaml.safe_dump({**raw, "expert_quant": "mxfp4"}))
+    args = ["bench", "decode", "--config", str(tmp_path / "tiny-mx.yaml"), "--compare-dequantized"]
+    assert cli_main([*args, "--contexts", "16", "--repeats", "2", "--block-size", "8"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["variant"].rsplit("-", 1)[-1]: r for r in result["rows"]}
+    routed = 3 * 8 * 3 * 32 * 64
+    assert (
+        rows["dequantized"]["model_bytes"] - rows["packed"]["model_bytes"] == routed * 4 - routed * 17 // 32
+    )
+    assert rows["packed"]["bytes_per_step"] < rows["dequantized"]["bytes_per_step"]
+    speed = result["packed_over_dequantized_tokens_per_s"]["16"]
+    assert speed == rows["packed"]["tokens_per_s"] / rows["dequantized"]["tokens_per_s"]
+    assert cli_main(["bench", "decode", "--config", "tiny", "--compare-dequantized"]) == 2
