@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxhybrid.cache import LayerCache, init_cache
@@ -20,10 +21,13 @@ class NotImplementedConfigError(NotImplementedError):
 
 
 class Backbone(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype, packed_experts: bool = False):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
         self.layers = nnx.List(
-            [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_hidden_layers)]
+            [
+                DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, packed_experts=packed_experts)
+                for i in range(cfg.num_hidden_layers)
+            ]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         # Attention residuals (K3): the final read of the residual blocks before `norm`.
@@ -76,16 +80,20 @@ class HybridLM(nnx.Module):
         rngs: nnx.Rngs,
         dtype: jnp.dtype = jnp.float32,
         allow_unimplemented: bool = False,
+        dequantize_experts: bool = False,
     ):
         """`allow_unimplemented` builds a config with unsupported fields (multi-token prediction) without
-        them (for shape/byte accounting only)."""
+        them (for shape/byte accounting only). With `cfg.expert_quant == "mxfp4"` the routed experts are kept
+        packed (uint8 codes + E8M0 scales, dequantized inside the expert computation) unless
+        `dequantize_experts`, which holds them dense in `dtype` (3.6x the bytes at bf16; the oracle)."""
         if cfg.unimplemented and not allow_unimplemented:
             fields = ", ".join(f"{k}={v!r}" for k, v in cfg.unimplemented)
             raise NotImplementedConfigError(
                 f"config '{cfg.name}' sets fields this codebase does not implement yet: {fields}"
             )
         self.config = cfg
-        self.model = Backbone(cfg, rngs=rngs, dtype=dtype)
+        self.packed_experts = packed_experts(cfg, dequantize_experts)
+        self.model = Backbone(cfg, rngs=rngs, dtype=dtype, packed_experts=self.packed_experts)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -153,13 +161,34 @@ def pure_fn(model: HybridLM, method: str = "__call__") -> tuple[Callable[..., An
     return f, state
 
 
+def packed_experts(cfg: ModelConfig, dequantize_experts: bool = False) -> bool:
+    """Whether a model of `cfg` keeps its routed experts packed (MXFP4 and not `dequantize_experts`)."""
+    return getattr(cfg, "expert_quant", None) == "mxfp4" and not dequantize_experts and cfg.num_moe_layers > 0
+
+
 def abstract_model(
-    cfg: ModelConfig, dtype: Any = jnp.float32, seed: int = 0, allow_unimplemented: bool = False
+    cfg: ModelConfig,
+    dtype: Any = jnp.float32,
+    seed: int = 0,
+    allow_unimplemented: bool = False,
+    dequantize_experts: bool = False,
 ) -> HybridLM:
     """HybridLM with ShapeDtypeStruct leaves (nothing allocated): shapes, shardings and loading targets."""
     return nnx.eval_shape(
-        lambda: HybridLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype, allow_unimplemented=allow_unimplemented)
+        lambda: HybridLM(
+            cfg,
+            rngs=nnx.Rngs(seed),
+            dtype=dtype,
+            allow_unimplemented=allow_unimplemented,
+            dequantize_experts=dequantize_experts,
+        )
     )
+
+
+def held_bytes(model: nnx.Module) -> int:
+    """Bytes of every array the model holds (parameters and buffers as stored: packed experts as uint8; on a
+    mesh, of the global arrays)."""
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in jax.tree.leaves(nnx.state(model)))
 
 
 def path_name(path: tuple[Any, ...]) -> str:

@@ -176,8 +176,7 @@ def _experts_in_place(layer: Any, stacked: Any, g: jax.Array) -> None:
     moe = getattr(layer, "block_sparse_moe", None)
     if moe is None or moe.experts_fn is not None or moe.impl != "dropless":
         return
-    ex = stacked.block_sparse_moe.experts
-    moe.experts_fn = functools.partial(_stacked_experts, (ex.w1[...], ex.w2[...], ex.w3[...]), g)
+    moe.experts_fn = functools.partial(_stacked_experts, stacked.block_sparse_moe.experts.weights(None), g)
 
 
 def _stacked_experts(stacked, g, x, w1, w2, w3, weights, expert_ids, *, act, valid=None):

@@ -22,6 +22,15 @@ class UsageError(ValueError):
     """Bad command-line input; printed as `error: ...` with exit status 2."""
 
 
+def add_dequantize_experts_arg(p: Any) -> None:
+    """`--dequantize-experts`, for every command that loads a model (`load_model` reads it)."""
+    p.add_argument(
+        "--dequantize-experts",
+        action="store_true",
+        help="hold MXFP4 routed experts dequantized (3.6x their bytes at bf16) instead of packed",
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class DtypeChoice:
     """The weights (and KV-cache) dtype a command uses, and why."""
@@ -91,12 +100,13 @@ def _build(args: argparse.Namespace, cfg: Any) -> Any:
 
     from jaxhybrid.model import HybridLM
 
+    dq = getattr(args, "dequantize_experts", False)
     if args.model:
         from jaxhybrid.weights import load_pretrained
 
         # a bar on a terminal, log lines otherwise, once the load takes a few seconds
-        return load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=None)
-    return HybridLM(cfg, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype))
+        return load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=None, dequantize_experts=dq)
+    return HybridLM(cfg, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype), dequantize_experts=dq)
 
 
 def make_mesh(spec: str | None) -> Any:
@@ -129,7 +139,14 @@ def load_on_mesh(args: argparse.Namespace, multi: bool) -> tuple[Any, Any]:
         from sharding.placement import load_pretrained_on_mesh
 
         report: dict[str, Any] = {}
-        model = load_pretrained_on_mesh(args.model, mesh, jnp.dtype(args.dtype), progress=None, report=report)
+        model = load_pretrained_on_mesh(
+            args.model,
+            mesh,
+            jnp.dtype(args.dtype),
+            progress=None,
+            report=report,
+            dequantize_experts=getattr(args, "dequantize_experts", False),
+        )
         if "read_bytes" in report:
             log.info("read %d checkpoint bytes: this process's shards", report["read_bytes"])
         return model, mesh

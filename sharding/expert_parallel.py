@@ -2,8 +2,10 @@
 
 `make_expert_parallel_fn(mesh)` returns a callable with the signature of
 `jaxhybrid.ops.moe.moe_experts_dropless` ``(x [N, D], w1 [E, F, D], w2 [E, D, F], w3 [E, F, D],
-weights [N, k], expert_ids [N, k], *, act) -> [N, D]`` that the model's MoE layers call instead of their local
-implementation (`MoE.experts_fn`, installed with `jaxhybrid.model.set_experts_fn`).
+weights [N, k], expert_ids [N, k], *, act) -> [N, D]`` (the weights dense or packed `MXFP4`, which stay
+packed across the shard_map and are dequantized per device for the experts its rows use) that the model's
+MoE layers call instead of their local implementation (`MoE.experts_fn`, installed with
+`jaxhybrid.model.set_experts_fn`).
 
 Layout inside ``shard_map`` (mesh axes data, expert, tensor):
 
@@ -51,7 +53,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
-from jaxhybrid.ops.moe import check_expert_shapes
+from jaxhybrid.ops.moe import check_expert_shapes, used_experts
+from jaxhybrid.ops.mxfp4 import GROUP, MXFP4, ExpertWeight, is_packed
 
 EXCHANGES = ("auto", "padded", "ragged", "ragged_emulated")
 
@@ -109,18 +112,19 @@ def ragged_all_to_all_emulated(
 def _grouped_experts(
     rows: jax.Array,
     keys: jax.Array,
-    w1: jax.Array,
-    w2: jax.Array,
-    w3: jax.Array,
+    w1: ExpertWeight,
+    w2: ExpertWeight,
+    w3: ExpertWeight,
     dtype: Any,
     act: GatedActivation = SILU,
 ) -> jax.Array:
     """rows [M, D] with local expert ids `keys` [M] (E_loc = padding) -> expert outputs [M, D] fp32, in
-    the order of `rows` (padding rows give unspecified values that nobody reads)."""
-    num_local = w1.shape[0]
+    the order of `rows` (padding rows give unspecified values that nobody reads). Packed (MXFP4) local
+    experts: only those the received rows use are dequantized (`used_experts`)."""
+    keys, (w1, w2, w3), groups = used_experts(keys, w1.shape[0], (w1, w2, w3), dtype)
     order = jnp.argsort(keys, stable=True)
     sorted_rows = jnp.take(rows, order, axis=0)
-    sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
+    sizes = jnp.bincount(keys, length=groups + 1)[:groups].astype(jnp.int32)
 
     def grouped_matmul(lhs: jax.Array, w: jax.Array) -> jax.Array:
         return jax.lax.ragged_dot_general(lhs, w, sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
@@ -241,9 +245,9 @@ def make_expert_parallel_fn(
 
     def experts_fn(
         x: jax.Array,
-        w1: jax.Array,
-        w2: jax.Array,
-        w3: jax.Array,
+        w1: ExpertWeight,
+        w2: ExpertWeight,
+        w3: ExpertWeight,
         weights: jax.Array,
         expert_ids: jax.Array,
         *,
@@ -259,8 +263,13 @@ def make_expert_parallel_fn(
                 f"expert parallelism over {ep} devices needs num_experts divisible by {ep}, got {num_experts}"
             )
         num_local = num_experts // ep
-        split_f = tp > 1 and ffn % tp == 0
+        packed = is_packed(w1)
+        # As `sharding.rules` splits F: packed experts only on whole scale groups (F/32 units).
+        split_f = tp > 1 and (ffn // GROUP if packed else ffn) % tp == 0
         t = tensor_axis if split_f else None
+        up_spec, down_spec = PartitionSpec(expert_axis, t, None), PartitionSpec(expert_axis, None, t)
+        if packed:  # codes and scales of a packed weight shard alike
+            up_spec, down_spec = MXFP4(up_spec, up_spec), MXFP4(down_spec, down_spec)
         n = x.shape[0]
         pad = (-n) % tok_shards
         if pad:
@@ -300,9 +309,9 @@ def make_expert_parallel_fn(
             mesh=mesh,
             in_specs=(
                 tok_spec,
-                PartitionSpec(expert_axis, t, None),
-                PartitionSpec(expert_axis, None, t),
-                PartitionSpec(expert_axis, t, None),
+                up_spec,
+                down_spec,
+                up_spec,
                 tok_spec,
                 tok_spec,
             ),

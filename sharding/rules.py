@@ -45,12 +45,14 @@ sequences there, instead of repeating the same work). The expert-parallel MoE ta
 over the same two axes.
 
 Divisibility fallback: a dimension is split over its mesh axes only if its size (and, for ``heads`` /
-``kda_heads``, the number of heads, so that shards fall on head boundaries) is divisible by the product
-of their sizes. For a tuple of axes the longest prefix that divides is used (``(data, expert)`` falls back
-to ``(data,)``), otherwise the dimension is replicated. A mesh axis is used at most once per array (a
-later dimension that maps to an axis already used is replicated). The result is always a correct
-placement; a replicated fallback only costs memory (e.g. the 2-head tiny model on ``tensor=4`` keeps its
-attention weights whole on every tensor rank and splits vocab and MLP widths only).
+``kda_heads``, the number of heads, so that shards fall on head boundaries; for a parameter with
+``shard_units`` metadata, its units, e.g. MXFP4 experts' F/32 scale groups, so that codes and scales split
+together and w1/w3/w2 split F alike) is divisible by the product of their sizes. For a tuple of axes the
+longest prefix that divides is used (``(data, expert)`` falls back to ``(data,)``), otherwise the
+dimension is replicated. A mesh axis is used at most once per array (a later dimension that maps to an
+axis already used is replicated). The result is always a correct placement; a replicated fallback only
+costs memory (e.g. the 2-head tiny model on ``tensor=4`` keeps its attention weights whole on every tensor
+rank and splits vocab and MLP widths only).
 """
 
 from __future__ import annotations
@@ -112,11 +114,13 @@ def logical_to_spec(
     mesh: Mesh,
     rules: LogicalRules | None = None,
     units: Mapping[str, int] | None = None,
+    dim_units: Sequence[int | None] | None = None,
 ) -> PartitionSpec:
     """PartitionSpec for an array of `shape` whose dimensions have logical `names`.
 
     Unknown names raise KeyError (a typo must not silently replicate). Divisibility fallback as documented
-    in the module docstring."""
+    in the module docstring. `dim_units` (per dimension, optional): a dimension of that many indivisible
+    units splits only on their boundaries (MXFP4 experts: the scale groups of F)."""
     rules = RULES if rules is None else rules
     units = units or {}
     if names is None:
@@ -127,7 +131,8 @@ def logical_to_spec(
         )
     used: set[str] = set()
     spec: list[Any] = []
-    for name, size in zip(names, shape, strict=True):
+    per_dim = (None,) * len(shape) if dim_units is None else tuple(dim_units)
+    for name, size, dim_unit in zip(names, shape, per_dim, strict=True):
         if name is None:
             spec.append(None)
             continue
@@ -138,7 +143,8 @@ def logical_to_spec(
         for n in range(len(wanted), 0, -1):
             prefix = tuple(wanted[:n])
             ways = int(np.prod([mesh.shape[a] for a in prefix]))
-            if size % ways == 0 and units.get(name, ways) % ways == 0:
+            whole = units.get(name, ways) % ways == 0 and (dim_unit or ways) % ways == 0
+            if size % ways == 0 and whole:
                 chosen = prefix
                 break
         chosen = tuple(a for a in chosen if mesh.shape[a] > 1)
@@ -178,7 +184,8 @@ def partition_specs(abstract_model: nnx.Module, mesh: Mesh, rules: LogicalRules 
         value = var.get_value()
         if not hasattr(value, "shape"):
             return var.replace(PartitionSpec())
-        return var.replace(logical_to_spec(variable_axes(var), value.shape, mesh, rules, units))
+        dim_units = var.get_metadata("shard_units", None)
+        return var.replace(logical_to_spec(variable_axes(var), value.shape, mesh, rules, units, dim_units))
 
     return _map_variables(spec, nnx.state(abstract_model))
 

@@ -1,5 +1,6 @@
 """The released Kimi K3 checkpoint layout (shared/K3.md): tensors under `language_model.`, the vision tower
-skipped and reported, MXFP4 routed experts dequantized exactly, config.json with `text_config` and a
+skipped and reported, MXFP4 routed experts dequantized exactly (`dequantize_experts=True`; kept packed they
+are tested in test_packed_model.py), config.json with `text_config` and a
 compressed-tensors `quantization_config`, fp32 tensors of a bf16 checkpoint kept fp32.
 
 The checkpoints here are written by hand from K3.md's description (names, nibble order, E8M0 scales),
@@ -130,7 +131,7 @@ def released_dir(tiny_mx, tmp_path_factory):
 def test_released_layout_loads_to_identical_logits(tiny_mx, released_dir, tokens, logits_of):
     model, _ = tiny_mx
     report = {}
-    loaded = load_pretrained(released_dir, progress=False, report=report)
+    loaded = load_pretrained(released_dir, progress=False, dequantize_experts=True, report=report)
     assert loaded.config.expert_quant == "mxfp4"
     got = loaded.model.layers[2].block_sparse_moe.experts.w2[...]
     assert got.shape == (8, 64, 32) and got.dtype == jnp.float32
@@ -147,7 +148,7 @@ def test_quantization_config_at_the_top_level(tiny_mx, tmp_path, tokens, logits_
     write_released(
         tmp_path / "top", released_tensors(model, codes_of), model.config, quant_in_text_config=False
     )
-    loaded = load_pretrained(tmp_path / "top", progress=False)
+    loaded = load_pretrained(tmp_path / "top", progress=False, dequantize_experts=True)
     np.testing.assert_array_equal(logits_of(loaded, tokens), logits_of(model, tokens))
 
 
@@ -174,7 +175,7 @@ def test_save_hf_released_layout_writes_the_same_tensors(tiny_mx, released_dir, 
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     assert config["text_config"]["hidden_size"] == 64
-    loaded = load_pretrained(out, progress=False)
+    loaded = load_pretrained(out, progress=False, dequantize_experts=True)
     np.testing.assert_array_equal(logits_of(loaded, tokens), logits_of(model, tokens))
 
 
@@ -186,7 +187,7 @@ def test_bf16_checkpoint_keeps_its_fp32_tensors(tiny_mx, tmp_path):
     tensors = released_tensors(model, codes_of, dtype=ml_dtypes.bfloat16, fp32_names=fp32)
     write_released(tmp_path / "bf16", tensors, model.config)
     report = {}
-    loaded = load_pretrained(tmp_path / "bf16", progress=False, report=report)
+    loaded = load_pretrained(tmp_path / "bf16", progress=False, dequantize_experts=True, report=report)
     attn, want = loaded.model.layers[1].self_attn, model.model.layers[1].self_attn
     for part in ("q_conv1d", "k_conv1d", "v_conv1d", "o_norm"):
         w = getattr(attn, part).weight[...]
@@ -203,11 +204,15 @@ def test_bf16_checkpoint_keeps_its_fp32_tensors(tiny_mx, tmp_path):
 
 def test_convert_reports_skipped_tensors(released_dir, tmp_path, tiny_mx, tokens, logits_of, capsys):
     out = tmp_path / "orbax"
-    assert cli_main(["convert", str(released_dir), str(out), "--json", "--no-progress"]) == 0
+    assert (
+        cli_main(["convert", str(released_dir), str(out), "--json", "--no-progress", "--dequantize-experts"])
+        == 0
+    )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["skipped"] == len(VISION) and summary["expert_quant"] == "mxfp4"
     np.testing.assert_array_equal(
-        logits_of(load_pretrained(out, progress=False), tokens), logits_of(tiny_mx[0], tokens)
+        logits_of(load_pretrained(out, progress=False, dequantize_experts=True), tokens),
+        logits_of(tiny_mx[0], tokens),
     )
 
 
@@ -329,14 +334,15 @@ def test_tiny_k3_released_layout_round_trip(tiny_k3_mx, tmp_path):
     assert names["model.layers.1.block_sparse_moe.experts.3.w2.weight"].shape == (64, 32)
     write_released(tmp_path / "hand", released_tensors(model, codes_of), model.config)
     report = {}
-    hand = load_pretrained(tmp_path / "hand", progress=False, report=report)
+    hand = load_pretrained(tmp_path / "hand", progress=False, dequantize_experts=True, report=report)
     assert report["skipped"] == len(VISION) and hand.config.expert_quant == "mxfp4"
     np.testing.assert_array_equal(np.asarray(fwd(hand, toks)), want)
     save_hf(model, tmp_path / "saved", layout="k3-released", expert_quant="mxfp4", extra_tensors=VISION)
     ours, theirs = scan_checkpoint(tmp_path / "saved"), scan_checkpoint(tmp_path / "hand")
     assert {n: t.shape for n, t in ours.items()} == {n: t.shape for n, t in theirs.items()}
     np.testing.assert_array_equal(
-        np.asarray(fwd(load_pretrained(tmp_path / "saved", progress=False), toks)), want
+        np.asarray(fwd(load_pretrained(tmp_path / "saved", progress=False, dequantize_experts=True), toks)),
+        want,
     )
 
 
@@ -345,7 +351,7 @@ def test_tiny_k3_bf16_checkpoint_with_fp32_parts(tiny_k3_mx, tmp_path):
     tensors = released_tensors(model, codes_of, dtype=ml_dtypes.bfloat16, fp32_names=K3_FP32)
     write_released(tmp_path / "bf16", tensors, model.config)
     report = {}
-    loaded = load_pretrained(tmp_path / "bf16", progress=False, report=report)
+    loaded = load_pretrained(tmp_path / "bf16", progress=False, dequantize_experts=True, report=report)
     attn = loaded.model.layers[0].self_attn
     assert attn.A_log[...].shape == (1, 1, 8, 1)
     for part in (attn.q_conv1d.weight, attn.o_norm.weight, attn.A_log, attn.dt_bias):

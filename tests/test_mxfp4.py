@@ -6,11 +6,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from jaxhybrid.ops import mxfp4 as ops_mxfp4
 from jaxhybrid.weights.mxfp4 import (
     MXFP4Error,
     dequantize_mxfp4,
-    dequantize_mxfp4_jax,
     mxfp4_nbytes,
     quantize_mxfp4,
 )
@@ -126,11 +128,31 @@ def test_jax_matches_numpy_on_stacked_experts():
     scale = rng.integers(110, 140, size=(3, 8, 2), dtype=np.uint8)
     want = dequantize_mxfp4(packed, scale, np.float32)
     assert want.shape == (3, 8, 64)
-    got = dequantize_mxfp4_jax(jnp.asarray(packed), jnp.asarray(scale), jnp.float32)
+    got = ops_mxfp4.dequantize(jnp.asarray(packed), jnp.asarray(scale), jnp.float32)
     np.testing.assert_array_equal(np.asarray(got), want)
-    got16 = dequantize_mxfp4_jax(jnp.asarray(packed), jnp.asarray(scale), jnp.bfloat16)
+    got16 = ops_mxfp4.dequantize(jnp.asarray(packed), jnp.asarray(scale), jnp.bfloat16)
     assert got16.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got16).astype(np.float32), want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.sampled_from([(1, 32), (3, 64), (2, 4, 96)]),
+    log_scale=st.integers(-20, 20),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_jax_quantize_matches_numpy(shape, log_scale, seed):
+    """`ops.mxfp4.quantize` (random init of packed experts) gives the bytes of the NumPy reference,
+    ties and saturation included (values drawn on and between the E2M1 grid, some exactly between)."""
+    rng = np.random.default_rng(seed)
+    halves = rng.integers(-14, 15, size=shape) / 2.0  # 0, +-0.5, ... +-7: grid points and midpoints
+    w = (halves + rng.normal(0, 0.1, size=shape) * (rng.random(shape) < 0.5)) * 2.0**log_scale
+    w = w.astype(np.float32)
+    want_p, want_s = quantize_mxfp4(w)
+    got = ops_mxfp4.quantize(jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(got.packed), want_p)
+    np.testing.assert_array_equal(np.asarray(got.scale), want_s)
+    assert got.shape == w.shape
 
 
 def test_storage_bytes():

@@ -25,11 +25,15 @@ class Buffer(nnx.Variable):
 Axes = tuple[str | None, ...]
 
 
-def param(value: jax.Array, axes: Axes) -> nnx.Param:
-    """An `nnx.Param` annotated with one logical axis name per dimension."""
+def param(value: jax.Array, axes: Axes, units: tuple[int | None, ...] | None = None) -> nnx.Param:
+    """An `nnx.Param` annotated with one logical axis name per dimension. `units` (optional, per dimension):
+    a dimension made of that many indivisible units (MXFP4 scale groups) splits only on their boundaries
+    (`shard_units` metadata, read by `sharding.rules`)."""
     if len(axes) != len(value.shape):
         raise ValueError(f"{len(axes)} logical axis names {axes} for a parameter of shape {value.shape}")
-    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+    if units is None:
+        return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False, shard_units=tuple(units))
 
 
 def buffer(value: jax.Array, axes: Axes) -> Buffer:

@@ -27,8 +27,17 @@ def res_mix(partial: jax.Array, blocks: Sequence[jax.Array], norm: RMSNorm, proj
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
-        """`layer` is 0-indexed; the mixer kind and FFN kind come from the config."""
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        *,
+        rngs: nnx.Rngs,
+        dtype: jnp.dtype = jnp.float32,
+        packed_experts: bool = False,
+    ):
+        """`layer` is 0-indexed; the mixer kind and FFN kind come from the config. `packed_experts`: routed
+        experts kept as MXFP4."""
         self.kind = cfg.layer_types[layer]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -39,7 +48,7 @@ class DecoderLayer(nnx.Module):
         # Checkpoint names differ by FFN kind: `mlp.*` for dense layers, `block_sparse_moe.*` for MoE.
         self.is_moe = cfg.is_moe_layer(layer)
         if self.is_moe:
-            self.block_sparse_moe = MoE(cfg, rngs=rngs, dtype=dtype)
+            self.block_sparse_moe = MoE(cfg, rngs=rngs, dtype=dtype, packed=packed_experts)
         else:
             self.mlp = SwiGLU(
                 cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype, act=gated_activation(cfg)

@@ -21,6 +21,7 @@ from flax import nnx
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import Linear, RMSNorm, SwiGLU, buffer, gated_activation, linear_init, param
 from jaxhybrid.ops.moe import moe_experts_dense, moe_experts_dropless, route
+from jaxhybrid.ops.mxfp4 import GROUP, MXFP4, ExpertWeight, quantize
 
 EXPERT_IMPLS: dict[str, Callable[..., jax.Array]] = {
     "dropless": moe_experts_dropless,
@@ -57,21 +58,55 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Routed experts stacked over E: w1, w3 [E, F, D]; w2 [E, D, F] (D = the latent width in K3)."""
+    """Routed experts stacked over E: w1, w3 [E, F, D]; w2 [E, D, F] (D = the latent width in K3).
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+    `packed` (MXFP4 experts kept packed): instead, uint8 `wK_packed` [E, out, in/2] and `wK_scale`
+    [E, out, in/32] per projection, with the dense weight's logical axes; random init quantizes the dense
+    random init. Their `expert_mlp` dim splits only on whole scale groups (`shard_units`: F/32 units), so
+    codes and scales always shard together and w1/w3/w2 split F alike."""
+
+    def __init__(
+        self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32, packed: bool = False
+    ):
         E, D, F = cfg.num_experts, cfg.expert_dim, cfg.moe_intermediate_size
         dim = "embed" if cfg.routed_expert_hidden_size is None else "moe_latent"
-        self.w1 = param(linear_init(rngs.params(), (E, F, D), dtype), ("experts", "expert_mlp", dim))
-        self.w2 = param(linear_init(rngs.params(), (E, D, F), dtype), ("experts", dim, "expert_mlp"))
-        self.w3 = param(linear_init(rngs.params(), (E, F, D), dtype), ("experts", "expert_mlp", dim))
+        self.num_experts, self.packed = E, packed
+        shapes = {"w1": (E, F, D), "w2": (E, D, F), "w3": (E, F, D)}
+        axes = {
+            "w1": ("experts", "expert_mlp", dim),
+            "w2": ("experts", dim, "expert_mlp"),
+            "w3": ("experts", "expert_mlp", dim),
+        }
+        for name in ("w1", "w2", "w3"):
+            dense = linear_init(rngs.params(), shapes[name], dtype)
+            if not packed:
+                setattr(self, name, param(dense, axes[name]))
+                continue
+            q = quantize(dense)
+            units = tuple(F // GROUP if a == "expert_mlp" else None for a in axes[name])
+            setattr(self, f"{name}_packed", param(q.packed, axes[name], units=units))
+            setattr(self, f"{name}_scale", param(q.scale, axes[name], units=units))
+
+    def weights(self, dtype: jnp.dtype | None) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
+        """(w1, w2, w3) for the expert ops: dense ones cast to `dtype` (None: as stored); packed ones as
+        `MXFP4`, untouched (the ops dequantize only the experts they read, never a whole-layer copy)."""
+        if self.packed:
+            return tuple(  # type: ignore[return-value]
+                MXFP4(getattr(self, f"{n}_packed")[...], getattr(self, f"{n}_scale")[...])
+                for n in ("w1", "w2", "w3")
+            )
+        ws = self.w1[...], self.w2[...], self.w3[...]
+        return ws if dtype is None else tuple(w.astype(dtype) for w in ws)  # type: ignore[return-value]
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+    def __init__(
+        self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32, packed: bool = False
+    ):
+        """`packed`: the routed experts are kept as MXFP4 (see `Experts`)."""
         self.act = gated_activation(cfg)
         self.gate = Router(cfg, rngs=rngs)
-        self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
+        self.experts = Experts(cfg, rngs=rngs, dtype=dtype, packed=packed)
         self.shared_experts = (
             SwiGLU(
                 cfg.hidden_size,
@@ -114,9 +149,7 @@ class MoE(nnx.Module):
         experts_fn = self.experts_fn if self.experts_fn is not None else EXPERT_IMPLS[self.impl]
         y = experts_fn(
             self.routed_expert_down_proj(flat) if self.latent else flat,
-            ex.w1[...].astype(x.dtype),
-            ex.w2[...].astype(x.dtype),
-            ex.w3[...].astype(x.dtype),
+            *ex.weights(x.dtype),
             weights,
             ids,
             act=self.act,
@@ -129,6 +162,6 @@ class MoE(nnx.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         if return_load:
-            load = jnp.bincount(ids.reshape(-1), length=ex.w1.shape[0]).astype(jnp.int32)
+            load = jnp.bincount(ids.reshape(-1), length=ex.num_experts).astype(jnp.int32)
             return y.reshape(shape), load
         return y.reshape(shape)

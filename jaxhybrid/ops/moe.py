@@ -12,17 +12,24 @@ Two expert implementations share one signature:
 
 Every expert implementation takes the gated activation as the keyword ``act`` (a static
 :class:`~jaxhybrid.ops.activations.GatedActivation`; SiLU by default, SiTU for Kimi K3).
+
+Packed experts: every implementation also takes an :class:`~jaxhybrid.ops.mxfp4.MXFP4` (uint8 codes and
+E8M0 scales, ``.shape`` the logical [E, out, in]) for ``w1``/``w2``/``w3`` and dequantizes to the rows'
+dtype only what it reads: the CPU loop one chosen expert per iteration, the grouped ``ragged_dot`` path the
+up-to-``min(N * k, E)`` distinct experts of the step (:func:`used_experts`), the block-sparse form one
+expert per block; the dense reference dequantizes all. Packed weights are for inference (no derivative).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
+from jaxhybrid.ops.mxfp4 import ExpertWeight, as_dense, expert_slice, is_packed
 
 __all__ = [
     "route",
@@ -33,6 +40,7 @@ __all__ = [
     "moe_experts_skipping_stacked",
     "moe_experts_dropless_stacked",
     "moe_experts_dense",
+    "used_experts",
 ]
 
 # Checkpoint-layout expert weights are [E, out, in]; tokens are [M, in]. Contract lhs dim 1 with rhs
@@ -119,7 +127,7 @@ def route(
     return weights, expert_ids.astype(jnp.int32)
 
 
-def check_expert_shapes(x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array) -> None:
+def check_expert_shapes(x: jax.Array, w1: ExpertWeight, w2: ExpertWeight, w3: ExpertWeight) -> None:
     """Fail early with a readable message instead of an opaque dot-general shape error."""
     num_experts, ffn, dim = w1.shape
     if x.shape[-1] != dim or w3.shape != w1.shape or w2.shape != (num_experts, dim, ffn):
@@ -127,6 +135,26 @@ def check_expert_shapes(x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Arra
             f"expected x [N, D], w1/w3 [E, F, D], w2 [E, D, F]; got x {x.shape}, w1 {w1.shape}, "
             f"w3 {w3.shape}, w2 {w2.shape}"
         )
+    if len({is_packed(w) for w in (w1, w2, w3)}) > 1:
+        raise ValueError("w1, w2 and w3 must be all MXFP4 or all dense")
+
+
+def used_experts(
+    key: jax.Array, num_experts: int, ws: tuple[ExpertWeight, ...], dtype: Any
+) -> tuple[jax.Array, tuple[jax.Array, ...], int]:
+    """(keys, dense weights, groups) for a grouped matmul over pairs whose expert is `key` [P] (`num_experts`
+    for a pair in no group). Dense weights pass through. MXFP4 weights: only the up-to-``min(P, E)``
+    distinct experts in `key` are dequantized (to `dtype`), in ascending expert order, and each key is
+    remapped to its expert's position among them (a pair in no group to the count), so sorting by the new
+    key groups pairs exactly as before."""
+    if not is_packed(ws[0]):
+        return key, ws, num_experts
+    used = min(key.shape[0], num_experts)
+    ids = jnp.unique(key, size=used, fill_value=num_experts)  # ascending; padding (and no-group) last
+    ids = jnp.where(ids < num_experts, ids, num_experts)
+    remapped = jnp.where(key < num_experts, jnp.searchsorted(ids, key), used).astype(key.dtype)
+    take = jnp.where(ids < num_experts, ids, jnp.minimum(ids[0], num_experts - 1))  # fill: a used one
+    return remapped, tuple(as_dense(expert_slice(w, take), dtype) for w in ws), used
 
 
 def _pair_keys(expert_ids: jax.Array, valid: jax.Array | None, num_experts: int) -> jax.Array:
@@ -144,9 +172,9 @@ def _valid_weights(weights: jax.Array, valid: jax.Array | None) -> jax.Array:
 
 def moe_experts_ragged(
     x: jax.Array,
-    w1: jax.Array,
-    w2: jax.Array,
-    w3: jax.Array,
+    w1: ExpertWeight,
+    w2: ExpertWeight,
+    w3: ExpertWeight,
     weights: jax.Array,
     expert_ids: jax.Array,
     *,
@@ -175,10 +203,12 @@ def moe_experts_ragged(
 
     # Pairs of rows that are not valid sort after every group, where the grouped matmuls skip them.
     key = _pair_keys(expert_ids, valid, num_experts)
+    # Packed experts: only the distinct experts in use are dequantized, and keys renumbered to them.
+    key, (w1, w2, w3), groups = used_experts(key, num_experts, (w1, w2, w3), x.dtype)
     order = jnp.argsort(key, stable=True)  # pair index, grouped by expert
     token_of_row = order // k
     rows = jnp.take(x, token_of_row, axis=0)  # [N*k, D]
-    group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    group_sizes = jnp.bincount(key, length=groups + 1)[:groups].astype(jnp.int32)
 
     def grouped_matmul(lhs: jax.Array, w: jax.Array) -> jax.Array:
         return jax.lax.ragged_dot_general(lhs, w, group_sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
@@ -188,16 +218,16 @@ def moe_experts_ragged(
     hidden = gated_act(gate, up, act).astype(x.dtype)
     out_rows = grouped_matmul(hidden, w2)  # [N*k, D] float32
     w = weights.reshape(-1)[order].astype(jnp.float32)[:, None]
-    out_rows = jnp.where((key[order] < num_experts)[:, None], out_rows * w, 0.0)
+    out_rows = jnp.where((key[order] < groups)[:, None], out_rows * w, 0.0)
     out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of_row].add(out_rows)
     return out.astype(x.dtype)
 
 
 def moe_experts_dense(
     x: jax.Array,
-    w1: jax.Array,
-    w2: jax.Array,
-    w3: jax.Array,
+    w1: ExpertWeight,
+    w2: ExpertWeight,
+    w3: ExpertWeight,
     weights: jax.Array,
     expert_ids: jax.Array,
     *,
@@ -219,6 +249,7 @@ def moe_experts_dense(
         .at[jnp.arange(num_tokens)[:, None], expert_ids]
         .add(weights.astype(jnp.float32))
     )
+    w1, w2, w3 = (as_dense(w, x.dtype) for w in (w1, w2, w3))
     xs, w1, w3 = _f32_operands(x, w1, w3)
     gate = jnp.einsum("nd,efd->nef", xs, w1, preferred_element_type=jnp.float32)
     up = jnp.einsum("nd,efd->nef", xs, w3, preferred_element_type=jnp.float32)
@@ -286,9 +317,9 @@ def _combine(out: jax.Array, blocks: _Blocks, weights: jax.Array, k: int, num_to
 
 def moe_experts_blocked(
     x: jax.Array,
-    w1: jax.Array,
-    w2: jax.Array,
-    w3: jax.Array,
+    w1: ExpertWeight,
+    w2: ExpertWeight,
+    w3: ExpertWeight,
     weights: jax.Array,
     expert_ids: jax.Array,
     *,
@@ -311,9 +342,8 @@ def moe_experts_blocked(
     blocks = _sorted_blocks(expert_ids.reshape(-1), num_experts, m)
     num_blocks, block_expert = blocks.num_rows // m, blocks.block_expert
     rows = _block_rows_of(x, blocks, k)
-    rows, b1, b3, b2 = _f32_operands(
-        rows.reshape(num_blocks, m, dim), w1[block_expert], w3[block_expert], w2[block_expert]
-    )
+    b1, b3, b2 = (as_dense(expert_slice(w, block_expert), x.dtype) for w in (w1, w3, w2))
+    rows, b1, b3, b2 = _f32_operands(rows.reshape(num_blocks, m, dim), b1, b3, b2)
     gate = jnp.einsum("bmd,bfd->bmf", rows, b1, preferred_element_type=jnp.float32)
     up = jnp.einsum("bmd,bfd->bmf", rows, b3, preferred_element_type=jnp.float32)
     hidden = gated_act(gate, up, act).astype(b2.dtype)
@@ -332,9 +362,9 @@ def _rows_per_block(num_tokens: int, pairs: int, num_experts: int) -> int:
 
 def moe_experts_skipping(
     x: jax.Array,
-    w1: jax.Array,
-    w2: jax.Array,
-    w3: jax.Array,
+    w1: ExpertWeight,
+    w2: ExpertWeight,
+    w3: ExpertWeight,
     weights: jax.Array,
     expert_ids: jax.Array,
     *,
@@ -354,6 +384,8 @@ def moe_experts_skipping(
     check_expert_shapes(x, w1, w2, w3)
     if valid is None:
         valid = jnp.ones(expert_ids.shape[:1], bool)
+    if is_packed(w1):  # inference only: no derivative through uint8 codes
+        return _skipping_forward(x, w1, w2, w3, weights, expert_ids, valid.reshape(-1), act)
     return _skipping(x, w1, w2, w3, weights, expert_ids, valid.reshape(-1), act)
 
 
@@ -382,9 +414,9 @@ _skipping.defvjp(_skipping_fwd, _skipping_bwd)
 
 def _skipping_forward(
     x: jax.Array,
-    w1: jax.Array,
-    w2: jax.Array,
-    w3: jax.Array,
+    w1: ExpertWeight,
+    w2: ExpertWeight,
+    w3: ExpertWeight,
     weights: jax.Array,
     expert_ids: jax.Array,
     valid: jax.Array,
@@ -395,7 +427,11 @@ def _skipping_forward(
     groups ([G, E, ...]) and the loop reads expert (group, e) in place."""
     num_tokens, k = expert_ids.shape
     num_experts, _, dim = w1.shape[-3:]
-    pick = (lambda w, e: w[e]) if group is None else (lambda w, e: w[group, e])
+
+    def pick(w: ExpertWeight, e: jax.Array) -> jax.Array:
+        """Expert e (of `group`) read in place; a packed one dequantized here, one expert at a time."""
+        return as_dense(expert_slice(w, e if group is None else (group, e)), x.dtype)
+
     m = _rows_per_block(num_tokens, num_tokens * k, num_experts)
     # Pairs of rows not valid sort last, into no block; the loop runs the blocks in use only.
     blocks = _sorted_blocks(_pair_keys(expert_ids, valid, num_experts), num_experts, m)
@@ -424,9 +460,9 @@ def _skipping_forward(
 
 def moe_experts_skipping_stacked(
     x: jax.Array,
-    w1: jax.Array,
-    w2: jax.Array,
-    w3: jax.Array,
+    w1: ExpertWeight,
+    w2: ExpertWeight,
+    w3: ExpertWeight,
     weights: jax.Array,
     expert_ids: jax.Array,
     *,
@@ -438,7 +474,7 @@ def moe_experts_skipping_stacked(
     [G, E, F, D], w2 [G, E, D, F]; the scanned layers of `jaxhybrid.scan`): each chosen expert is read in
     place from the stacked arrays, where taking ``w1[group]`` first would copy all E experts of the layer on
     every step. Equals ``moe_experts_skipping(x, w1[group], w2[group], w3[group], ...)``; forward only."""
-    check_expert_shapes(x, w1[0], w2[0], w3[0])
+    check_expert_shapes(x, *(expert_slice(w, 0) for w in (w1, w2, w3)))
     if valid is None:
         valid = jnp.ones(expert_ids.shape[:1], bool)
     return _skipping_forward(x, w1, w2, w3, weights, expert_ids, valid.reshape(-1), act, group)
@@ -446,9 +482,9 @@ def moe_experts_skipping_stacked(
 
 def moe_experts_dropless(
     x: jax.Array,
-    w1: jax.Array,
-    w2: jax.Array,
-    w3: jax.Array,
+    w1: ExpertWeight,
+    w2: ExpertWeight,
+    w3: ExpertWeight,
     weights: jax.Array,
     expert_ids: jax.Array,
     *,
@@ -467,9 +503,9 @@ def moe_experts_dropless(
 
 def moe_experts_dropless_stacked(
     x: jax.Array,
-    w1: jax.Array,
-    w2: jax.Array,
-    w3: jax.Array,
+    w1: ExpertWeight,
+    w2: ExpertWeight,
+    w3: ExpertWeight,
     weights: jax.Array,
     expert_ids: jax.Array,
     *,
@@ -484,5 +520,7 @@ def moe_experts_dropless_stacked(
         return moe_experts_skipping_stacked(
             x, w1, w2, w3, weights, expert_ids, group=group, act=act, valid=valid
         )
-    w1, w2, w3 = (w[group].astype(x.dtype) for w in (w1, w2, w3))
+    w1, w2, w3 = (expert_slice(w, group) for w in (w1, w2, w3))
+    if not is_packed(w1):
+        w1, w2, w3 = (w.astype(x.dtype) for w in (w1, w2, w3))
     return moe_experts_ragged(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)

@@ -10,7 +10,8 @@ reads only the byte ranges of its own devices' shards; Orbax restores onto the s
 each array whole (our directories store one chunk per array).
 
 The released Kimi K3 layout loads too: `language_model.`-prefixed tensors, the vision tower skipped (and
-reported), MXFP4 routed experts dequantized, config.json with the text model under `text_config`.
+reported), MXFP4 routed experts kept packed (or dequantized on request), config.json with the text model
+under `text_config`.
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ def load_pretrained(
     *,
     progress: bool | None = None,
     report: dict[str, Any] | None = None,
+    dequantize_experts: bool = False,
 ) -> Any:
     """A ready HybridLM from a Hugging Face Kimi Linear / released K3 directory or one from `save_orbax`.
 
@@ -154,8 +156,11 @@ def load_pretrained(
     the default device). `progress`: a bar (True), nothing (False), or (None) a bar on a terminal and log
     lines otherwise (`jaxhybrid.weights.progress`), shown once the load takes a few seconds. `report`: a dict
     filled with `format`, `layout`, `expert_quant`, `skipped` (count), `skipped_summary` ({top-level name:
-    count}), `skipped_names` (the first 20), `kept_fp32` (names kept fp32 by the rule above) and, for
-    safetensors, `read_bytes` / `read_bytes_by_tensor` (what this process read: its own shards only).
+    count}), `skipped_names` (the first 20), `kept_fp32` (names kept fp32 by the rule above),
+    `packed_experts` and, for safetensors, `read_bytes` / `read_bytes_by_tensor` (what this process read:
+    its own shards only). MXFP4 routed experts load packed (uint8 codes + scales, `HybridLM` docs) unless
+    `dequantize_experts` (dequantized exactly at load: 3.6x the bytes, the oracle). An Orbax directory
+    restores its experts as it stored them (packed, or dense from a dequantized model).
     """
     from flax import nnx
 
@@ -183,6 +188,13 @@ def load_pretrained(
         stored = arrays["model.embed_tokens.weight"][1]
         stored_dtypes = {n: np.dtype(d) for n, (_, d) in arrays.items()}
         released = False
+        stored_packed = any(n.endswith(".experts.w1_packed") for n in arrays)
+        if stored_packed and dequantize_experts:
+            raise CheckpointError(
+                f"{directory}: this Orbax directory holds packed MXFP4 experts; load it packed, or "
+                "dequantize from the Hugging Face checkpoint"
+            )
+        dequantize_experts = not stored_packed
     dtype = np.dtype(stored if dtype is None else jnp.dtype(dtype))
     if skipped:
         summary = hf.skipped_summary(skipped)
@@ -193,7 +205,7 @@ def load_pretrained(
             ", ".join(f"{k}: {v}" for k, v in summary.items()),
         )
 
-    abstract = abstract_model(cfg, dtype)
+    abstract = abstract_model(cfg, dtype, dequantize_experts=dequantize_experts)
     graphdef, state = nnx.split(abstract)
     variables = {}
     for p, var in nnx.to_flat_state(state):
@@ -220,6 +232,7 @@ def load_pretrained(
             skipped_summary=hf.skipped_summary(skipped),
             skipped_names=skipped[:20],
             kept_fp32=kept_fp32,
+            packed_experts=abstract.packed_experts,
         )
 
     if fmt == "hf":

@@ -14,8 +14,9 @@ The released Kimi K3 layout (shared/K3.md) differs in three ways, all handled he
   is not part of the text model and is skipped (`text_model_tensors`, reported by the loader);
 - routed experts are MXFP4 (`experts.E.wK.weight_packed` uint8 [out, in/2] + `weight_scale` uint8
   [out, in/32]) when config.json's `quantization_config` says compressed-tensors `mxfp4-pack-quantized`
-  (`ModelConfig.expert_quant == "mxfp4"`); the loader dequantizes them exactly into the stacked expert
-  arrays (`jaxhybrid.weights.mxfp4`);
+  (`ModelConfig.expert_quant == "mxfp4"`); a model that keeps them packed (the default) reads them as
+  stacked uint8 arrays `experts.wK_packed` / `experts.wK_scale`; with `dequantize_experts` the loader
+  dequantizes them exactly into the stacked expert arrays (`jaxhybrid.weights.mxfp4`);
 - `config.json` keeps the text model under `text_config`.
 
 Reading (`read_params`, through `jaxhybrid.weights.slices`) puts every parameter straight into its sharding:
@@ -56,6 +57,11 @@ MXFP4_FORMAT = "mxfp4-pack-quantized"
 QUANT_METHOD = "compressed-tensors"
 
 _EXPERT_PARAM = re.compile(r"^(?P<prefix>model\.layers\.\d+\.block_sparse_moe\.experts)\.(?P<w>w[123])$")
+# MXFP4 experts kept packed: `experts.w1_packed` [E, out, in/2] stacks `experts.{e}.w1.weight_packed`
+# (and `_scale` likewise), read as ordinary stacked uint8 tensors.
+_PACKED_EXPERT_PARAM = re.compile(
+    r"^(?P<prefix>model\.layers\.\d+\.block_sparse_moe\.experts)\.(?P<w>w[123])_(?P<part>packed|scale)$"
+)
 
 # safetensors dtype names -> numpy dtypes (bfloat16 and the fp8 types through ml_dtypes).
 _ST_DTYPES: dict[str, str] = {
@@ -104,7 +110,25 @@ class TensorSpec:
 
     @property
     def stacked(self) -> bool:
-        return len(self.hf_names) > 1 or bool(_EXPERT_PARAM.match(self.name))
+        return len(self.hf_names) > 1 or bool(_EXPERT_PARAM.match(self.name) or self.packed_part)
+
+    @property
+    def packed_part(self) -> str | None:
+        """ "packed" / "scale" for the stacked uint8 arrays of experts kept packed, else None."""
+        m = _PACKED_EXPERT_PARAM.match(self.name)
+        return m["part"] if m else None
+
+    def check_data(self, host: np.ndarray, where: str, first: int = 0) -> None:
+        """Refuse what was read but must not load: an E8M0 NaN scale (255) among packed experts' scales
+        (`host` holds experts `first`, `first + 1`, ...)."""
+        from jaxhybrid.weights.mxfp4 import SCALE_NAN
+
+        if self.packed_part == "scale":
+            bad = np.flatnonzero(np.any(host.reshape(host.shape[0], -1) == SCALE_NAN, axis=1))
+            if bad.size:
+                raise CheckpointError(
+                    f"{where}: tensor '{self.hf_names[first + bad[0]]}' holds the E8M0 NaN scale 255"
+                )
 
     @property
     def scale_names(self) -> tuple[str, ...]:
@@ -129,7 +153,12 @@ def tensor_specs(shapes: Mapping[str, tuple[int, ...]], expert_quant: str | None
     for name, shape in shapes.items():
         shape = tuple(shape)
         m = _EXPERT_PARAM.match(name)
-        if m and expert_quant == "mxfp4":
+        packed = _PACKED_EXPERT_PARAM.match(name)
+        if packed:
+            p = packed
+            hf = tuple(f"{p['prefix']}.{e}.{p['w']}.weight_{p['part']}" for e in range(shape[0]))
+            specs.append(TensorSpec(name, hf, shape[1:], shape))
+        elif m and expert_quant == "mxfp4":
             hf = tuple(f"{m['prefix']}.{e}.{m['w']}.weight_packed" for e in range(shape[0]))
             specs.append(TensorSpec(name, hf, packed_shapes(shape[1:])[0], shape, quant="mxfp4"))
         elif m:
@@ -323,7 +352,7 @@ def check_against(
                         f"the config needs {list(shape)}"
                     )
                 np_dtype(tensors[hf].dtype)  # unsupported dtypes fail here, before anything is read
-                if spec.quant and tensors[hf].dtype != "U8":
+                if (spec.quant or spec.packed_part) and tensors[hf].dtype != "U8":
                     raise CheckpointError(
                         f"{where}: MXFP4 tensor '{hf}' has dtype {tensors[hf].dtype}, expected U8"
                     )
@@ -378,6 +407,11 @@ def read_params(
                 sds, sharding = targets[spec.name]
                 arr = read_sharded(reader, spec, tensors, sds, sharding, where=str(directory))
                 arr.block_until_ready()
+                if spec.packed_part == "scale":  # this process's slices of the scales: no NaN scale
+                    for shard in arr.addressable_shards:
+                        spec.check_data(
+                            np.asarray(shard.data), str(directory), first=shard.index[0].start or 0
+                        )
                 bar.update(sum(tensors[hf].nbytes for hf in (*spec.hf_names, *spec.scale_names)))
                 bar.set_postfix_str(f"{reader.total / 2**20:,.0f} MiB read", refresh=False)
                 yield spec.name, arr
@@ -562,8 +596,9 @@ def save_hf(
 
     `layout="kimi-linear"`: Kimi Linear's names. `layout="k3-released"`: the released K3 layout, tensors
     under `language_model.` and config.json with `text_config` (+ `quantization_config`).
-    `expert_quant="mxfp4"`: routed experts as MXFP4 packed + scale tensors. `extra_tensors`: written as
-    given (e.g. vision-tower tensors, which the loader skips).
+    `expert_quant="mxfp4"`: routed experts as MXFP4 packed + scale tensors (always so for a model that keeps
+    them packed: its bytes are written as they are). `extra_tensors`: written as given (e.g. vision-tower
+    tensors, which the loader skips).
     """
     if layout not in ("kimi-linear", "k3-released"):
         raise ValueError(f"unknown checkpoint layout {layout!r} (kimi-linear or k3-released)")
@@ -571,6 +606,8 @@ def save_hf(
     directory.mkdir(parents=True, exist_ok=True)
     released = layout == "k3-released"
     cfg = model.config
+    if getattr(model, "packed_experts", False):  # experts held as MXFP4 are written as MXFP4
+        expert_quant = "mxfp4"
     if hasattr(cfg, "expert_quant"):  # the config says how the experts are stored: as written here
         cfg = cfg.replace(expert_quant=expert_quant)
     if released:

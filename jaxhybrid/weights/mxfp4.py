@@ -11,7 +11,9 @@ subnormals, which both types hold exactly; from 2 * 2^127 up (e = 254) the produ
 E8M0 255 is NaN (OCP MX): its 32 weights dequantize to NaN here, and the checkpoint loader refuses a
 checkpoint with such a scale rather than loading NaN weights.
 
-All functions are pure; leading dimensions (e.g. stacked experts [E, out, in/2]) pass through.
+All functions are pure; leading dimensions (e.g. stacked experts [E, out, in/2]) pass through. These NumPy
+functions are the reference of the JAX ones in `jaxhybrid.ops.mxfp4` (serving with the experts kept packed),
+which also holds the format's constants.
 """
 
 from __future__ import annotations
@@ -20,13 +22,9 @@ from typing import Any
 
 import numpy as np
 
-GROUP = 32  # columns per E8M0 scale
-SCALE_BIAS = 127
-SCALE_NAN = 255  # E8M0 NaN
-# E2M1 code -> value; code 8 is -0.0.
-E2M1_VALUES = np.array(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32
-)
+from jaxhybrid.ops.mxfp4 import E2M1_VALUES, GROUP, SCALE_BIAS, SCALE_NAN
+
+__all__ = ["E2M1_VALUES", "GROUP", "SCALE_BIAS", "SCALE_NAN", "dequantize_mxfp4", "quantize_mxfp4"]
 _MAGNITUDES = E2M1_VALUES[:8].astype(np.float64)
 BITS_PER_WEIGHT = 4 + 8 / GROUP  # 4.25: a nibble plus a 32nd of a scale byte
 
@@ -81,19 +79,6 @@ def dequantize_mxfp4(packed: np.ndarray, scale: np.ndarray, dtype: Any = np.floa
         factor = np.ldexp(np.float32(1.0), e - SCALE_BIAS).astype(np.float32)
         factor = np.where(e == SCALE_NAN, np.float32(np.nan), factor)
         out = values.reshape(*scale.shape, GROUP) * factor[..., None]
-    return out.reshape(values.shape).astype(dtype)
-
-
-def dequantize_mxfp4_jax(packed: Any, scale: Any, dtype: Any) -> Any:
-    """The same in JAX (traceable), for serving with experts kept packed: returns [.., out, in] `dtype`."""
-    import jax.numpy as jnp
-
-    cols = _check_shapes(tuple(packed.shape), tuple(scale.shape))
-    codes = jnp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], cols)
-    values = jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]
-    e = scale.astype(jnp.int32)
-    factor = jnp.where(e == SCALE_NAN, jnp.nan, jnp.ldexp(jnp.float32(1.0), e - SCALE_BIAS))
-    out = values.reshape(*scale.shape, GROUP) * factor[..., None].astype(jnp.float32)
     return out.reshape(values.shape).astype(dtype)
 
 

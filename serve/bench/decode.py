@@ -3,6 +3,11 @@
 The question: a KDA layer's decode cost is constant (fixed-size state), an MLA layer's grows with the
 context it attends over. Each variant runs the engine's own decode program (all slots, paged latent KV)
 with the cache filled to each context length; the ratio t(longest) / t(shortest) shows the growth.
+
+`--compare-dequantized` (a config with MXFP4 experts): the variants are instead the model with its experts
+kept packed and the same model with them dequantized, each row with the bytes the model holds and the bytes
+one step reads (`bench throughput`'s count: the experts B rows are expected to choose, as stored); the
+ratio of packed to dequantized tokens/s is printed.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import sys
 import numpy as np
 
 from serve.bench.common import add_out_arg, decode_step, emit, environment
-from serve.report import print_table
+from serve.report import fmt_bytes, print_table
 
 
 def kda_only(cfg):
@@ -26,15 +31,26 @@ def kda_only(cfg):
     )
 
 
-def measure(cfg, contexts: list[int], batch: int, repeats: int, dtype: str, block_size: int) -> list[dict]:
+def measure(
+    cfg,
+    contexts: list[int],
+    batch: int,
+    repeats: int,
+    dtype: str,
+    block_size: int,
+    dequantize_experts: bool = False,
+    variant: str | None = None,
+) -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxhybrid.model import HybridLM
+    from jaxhybrid.model import HybridLM, held_bytes
+    from serve.bench.throughput import decode_bytes, param_bytes
     from serve.engine.engine import Engine, EngineConfig
 
     longest = max(contexts)
-    model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(dtype))
+    model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(dtype), dequantize_experts=dequantize_experts)
+    held, params = held_bytes(model), param_bytes(model)
     blocks_per_seq = math.ceil((longest + 1) / block_size)
     engine = Engine(
         model,
@@ -59,9 +75,10 @@ def measure(cfg, contexts: list[int], batch: int, repeats: int, dtype: str, bloc
     rows = []
     for ctx in contexts:
         med, low = float(np.median(samples[ctx])), min(samples[ctx])
+        read = decode_bytes(cfg, params, batch, ctx, dtype)["bytes"]
         rows.append(
             {
-                "variant": cfg.name,
+                "variant": variant or cfg.name,
                 "context": ctx,
                 "batch": batch,
                 "step_ms": 1e3 * med,
@@ -69,9 +86,20 @@ def measure(cfg, contexts: list[int], batch: int, repeats: int, dtype: str, bloc
                 "tokens_per_s": batch / med,
                 "mla_layers": cfg.num_mla_layers,
                 "kda_layers": cfg.num_kda_layers,
+                "model_bytes": held,
+                "bytes_per_step": read,
             }
         )
     return rows
+
+
+def variants(cfg, compare_dequantized: bool) -> list[tuple[object, bool, str]]:
+    """(config, dequantize_experts, name) of each measured variant."""
+    if not compare_dequantized:
+        return [(cfg, False, cfg.name), (kda_only(cfg), False, kda_only(cfg).name)]
+    if cfg.expert_quant != "mxfp4":
+        raise ValueError(f"--compare-dequantized needs a config with MXFP4 experts; {cfg.name} has none")
+    return [(cfg, False, f"{cfg.name}-packed"), (cfg, True, f"{cfg.name}-dequantized")]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,9 +108,16 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     contexts = sorted({int(c) for c in args.contexts.split(",")})
+    try:
+        runs = variants(cfg, args.compare_dequantized)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     rows = []
-    for variant in (cfg, kda_only(cfg)):
-        rows += measure(variant, contexts, args.batch, args.repeats, args.dtype, args.block_size)
+    for variant, dequantize, name in runs:
+        rows += measure(
+            variant, contexts, args.batch, args.repeats, args.dtype, args.block_size, dequantize, name
+        )
     ratios = {}
     for name in {r["variant"] for r in rows}:
         mine = [r for r in rows if r["variant"] == name]
@@ -95,13 +130,34 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
         f"ratio_{contexts[-1]}_vs_{contexts[0]}": ratios,
     }
+    if args.compare_dequantized:
+        (packed_name, _), (dense_name, _) = ((n, d) for _, d, n in runs)
+        speed = {
+            r["context"]: r["tokens_per_s"] / d["tokens_per_s"]
+            for r in rows
+            if r["variant"] == packed_name
+            for d in rows
+            if d["variant"] == dense_name and d["context"] == r["context"]
+        }
+        result["packed_over_dequantized_tokens_per_s"] = speed
     print_table(
-        [{**r, "step_ms": f"{r['step_ms']:.2f}", "tokens_per_s": f"{r['tokens_per_s']:.1f}"} for r in rows],
-        ["variant", "context", "batch", "step_ms", "tokens_per_s"],
+        [
+            {
+                **r,
+                "step_ms": f"{r['step_ms']:.2f}",
+                "tokens_per_s": f"{r['tokens_per_s']:.1f}",
+                "model": fmt_bytes(r["model_bytes"]),
+                "read/step": fmt_bytes(r["bytes_per_step"]),
+            }
+            for r in rows
+        ],
+        ["variant", "context", "batch", "step_ms", "tokens_per_s", "model", "read/step"],
         file=sys.stderr,
     )
     for name, ratio in ratios.items():
         print(f"{name}: step time at {contexts[-1]} / at {contexts[0]} = {ratio:.2f}", file=sys.stderr)
+    for ctx, ratio in result.get("packed_over_dequantized_tokens_per_s", {}).items():
+        print(f"packed / dequantized tokens/s at {ctx}: {ratio:.2f}", file=sys.stderr)
     emit(result, args)
     return 0
 
@@ -122,6 +178,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=block, help=f"KV block size (default {block}, as serve)")
     p.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and cache dtype"
+    )
+    p.add_argument(
+        "--compare-dequantized",
+        action="store_true",
+        help="an MXFP4 config: compare its experts kept packed with them dequantized (instead of the "
+        "KDA-only variant)",
     )
     add_out_arg(p)
     p.set_defaults(func=run)

@@ -101,7 +101,8 @@ def machine_rates(dtype: str, repeats: int, matmul_size: int, read_mib: int) -> 
 
 def param_bytes(model: Any) -> dict[str, int]:
     """Elements and bytes of the model's parameters, split into embedding table, routed experts and the rest
-    (from the arrays themselves, so mixed dtypes such as the fp32 router are counted as stored)."""
+    (from the arrays themselves, so mixed dtypes such as the fp32 router and MXFP4 experts kept packed are
+    counted as stored; elements are logical weights: a packed byte holds two, a scale byte none)."""
     from flax import nnx
 
     out = {k: 0 for k in ("elements", "bytes", "embedding", "embedding_bytes", "routed", "routed_bytes")}
@@ -109,6 +110,8 @@ def param_bytes(model: Any) -> dict[str, int]:
         leaf = var.get_value()
         size, nbytes = int(np.prod(leaf.shape)), int(np.prod(leaf.shape)) * leaf.dtype.itemsize
         names = [str(p) for p in path]
+        if names[-1].endswith(("_packed", "_scale")):  # MXFP4 experts: 2 weights per code byte
+            size = 2 * size if names[-1].endswith("_packed") else 0
         out["elements"] += size
         out["bytes"] += nbytes
         if "embed_tokens" in names:

@@ -1,10 +1,11 @@
 """`jaxhybrid convert [SRC] OUT_DIR`: a checkpoint to our Orbax directory, or to an MXFP4 one.
 
 SRC is a Hugging Face Kimi Linear (or released Kimi K3) directory or one of our Orbax model directories;
-without it, the shipped model. K3's vision tower is skipped (counted in the summary) and its MXFP4 experts
-dequantized. `--quantize-experts mxfp4` writes the routed experts in K3's compressed-tensors form instead
-(safetensors `experts.{e}.w{1,2,3}.weight_packed` / `weight_scale` and a `quantization_config`), the rest
-of the tensors as they load, so a dense model can be tried on the packed path."""
+without it, the shipped model. K3's vision tower is skipped (counted in the summary); its MXFP4 experts
+stay packed (`--dequantize-experts`: stored dense). `--quantize-experts mxfp4` writes the routed experts in
+K3's compressed-tensors form instead (safetensors `experts.{e}.w{1,2,3}.weight_packed` / `weight_scale`
+and a `quantization_config`), the rest of the tensors as they load, so a dense model can be tried on
+the packed path."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from serve.models import add_dequantize_experts_arg
 from serve.report import DTYPES, fmt_bytes
 
 QUANTIZATIONS = ("mxfp4",)
@@ -69,7 +71,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
         report: dict = {}
-        model = load_pretrained(src, dtype=dtype, progress=None if args.progress else False, report=report)
+        model = load_pretrained(
+            src,
+            dtype=dtype,
+            progress=None if args.progress else False,
+            report=report,
+            dequantize_experts=args.dequantize_experts,
+        )
         t1 = time.perf_counter()
         if args.quantize_experts:
             _write_mxfp4(model, src, out, args)
@@ -146,6 +154,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "layout (`language_model.` prefix, config under text_config)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace the checkpoint in a non-empty OUT_DIR")
+    add_dequantize_experts_arg(p)
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxhybrid.config import ModelConfig
-from jaxhybrid.model import HybridLM
+from jaxhybrid.model import HybridLM, held_bytes
 from serve.engine.config import EngineConfig, EngineShape, ProgramShape
 from serve.engine.pools import EnginePools, aligned_prefix
 from serve.engine.requests import (
@@ -108,6 +108,7 @@ class Engine:
                 config.prefix = aligned_prefix(config.prefix, shape.block_size)  # our own copy of the config
             pools = EnginePools.for_model(model, shape, config.prefix, mesh)
         self.mesh, self.pools, self.clock = mesh, pools, clock
+        self.model_bytes = held_bytes(model) if model is not None else 0  # the weights as held
         self.shape = pools.shape
         self.max_model_len = self.shape.max_model_len
         self.allocator, self.runner = pools.allocator, pools.runner
@@ -381,4 +382,4 @@ class Engine:
 
     def memory(self) -> dict[str, Any]:
         """Bytes held by the engine: KV blocks (used/free), live KDA states, and per running request."""
-        return self.pools.memory(self.running, self.scheduler.memory_of)
+        return {**self.pools.memory(self.running, self.scheduler.memory_of), "model_bytes": self.model_bytes}

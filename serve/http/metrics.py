@@ -98,6 +98,11 @@ class EngineCollector(Collector):
         g = GaugeMetricFamily("jaxhybrid_state_pool_bytes", "KDA state pool bytes (all slots)")
         g.add_metric([], memory.get("state_pool_bytes", 0))
         yield g
+        g = GaugeMetricFamily(
+            "jaxhybrid_model_bytes", "bytes of the model's arrays as held (MXFP4 experts packed: 4.25 bits)"
+        )
+        g.add_metric([], memory.get("model_bytes", 0))
+        yield g
 
 
 class ServerMetrics:
