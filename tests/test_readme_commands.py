@@ -60,9 +60,11 @@ def flags_in(cell: str) -> tuple[list[tuple[str, bool]], list[frozenset[str]]]:
 # Flags a row shows bare or as `(a | b)` that argparse cannot require, checked when the command runs:
 # `memory`'s rows are its modes (--context, --turns with --turn-tokens, --ratios), `bench prefix --simulate`
 # is a row of its own, `bench reference` compares on --model's weights (or writes them with --make-small),
-# `convert --quantize-experts` is a row of its own, and `generate` takes exactly one source of prompts.
+# `convert --quantize-experts` and `bench decode --compare-dequantized` are rows of their own, and
+# `generate` takes exactly one source of prompts.
 AT_RUN_TIME = {
     "convert": {"--quantize-experts"},
+    "bench decode": {"--compare-dequantized"},
     "memory": {"--context", "--turns", "--turn-tokens", "--ratios"},
     "bench prefix": {"--simulate"},
     "bench reference": {"--model"},

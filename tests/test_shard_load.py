@@ -84,26 +84,34 @@ def test_sharded_load_equals_unsharded_and_reads_each_byte_once(ckpt, spec):
 
 def test_bf16_checkpoint_to_fp32_on_a_mesh_and_mxfp4_experts(ckpt, tmp_path):
     """The dtype conversion on the way (bf16 stored, fp32 asked; column slices of o_proj and w2 over
-    tensor=2) and MXFP4 experts dequantized at load (the slice's rows of codes and scales) equal the
-    unsharded load bit for bit."""
+    tensor=2), MXFP4 experts dequantized at load (the slice's rows of codes and scales) and MXFP4 experts
+    kept packed equal the unsharded load bit for bit."""
     bf16 = tmp_path / "bf16"
     save_hf(load_pretrained(ckpt, dtype=jnp.bfloat16, progress=False), bf16)
     mx = tmp_path / "mx"
     save_hf(with_mxfp4_experts(random_model(CFG), seed=3)[0], mx, expert_quant="mxfp4")
     mesh = make_mesh("tensor=2,expert=4")
-    for directory, dtype in ((bf16, jnp.float32), (mx, None)):
-        want = named_arrays(load_pretrained(directory, dtype=dtype, progress=False))
+    # the MXFP4 checkpoint twice: dequantized at load, and kept packed (uint8 codes and scales)
+    for directory, dtype, dq in ((bf16, jnp.float32, False), (mx, None, True), (mx, None, False)):
+        want = named_arrays(load_pretrained(directory, dtype=dtype, progress=False, dequantize_experts=dq))
         report = {}
-        got = named_arrays(load_pretrained_on_mesh(directory, mesh, dtype, progress=False, report=report))
+        got = named_arrays(
+            load_pretrained_on_mesh(
+                directory, mesh, dtype, progress=False, report=report, dequantize_experts=dq
+            )
+        )
         assert got.keys() == want.keys()
         for name, arr in got.items():
             assert arr.dtype == want[name].dtype, name
             np.testing.assert_array_equal(np.asarray(arr), np.asarray(want[name]), err_msg=name)
         sizes = file_bytes(directory)
-        if directory == mx:  # w2's 32 columns split in halves of 16: both read the one scale group whole
+        if directory == mx and dq:  # w2's 32 columns split in halves of 16: both read its one scale group
             sizes = {n: 2 * v if ".w2." in n else v for n, v in sizes.items()}
         assert report["read_bytes_by_tensor"] == sizes
-    assert want["model.layers.1.block_sparse_moe.experts.w1"].dtype == jnp.float32  # dequantized, fp32
+        if directory == mx and not dq:
+            assert want["model.layers.1.block_sparse_moe.experts.w1_packed"].dtype == jnp.uint8
+        elif directory == mx:
+            assert want["model.layers.1.block_sparse_moe.experts.w1"].dtype == jnp.float32  # dequantized
 
 
 def test_mesh_flag_loads_a_model_directory_into_its_shardings(ckpt):
