@@ -116,3 +116,48 @@ def test_cache_salt_that_cannot_be_encoded_is_refused(model):
         eng.add_request([5, 6, 7], greedy(2), cache_salt="x" * 257)
     assert not eng.has_unfinished() and not eng.requests
     assert run(eng, [([5, 6, 7], greedy(2))])[0][0]
+
+
+def lose_pools_on_second_chunk(monkeypatch, eng):
+    """From now on a prefill call that continues a prompt (its second chunk) raises after donating the pools
+    (what a device failure inside the program does); the pools come back with `rebuild`."""
+    runner, lost = eng.runner, []
+    prefill_rows, rebuild = runner.prefill_rows, runner.rebuild
+
+    def failing(reqs, ns):
+        if any(r.num_computed > 0 for r in reqs):
+            lost.append(True)
+            raise RuntimeError("injected: the program failed after donating the pools")
+        return prefill_rows(reqs, ns)
+
+    def rebuilt():
+        lost.clear()
+        rebuild()
+
+    monkeypatch.setattr(runner, "prefill_rows", failing)
+    monkeypatch.setattr(runner, "pools_lost", lambda: bool(lost))
+    monkeypatch.setattr(runner, "rebuild", rebuilt)
+
+
+def test_a_request_that_finished_in_a_failed_step_still_gets_its_final_output(model, monkeypatch):
+    """Issue 27.1: A finishes by decoding in the step whose later prefill call (B's second chunk) loses the
+    pools. The step raises; `recover` reports A's last token and its finish (not an error), and B's error:
+    exactly one final output each. Oracle: A served alone."""
+    short, long_ = [5, 6, 7], list(range(20, 60))
+    want = engine(model).generate([short], greedy(2))[0].token_ids
+    eng = engine(model)
+    lose_pools_on_second_chunk(monkeypatch, eng)
+    a = eng.add_request(short, greedy(2))
+    b = eng.add_request(long_, greedy(2))
+    first = eng.step()  # A's prompt and B's first chunk; A samples its first token
+    assert [o.new_token_ids for o in first if o.request_id == a] == [want[:1]]
+    with pytest.raises(RuntimeError, match="pools were lost"):
+        eng.step()  # A decodes its last token, then B's second chunk fails
+    outs = eng.recover("injected")
+    final = {o.request_id: o for o in outs if o.finished}
+    assert sorted(final) == sorted([a, b]) and len(outs) == 2
+    assert final[a].new_token_ids == want[1:] and final[a].finish_reason == "length"
+    assert final[a].error is None
+    assert final[b].finish_reason == "error" and "injected" in final[b].error
+    assert eng.result(a).token_ids == want and not eng.has_unfinished()
+    assert eng.allocator.num_used == 0  # nothing leaked (no prefix store here)

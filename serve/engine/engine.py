@@ -120,6 +120,7 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self.steps = 0
+        self._unreported: dict[str, RequestOutput] = {}  # produced by a step that then raised
 
     # views for callers that inspect (tests, benchmarks)
     @property
@@ -203,14 +204,24 @@ class Engine:
         return {"disk": self.store.observe(), "loaded": self.scheduler.observe_loads()}
 
     def step(self, events: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Apply `events` (default: this process's own `observe`), then plan, run and update one step."""
+        """Apply `events` (default: this process's own `observe`), then plan, run and update one step. If it
+        raises, what it produced before (a request that finished, a request failed alone) is kept for
+        `recover` (or the next step) to report: every request gets exactly one final output."""
+        outputs, self._unreported = self._unreported, {}
+        try:
+            self._step(events, outputs)
+        except BaseException:
+            self._unreported = outputs
+            raise
+        return list(outputs.values())
+
+    def _step(self, events: dict[str, Any] | None, outputs: dict[str, RequestOutput]) -> None:
         self.steps += 1
         if self.store is not None:
             events = events if events is not None else self.observe()
             self.store.apply(events["disk"])  # disk saves that finished become visible to lookups now
             self.scheduler.apply_loads(events["loaded"])
         plan = self.scheduler.schedule()
-        outputs: dict[str, RequestOutput] = {}
         for req, exc in plan.failed:
             self._report_failure(req, exc, outputs)
         for adm in plan.admissions:
@@ -234,7 +245,6 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - these requests only
                 for job in group:
                     self._fail(job.request, exc, outputs)
-        return list(outputs.values())
 
     def _decode(self, reqs: list[Request], outputs: dict[str, RequestOutput]) -> None:
         t0 = time.perf_counter()
@@ -317,19 +327,19 @@ class Engine:
         """After a step that raised with no single request to blame: end every running request with an
         error (its cached state may be half written), rebuild the pools if the failed program consumed
         them (the prefix store then forgets its KV blocks; its checkpoints are copies and stay), keep the
-        waiting requests. Returns the outputs that tell their clients."""
-        outputs = []
+        waiting requests. Returns the outputs that tell their clients, with what the failed step produced
+        before it raised (a request that finished in it gets its own final output)."""
+        outputs, self._unreported = self._unreported, {}
         for req in self.scheduler.drop_running():
             req.error = f"the engine step failed: {reason}"
-            outputs.append(
-                RequestOutput(req.id, [], [], True, FinishReason.ERROR, req.prefix_hit_tokens, req.error)
-            )
+            out = outputs.setdefault(req.id, RequestOutput(req.id, [], [], True, None, req.prefix_hit_tokens))
+            out.finished, out.finish_reason, out.error = True, FinishReason.ERROR, req.error
         if self.runner.pools_lost():
             log.warning("rebuilding the cache pools after a failed program call")
             if self.store is not None:
                 self.store.forget_blocks()
             self.runner.rebuild()
-        return outputs
+        return list(outputs.values())
 
     # --- compiling ahead of use (the server's warm-up; call between steps) -------------------------------
     def compiled_programs(self) -> frozenset[ProgramShape]:

@@ -203,8 +203,22 @@ class EngineLoop:
         if self._thread.is_alive():
             log.warning("the engine thread did not stop within %.0f s", timeout)
 
+    @property
+    def thread_alive(self) -> bool:
+        """Whether the engine thread still runs (and so may still deliver events)."""
+        return self._thread is not None and self._thread.is_alive()
+
     # -- engine thread --
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # a bug outside any one command or step: no client may wait forever
+            log.exception("the engine thread failed")
+            reason = f"the engine thread failed: {type(exc).__name__}: {exc}"
+            self._go_down(reason)
+            self._refuse_queued(reason)
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             busy = self.failed is None and engine.has_unfinished()
@@ -238,9 +252,11 @@ class EngineLoop:
 
     def _step(self) -> None:
         self._step_started = time.monotonic()
+        recovered = False
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a bug or a device failure that no single request caused
+            recovered = True
             self.step_failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.exception("engine step failed (%d since a request last completed)", self.step_failures)
@@ -259,6 +275,18 @@ class EngineLoop:
         if any(o.finished and o.finish_reason in ("stop", "length") for o in outputs):
             self.step_failures = 0  # the engine completes requests again: earlier failures were transient
         self._deliver(outputs)
+        if recovered:
+            self._end_orphans()
+
+    def _end_orphans(self) -> None:
+        """After a failed step: a request the engine no longer serves whose client got no final event
+        gets an error one (every client's wait ends, whatever the engine reported)."""
+        active = {r.id for r in self.engine.active_requests()}
+        for rid in [rid for rid in self._sinks if rid not in active]:
+            log.error("request %s ended in a failed step without a final output", rid)
+            self._hits.pop(rid, None)
+            self._sinks.pop(rid).put(Event([], [], True, "error", error="lost in a failed engine step"))
+            self.engine.forget(rid)
 
     def _go_down(self, reason: str) -> None:
         """The engine is down for good: every request gets an error, new ones get 503."""
@@ -386,10 +414,14 @@ class EngineLoop:
                 flush()
             except Exception:
                 log.exception("flushing the prefix store failed")
-        while True:  # answer whatever arrived meanwhile
+        self._refuse_queued("the server is shutting down")
+
+    def _refuse_queued(self, reason: str) -> None:
+        """Answer every queued submission and call with Unavailable (the thread is ending)."""
+        while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
             if isinstance(cmd, _Add | _Call) and _claim(cmd.future):
-                _settle(cmd.future, error=Unavailable("the server is shutting down"))
+                _settle(cmd.future, error=Unavailable(reason))
