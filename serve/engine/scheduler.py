@@ -254,23 +254,23 @@ class Scheduler:
         )
 
     def observe_loads(self) -> list[list[Any]]:
-        """[request id, read ok] of every disk read that finished (on process 0, or the only process);
-        with nothing else to do, wait a moment for one first."""
+        """[request id, read ok, failed for a reason that may pass] of every disk read that finished (on
+        process 0, or the only process); with nothing else to do, wait a moment for one first."""
         if not self.loading:
             return []
         if not self.running and not self.waiting:
             self.store.wait_loads([r.load for r in self.loading], timeout=0.05)
         done = sorted((r for r in self.loading if self.store.load_ready(r.load)), key=lambda r: r.arrival)
-        return [[r.id, r.load.future.exception() is None] for r in done]
+        return [[r.id, *self.store.load_outcome(r.load)] for r in done]
 
     def apply_loads(self, done: list[list[Any]]) -> None:
         """Requests whose prefix was read go back to the front of the queue, in arrival order, with what
         was read (every process follows process 0's outcome)."""
         by_id = {r.id: r for r in self.loading}
-        for rid, ok in reversed(done):
+        for rid, ok, transient in reversed(done):
             req = by_id[rid]
             self.loading.remove(req)
-            self.store.finish_load(req.load, leader_ok=ok)
+            self.store.finish_load(req.load, leader_ok=ok, leader_transient=transient)
             if req.finished:  # aborted while it waited
                 req.load = None
                 continue

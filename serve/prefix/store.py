@@ -41,7 +41,7 @@ from jaxhybrid.cache import SCRATCH_BLOCK
 from serve.prefix import junctions
 from serve.prefix.checkpoints import Checkpoint, CheckpointKind, CheckpointTiers, KindTally, Tier
 from serve.prefix.disk import DiskEntry, DiskTier, namespace
-from serve.prefix.entries import entry_meta
+from serve.prefix.entries import entry_meta, is_transient
 from serve.prefix.index import BlockIndex, ChainHasher, TailIndex, kv_match
 from serve.prefix.policies import POLICIES, make_policy
 from serve.prefix.stats import LookupStats, MemoryStats, flatten
@@ -289,10 +289,16 @@ class PrefixStore:
         """Wait up to `timeout` seconds for one of `loads` to finish."""
         cf.wait([x.future for x in loads], timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
-    def finish_load(self, load: Load, leader_ok: bool | None = None) -> Load:
-        """The read's result in `load.data` (None: unreadable, the entry was dropped); waits for it.
-        `leader_ok`: process 0's outcome, which every process follows."""
-        load.data = self.disk.finish_load(load.hit.disk, load.future, leader_ok)
+    @staticmethod
+    def load_outcome(load: Load) -> tuple[bool, bool]:
+        """(the finished read succeeded, it failed for a reason that may pass: the entry is kept)."""
+        exc = load.future.exception()
+        return exc is None, exc is not None and is_transient(exc)
+
+    def finish_load(self, load: Load, leader_ok: bool | None = None, leader_transient: bool = False) -> Load:
+        """The read's result in `load.data` (None: unreadable; an entry proven corrupt is dropped); waits
+        for it. `leader_ok`, `leader_transient`: process 0's outcome (`load_outcome`), which all follow."""
+        load.data = self.disk.finish_load(load.hit.disk, load.future, leader_ok, leader_transient)
         return load
 
     # --- giving a hit to a request -------------------------------------------------------------------
