@@ -102,3 +102,20 @@ def test_prefix_cache_flags(capsys, tmp_path):
     assert rc == 0 and all(json.loads(x)["stats"]["prefix_hit_tokens"] == 0 for x in out.strip().splitlines())
     rc, _, err = run(capsys, "--prompt-ids", "1", "--checkpoint-interval", "12")
     assert rc == 2 and "multiple of the block size" in err
+
+
+def test_generate_closes_the_engine_when_serving_raises(capsys, monkeypatch):
+    """Issue 27.2: a step that raises still closes the engine (its prefix store's saves land, its store
+    directory's lock is released) before the error propagates."""
+    from serve.engine.engine import Engine
+
+    closed = []
+    monkeypatch.setattr(Engine, "close", lambda self: closed.append(self))
+
+    def broken(self, events=None):
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(Engine, "step", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        main([*ARGS, "--prompt-ids", "1,2,3"])
+    assert len(closed) == 1

@@ -161,3 +161,33 @@ def test_a_request_that_finished_in_a_failed_step_still_gets_its_final_output(mo
     assert final[b].finish_reason == "error" and "injected" in final[b].error
     assert eng.result(a).token_ids == want and not eng.has_unfinished()
     assert eng.allocator.num_used == 0  # nothing leaked (no prefix store here)
+
+
+def test_an_admission_that_raises_after_attach_unpins_the_checkpoint(model, monkeypatch):
+    """Issue 27.2: if admitting a request raises after the store pinned its hit's checkpoint, the pin is
+    released (a pinned checkpoint could never be evicted) and the request fails alone."""
+    eng = engine(model, prefix=EngineConfig().prefix)
+    prompt = list(range(10, 30))
+    run(eng, [(prompt, greedy(1))])  # a checkpoint at the prompt's end
+    store, attached = eng.store, []
+    attach = store.attach
+
+    allocate = eng.allocator.allocate
+
+    def recording(hit, load=None):
+        att = attach(hit, load)
+        attached.append(att)
+        return att
+
+    def broken(n):
+        if attached:  # the request's own copy of the hit's partial block
+            raise RuntimeError("injected: admission failed after attach")
+        return allocate(n)
+
+    monkeypatch.setattr(store, "attach", recording)
+    monkeypatch.setattr(eng.allocator, "allocate", broken)
+    rid = eng.add_request(prompt + [3, 4, 5], greedy(2))
+    outs = eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(rid, "error")]
+    assert attached and attached[0].hit.checkpoint.holders == 0
+    assert not eng.has_unfinished() and eng.allocator.num_used == len(store.held_blocks)

@@ -202,11 +202,13 @@ class Scheduler:
         self._plan.admissions.append(adm)
         att = store.attach(hit, load) if hit is not None and hit.hit > 0 else None
         if att is not None:
+            adm.attachment = att  # from here on `schedule` detaches it if the admission does not stand
             adm.restore = self._give_prefix(req, att)
-            if adm.restore is None:  # preempted itself for blocks: wait for the next step
+            if adm.restore is None:  # preempted itself for blocks: wait for the next step, keeping its read
+                adm.attachment = None
                 store.detach(att)
+                req.load = load
                 return False, None
-            adm.attachment = att
             req.prefix_hit_tokens += hit.hit
         elif hit is not None:
             hit = Hit(0, hit.matched, [])  # nothing reused (a disk entry that could not be read, too)
@@ -220,6 +222,7 @@ class Scheduler:
         if not self._ensure_blocks(req, req.num_computed + n):
             # It preempted itself: it is first in the queue again with its slot free, and taking it again
             # in this step would repeat exactly this; the running requests free blocks as they go on.
+            req.load = load  # what was read from disk serves its next admission
             return False, None
         return True, n
 
