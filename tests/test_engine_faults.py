@@ -191,3 +191,14 @@ def test_an_admission_that_raises_after_attach_unpins_the_checkpoint(model, monk
     assert [(o.request_id, o.finish_reason) for o in outs] == [(rid, "error")]
     assert attached and attached[0].hit.checkpoint.holders == 0
     assert not eng.has_unfinished() and eng.allocator.num_used == len(store.held_blocks)
+
+
+def test_generate_releases_each_finished_request(model):
+    """Issue 27.5: `generate` returns the results and keeps no request's record (tokens, logprobs) for the
+    engine's life; the results are unchanged."""
+    eng = engine(model)
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    first = eng.generate(prompts, greedy(3))
+    assert eng.requests == {} and not eng.has_unfinished()
+    assert [r.token_ids for r in eng.generate(prompts, greedy(3))] == [r.token_ids for r in first]
+    assert eng.requests == {}

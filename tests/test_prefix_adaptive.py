@@ -139,3 +139,26 @@ def test_value_keeps_the_kind_that_gets_reused():
         p.looked_up()
     p.hit(ends[0].key)
     assert p.value(ends[1]) == pytest.approx(p.value(ends[0]) * 2 / 3, rel=1e-12)
+
+
+def test_value_forgets_the_lineage_of_checkpoints_no_held_one_walks_through():
+    """Issue 27.5: a removed checkpoint's lineage stays only while a held descendant's saved tokens walk
+    through it; with every checkpoint gone none is left (the policy does not grow with the store's
+    history), and what a held checkpoint saves is the same as with the whole lineage kept."""
+    p = ValueAware()
+    chains = []
+    for i in range(50):  # 50 chains a <- b <- c, each removed as the tiers would drop it
+        a = _ck(b"a%d" % i, 64, CheckpointKind.INTERVAL)
+        b = _ck(b"b%d" % i, 80, CheckpointKind.INTERVAL, a.key)
+        c = _ck(b"c%d" % i, 200, CheckpointKind.INTERVAL, b.key)
+        for ck in (a, b, c):
+            p.inserted(ck)
+        chains.append((a, b, c))
+    a, b, c = chains[0]
+    p.removed(b.key)
+    p.removed(a.key)
+    assert p.saved_tokens(c) == 200  # walks through b and a, both removed
+    for a, b, c in chains:
+        for ck in (c, a, b):
+            p.removed(ck.key)
+    assert len(p._lineage) == 0

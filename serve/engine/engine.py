@@ -383,7 +383,10 @@ class Engine:
         ids = [self.add_request(p, s) for p, s in zip(prompts, sampling, strict=True)]
         while any(not self.requests[i].finished for i in ids):
             self.step()
-        return [self.result(i) for i in ids]
+        results = [self.result(i) for i in ids]
+        for i in ids:  # delivered: a long-lived engine keeps no finished request's tokens
+            self.forget(i)
+        return results
 
     def result(self, request_id: str) -> GenerateResult:
         req = self.requests[request_id]
