@@ -162,3 +162,26 @@ def test_value_forgets_the_lineage_of_checkpoints_no_held_one_walks_through():
         for ck in (c, a, b):
             p.removed(ck.key)
     assert len(p._lineage) == 0
+
+
+def test_adaptive_decode_hashes_each_block_once(model, monkeypatch):
+    """Issue 27.5: while a sequence decodes, the adaptive policy indexes only the blocks completed since the
+    last call, so a sequence of L tokens costs O(L) block hashes (counted), not its whole chain at every
+    block boundary (O(L^2)). The count: the lookup at admission hashes the prompt's blocks, decoding hashes
+    each new block once, plus the root and the checkpoint keys at the prompt's and the sequence's end."""
+    import serve.prefix.index as index
+
+    calls = []
+    sha256 = index.hashlib.sha256
+
+    def counting(data=b""):
+        calls.append(len(data))
+        return sha256(data)
+
+    eng = engine(model, "adaptive")
+    bs = eng.shape.block_size
+    prompt, new = list(range(10, 10 + 2 * bs)), 14 * bs  # 2 blocks of prompt, 14 decoded
+    monkeypatch.setattr(index, "hashlib", type("H", (), {"sha256": staticmethod(counting)}))
+    eng.generate([prompt], SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+    blocks = (len(prompt) + new) // bs
+    assert len(calls) <= 2 * blocks + 8, len(calls)

@@ -306,7 +306,7 @@ class Scheduler:
         """Give back the request's slot and blocks; it is recomputed from its tokens when readmitted."""
         self._release(req)
         req.status, req.num_computed, req.stored_logits = RequestStatus.WAITING, 0, None
-        req.checkpoint_base = None
+        req.checkpoint_base, req.indexed_blocks = None, 0
         req.preemptions += 1
         self.waiting.appendleft(req)
         if self._plan is not None:

@@ -111,6 +111,8 @@ class Sequence_(Protocol):
     cache_salt: str | None
     cuts: set[int]  # positions the adaptive policy checkpoints at (junctions), where prefill chunks end
     checkpoint_base: bytes | None  # the checkpoint it resumed from or last took (its next one's parent)
+    chain: list[bytes]  # chain hashes of its blocks computed so far (root first), extended as it grows
+    indexed_blocks: int  # its leading blocks indexed since it got its current blocks (reset on preemption)
 
     @property
     def tokens(self) -> list[int]: ...
@@ -421,7 +423,8 @@ class PrefixStore:
         if pos == 0:
             return
         tokens = seq.tokens
-        key, chain = self.hasher.key_for(tokens, pos, seq.cache_salt)
+        chain = self.hasher.extend(seq.chain, tokens, seq.cache_salt, pos // bs)[: pos // bs + 1]
+        key = self.hasher.checkpoint_key(chain[-1], tokens[(pos // bs) * bs : pos])
         self.blocks.register(chain[1:], seq.blocks[: len(chain) - 1])
         tail = tuple(tokens[(pos // bs) * bs : pos])
         if tail:
