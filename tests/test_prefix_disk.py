@@ -451,3 +451,39 @@ from pathlib import Path
 from serve.prefix import files
 files.lock(Path(sys.argv[1]))
 """
+
+
+def test_a_request_reading_its_prefix_counts_as_waiting_and_an_abort_ends_it_at_once(
+    model, tmp_path, monkeypatch
+):
+    """Issue 27.4: a request waiting for its prefix from disk counts toward the waiting queue (the server's
+    429 limit); aborted, it leaves the engine at once, and its read's result is discarded when the read
+    ends (the entry is no longer held)."""
+    rng = np.random.default_rng(9)
+    stored = tokens(rng, 29)
+    cfg = one_per_prompt(tmp_path)
+    a = engine(model, cfg)
+    a.generate([stored], greedy())
+    a.close()
+    release = threading.Event()
+    read = DiskTier._read_arrays
+
+    def slow_read(self, entry):
+        assert release.wait(60)
+        return read(self, entry)
+
+    monkeypatch.setattr(DiskTier, "_read_arrays", slow_read)
+    b = engine(model, cfg)
+    rid = b.add_request(stored + [9, 10], greedy())
+    b.step()
+    assert b.ledger()["disk_loading"] == 1 and b.queue_state().waiting == 1
+    b.abort(rid)
+    assert not b.has_unfinished() and b.queue_state().waiting == 0
+    release.set()
+    deadline = time.monotonic() + 60
+    while any(e.holders for e in b.store.disk.entries.values()):
+        assert time.monotonic() < deadline, "the abandoned read is never finished"
+        b.step()
+        time.sleep(0.01)
+    assert b.ledger()["checkpoints"]["disk"] == 1
+    b.close()

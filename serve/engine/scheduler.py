@@ -70,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: list[Request] = []  # waiting for their prefix to be read from disk
+        self._abandoned: list[Request] = []  # ended while their read runs: its result is discarded when done
         self.free_slots = list(range(shape.slots))
         self._order = itertools.count()
         self._plan: StepPlan | None = None
@@ -85,12 +86,16 @@ class Scheduler:
         return [*self.running, *self.waiting, *(r for r in self.loading if not r.finished)]
 
     def queue_state(self) -> QueueState:
-        return QueueState(len(self.running), len(self.waiting), len(self.free_slots))
+        """Requests waiting for their prefix from disk count as waiting (they take a slot once read)."""
+        return QueueState(len(self.running), len(self.waiting) + len(self.loading), len(self.free_slots))
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End `req` (from any state): its slot and blocks are freed."""
         if req in self.waiting:
             self.waiting.remove(req)
+        if req in self.loading:  # its read goes on; `apply_loads` discards the result
+            self.loading.remove(req)
+            self._abandoned.append(req)
         self._release(req)
         req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, time.perf_counter()
 
@@ -259,20 +264,21 @@ class Scheduler:
     def observe_loads(self) -> list[list[Any]]:
         """[request id, read ok, failed for a reason that may pass] of every disk read that finished (on
         process 0, or the only process); with nothing else to do, wait a moment for one first."""
-        if not self.loading:
+        if not self.loading and not self._abandoned:
             return []
-        if not self.running and not self.waiting:
+        if self.loading and not self.running and not self.waiting:
             self.store.wait_loads([r.load for r in self.loading], timeout=0.05)
-        done = sorted((r for r in self.loading if self.store.load_ready(r.load)), key=lambda r: r.arrival)
+        reads = self.loading + self._abandoned
+        done = sorted((r for r in reads if self.store.load_ready(r.load)), key=lambda r: r.arrival)
         return [[r.id, *self.store.load_outcome(r.load)] for r in done]
 
     def apply_loads(self, done: list[list[Any]]) -> None:
         """Requests whose prefix was read go back to the front of the queue, in arrival order, with what
         was read (every process follows process 0's outcome)."""
-        by_id = {r.id: r for r in self.loading}
+        by_id = {r.id: r for r in self.loading + self._abandoned}
         for rid, ok, transient in reversed(done):
             req = by_id[rid]
-            self.loading.remove(req)
+            (self.loading if req in self.loading else self._abandoned).remove(req)
             self.store.finish_load(req.load, leader_ok=ok, leader_transient=transient)
             if req.finished:  # aborted while it waited
                 req.load = None
