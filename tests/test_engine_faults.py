@@ -4,6 +4,7 @@ them. The oracle is the same requests on an amply provisioned engine (or the ful
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from faults import lose_pools_on_continued_prefill
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -118,27 +119,6 @@ def test_cache_salt_that_cannot_be_encoded_is_refused(model):
     assert run(eng, [([5, 6, 7], greedy(2))])[0][0]
 
 
-def lose_pools_on_second_chunk(monkeypatch, eng):
-    """From now on a prefill call that continues a prompt (its second chunk) raises after donating the pools
-    (what a device failure inside the program does); the pools come back with `rebuild`."""
-    runner, lost = eng.runner, []
-    prefill_rows, rebuild = runner.prefill_rows, runner.rebuild
-
-    def failing(reqs, ns):
-        if any(r.num_computed > 0 for r in reqs):
-            lost.append(True)
-            raise RuntimeError("injected: the program failed after donating the pools")
-        return prefill_rows(reqs, ns)
-
-    def rebuilt():
-        lost.clear()
-        rebuild()
-
-    monkeypatch.setattr(runner, "prefill_rows", failing)
-    monkeypatch.setattr(runner, "pools_lost", lambda: bool(lost))
-    monkeypatch.setattr(runner, "rebuild", rebuilt)
-
-
 def test_a_request_that_finished_in_a_failed_step_still_gets_its_final_output(model, monkeypatch):
     """Issue 27.1: A finishes by decoding in the step whose later prefill call (B's second chunk) loses the
     pools. The step raises; `recover` reports A's last token and its finish (not an error), and B's error:
@@ -146,7 +126,7 @@ def test_a_request_that_finished_in_a_failed_step_still_gets_its_final_output(mo
     short, long_ = [5, 6, 7], list(range(20, 60))
     want = engine(model).generate([short], greedy(2))[0].token_ids
     eng = engine(model)
-    lose_pools_on_second_chunk(monkeypatch, eng)
+    lose_pools_on_continued_prefill(monkeypatch, eng.runner)  # B's second chunk
     a = eng.add_request(short, greedy(2))
     b = eng.add_request(long_, greedy(2))
     first = eng.step()  # A's prompt and B's first chunk; A samples its first token

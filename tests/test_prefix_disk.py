@@ -334,14 +334,8 @@ def test_a_full_disk_stops_writing_warns_once_and_keeps_serving(model, tmp_path,
     assert eng.ledger()["checkpoints"]["disk"] == 1
 
 
-def test_a_request_waiting_for_its_prefix_from_disk_stalls_nobody(model, tmp_path, monkeypatch):
-    rng = np.random.default_rng(8)
-    stored = tokens(rng, 29)
-    cfg = one_per_prompt(tmp_path)
-    a = engine(model, cfg)
-    a.generate([stored], greedy())
-    a.flush()
-    a.store.disk.close()  # a restart: this process lets go of the directory
+def block_reads(monkeypatch) -> threading.Event:
+    """Disk reads wait until the returned event is set (at most 60 s)."""
     release = threading.Event()
     read = DiskTier._read_arrays
 
@@ -350,6 +344,18 @@ def test_a_request_waiting_for_its_prefix_from_disk_stalls_nobody(model, tmp_pat
         return read(self, entry)
 
     monkeypatch.setattr(DiskTier, "_read_arrays", slow_read)
+    return release
+
+
+def test_a_request_waiting_for_its_prefix_from_disk_stalls_nobody(model, tmp_path, monkeypatch):
+    rng = np.random.default_rng(8)
+    stored = tokens(rng, 29)
+    cfg = one_per_prompt(tmp_path)
+    a = engine(model, cfg)
+    a.generate([stored], greedy())
+    a.flush()
+    a.store.disk.close()  # a restart: this process lets go of the directory
+    release = block_reads(monkeypatch)
     b = engine(model, cfg)
     other = tokens(rng, 11)
     waiting = b.add_request(stored + [9, 10], greedy())
@@ -465,14 +471,7 @@ def test_a_request_reading_its_prefix_counts_as_waiting_and_an_abort_ends_it_at_
     a = engine(model, cfg)
     a.generate([stored], greedy())
     a.close()
-    release = threading.Event()
-    read = DiskTier._read_arrays
-
-    def slow_read(self, entry):
-        assert release.wait(60)
-        return read(self, entry)
-
-    monkeypatch.setattr(DiskTier, "_read_arrays", slow_read)
+    release = block_reads(monkeypatch)
     b = engine(model, cfg)
     rid = b.add_request(stored + [9, 10], greedy())
     b.step()

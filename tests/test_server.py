@@ -17,6 +17,7 @@ import uuid
 
 import httpx
 import pytest
+from faults import lose_pools_on_continued_prefill
 from flax import nnx
 from servers import free_port, uvicorn_thread
 
@@ -629,24 +630,12 @@ def test_a_request_finished_in_a_failed_step_gets_its_answer_blocking_and_stream
     after donating the pools. A's client still gets its whole answer (blocking, then streamed) instead of
     waiting forever; B's gets the error; the server goes on."""
     engine, loop = served.engine, served.server.loop
-    runner, lost, exercised = engine.runner, [], []
-    prefill_rows, rebuild = runner.prefill_rows, runner.rebuild
+    exercised = []
 
-    def failing(reqs, ns):
-        if any(r.num_computed > 0 for r in reqs):  # a continued prompt: B's second chunk
-            finished_here = [r for r in engine.requests.values() if r.finished and len(r.generated) == 2]
-            exercised.append(bool(finished_here))
-            lost.append(True)
-            raise RuntimeError("injected: the program failed after donating the pools")
-        return prefill_rows(reqs, ns)
+    def check_a_finished_here():  # in B's second chunk: A decoded its last token earlier in this step
+        exercised.append(any(r.finished and len(r.generated) == 2 for r in engine.requests.values()))
 
-    def rebuilt():
-        lost.clear()
-        rebuild()
-
-    monkeypatch.setattr(runner, "prefill_rows", failing)
-    monkeypatch.setattr(runner, "pools_lost", lambda: bool(lost))
-    monkeypatch.setattr(runner, "rebuild", rebuilt)
+    lose_pools_on_continued_prefill(monkeypatch, engine.runner, check_a_finished_here)
     submitted = threading.Semaphore(0)
     submit = loop.submit
 
