@@ -8,6 +8,7 @@ a thread for the whole module; tests that need a busy engine slow its step down.
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -584,9 +585,10 @@ def test_ignored_openai_fields_are_accepted_and_the_server_keeps_serving(served)
 def failed_step_round(served: Served, submitted: threading.Semaphore, a_streams: bool) -> dict:
     """Send A (2 tokens; streamed or not) then B (40 tokens, chunks of 16; the other kind) so that both
     join one step; each one's answer (or the exception its client raised) by name."""
-    tag = uuid.uuid4().hex[:6]
-    a = {"prompt": f"a{tag}", "max_tokens": 2, "return_token_ids": True, **GREEDY}
-    b = {"prompt": f"b{tag}" + "x" * 33, "max_tokens": 2, **GREEDY}
+    served.wait_idle(timeout=60)  # both get a slot at once
+    ids = random.Random(uuid.uuid4().int).sample(range(300, 512), 47)  # ids no text prompt uses: no hit
+    a = {"prompt": ids[:7], "max_tokens": 2, "return_token_ids": True, **GREEDY}
+    b = {"prompt": ids[7:], "max_tokens": 2, **GREEDY}  # 40 tokens: chunks of 16
     got: dict = {}
 
     def send_a():
@@ -633,7 +635,8 @@ def test_a_request_finished_in_a_failed_step_gets_its_answer_blocking_and_stream
     exercised = []
 
     def check_a_finished_here():  # in B's second chunk: A decoded its last token earlier in this step
-        exercised.append(any(r.finished and len(r.generated) == 2 for r in engine.requests.values()))
+        state = [(len(r.prompt), str(r.status), len(r.generated)) for r in engine.requests.values()]
+        exercised.append((any(r.finished and len(r.generated) == 2 for r in engine.requests.values()), state))
 
     lose_pools_on_continued_prefill(monkeypatch, engine.runner, check_a_finished_here)
     submitted = threading.Semaphore(0)
@@ -647,7 +650,7 @@ def test_a_request_finished_in_a_failed_step_gets_its_answer_blocking_and_stream
     monkeypatch.setattr(loop, "submit", counted)
     for a_streams in (False, True):
         got = failed_step_round(served, submitted, a_streams)
-        assert exercised and exercised[-1], "A did not finish in the failed step"
+        assert exercised and exercised[-1][0], f"A did not finish in the failed step: {exercised}"
         assert "a" in got and "b" in got, got
         tokens, last = got["a"]
         assert len(tokens) == 2 and last["finish_reason"] == "length"
