@@ -22,6 +22,7 @@ from typing import Any
 
 from serve.engine.engine import EngineAPI
 from serve.engine.requests import RequestError
+from serve.engine.requests import RequestOutput as Output
 from serve.engine.sampling import SamplingParams
 from serve.engine.warmup import Warmup, WarmupProgress
 from serve.http.errors import QueueFull, Unavailable
@@ -214,9 +215,7 @@ class EngineLoop:
             self._serve()
         except BaseException as exc:  # a bug outside any one command or step: no client may wait forever
             log.exception("the engine thread failed")
-            reason = f"the engine thread failed: {type(exc).__name__}: {exc}"
-            self._go_down(reason)
-            self._refuse_queued(reason)
+            self._refuse_queued(self._go_down(f"the engine thread failed: {type(exc).__name__}: {exc}"))
 
     def _serve(self) -> None:
         engine = self.engine
@@ -279,21 +278,20 @@ class EngineLoop:
             self._end_orphans()
 
     def _end_orphans(self) -> None:
-        """After a failed step: a request the engine no longer serves whose client got no final event
-        gets an error one (every client's wait ends, whatever the engine reported)."""
+        """After a failed step, an error event for every request the engine no longer serves."""
         active = {r.id for r in self.engine.active_requests()}
-        for rid in [rid for rid in self._sinks if rid not in active]:
-            log.error("request %s ended in a failed step without a final output", rid)
-            self._hits.pop(rid, None)
-            self._sinks.pop(rid).put(Event([], [], True, "error", error="lost in a failed engine step"))
-            self.engine.forget(rid)
+        lost = [
+            Output(rid, [], [], True, "error", error="lost in a failed engine step") for rid in self._sinks
+        ]
+        self._deliver([o for o in lost if o.request_id not in active])
 
-    def _go_down(self, reason: str) -> None:
-        """The engine is down for good: every request gets an error, new ones get 503."""
+    def _go_down(self, reason: str) -> str:
+        """The engine is down for good: every request gets an error, new ones get 503; returns `reason`."""
         log.error("%s; the server answers 503 until restarted", reason)
         self.failed = reason
         for rid in list(self._sinks):
             self._sinks.pop(rid).put(Event([], [], True, "error", error=reason))
+        return reason
 
     def _handle(self, cmd: Any) -> None:
         engine = self.engine

@@ -105,7 +105,7 @@ class DiskTier:
         self._saver: Any = None  # Orbax checkpointers: one used only by the worker, one by the reader
         self._loader: Any = None
         self.ignored: list[str] = []  # names in the directory that were not complete entries (at start)
-        self.skipped: dict[str, float] = {}  # entries unreadable for now -> when to try again (monotonic)
+        self.skipped = Unreadable(self.dir, fingerprint, block_size)
         self.collected_bytes = 0  # bytes of those leftovers, removed at start
         self.bytes = 0  # on disk, committed entries
         _LIVE.add(self)
@@ -129,7 +129,7 @@ class DiskTier:
             try:
                 entry = read_entry(child, self.fingerprint, self.block_size)
             except OSError as exc:
-                self._skip(child.name, exc)
+                self.skipped.skip(child.name, exc)
                 continue
             if entry is not None:
                 found.append(entry)
@@ -153,32 +153,6 @@ class DiskTier:
                 raise RuntimeError(f"prefix store {self.dir}: entry {key} of process 0 is unreadable here")
             self._add(by_key[key])
         self.enforce_budget()
-
-    def _skip(self, name: str, exc: BaseException) -> None:
-        """An entry that cannot be read now: kept on disk, logged once, tried again after RETRY_S."""
-        if name not in self.skipped:
-            log.warning(
-                "prefix store %s: cannot read %s now (%s: %s); will retry",
-                self.dir,
-                name,
-                type(exc).__name__,
-                exc,
-            )
-        self.skipped[name] = time.monotonic() + RETRY_S
-
-    def _retry_skipped(self) -> tuple[list[str], list[str]]:
-        """(names now readable, names now proven corrupt) among the skipped entries due for a retry."""
-        found, corrupt, now = [], [], time.monotonic()
-        for name, due in list(self.skipped.items()):
-            if due > now:
-                continue
-            try:
-                entry = read_entry(self.dir / name, self.fingerprint, self.block_size)
-            except OSError as exc:
-                self._skip(name, exc)
-                continue
-            (found if entry is not None else corrupt).append(name)
-        return found, corrupt
 
     def _in_flight_here(self) -> set[str]:
         """Directory names of saves other tiers of this process have queued in this namespace."""
@@ -280,7 +254,7 @@ class DiskTier:
             full = False  # try again
         if not full and self.peers.several and self.pending:  # only process 0 looks at the disk
             full = shutil.disk_usage(self.dir).free < self.max_pending_bytes + MIN_FREE_BYTES
-        found, corrupt = self._retry_skipped()
+        found, corrupt = self.skipped.due()
         return {
             "saved": saved,
             "failed": failed,
@@ -306,18 +280,12 @@ class DiskTier:
             self.stats.save_time_s += dt
             new.append(entry)
         for name in events.get("found", ()):
-            self.skipped.pop(name, None)
-            try:
-                entry = read_entry(self.dir / name, self.fingerprint, self.block_size)
-            except OSError as exc:
-                self._skip(name, exc)
-                continue
+            entry = self.skipped.read(name)
             if entry is not None and entry.key not in self.entries:
-                log.info("prefix store %s: %s is readable again", self.dir, name)
                 self._add(entry)
                 new.append(entry)
         for name in events.get("corrupt", ()):
-            self.skipped.pop(name, None)
+            self.skipped.forget(name)
             if self.peers.leader:
                 log.warning("prefix store %s: removing %s: not a valid entry", self.dir, name)
                 self._jobs.append(self._worker.submit(files.remove, self.dir / name))
@@ -377,10 +345,8 @@ class DiskTier:
     def finish_load(
         self, entry: DiskEntry, fut: cf.Future, leader_ok: bool | None = None, leader_transient: bool = False
     ) -> Any:
-        """The result of `load_async` (waiting for it), on the thread that owns the index, or None. An entry
-        proven corrupt (a checksum or shape that does not match its manifest) is dropped; one that failed
-        for a reason that may pass (an OSError such as EIO) stays. `leader_ok` / `leader_transient`: process
-        0's outcome, which several processes follow alike."""
+        """`load_async`'s result or None (an entry proven corrupt is dropped, one that may read later kept);
+        on the owning thread. `leader_ok` / `leader_transient`: process 0's outcome, which all follow."""
         entry.holders -= 1
         exc = fut.exception()
         if leader_ok is None:
@@ -395,12 +361,7 @@ class DiskTier:
             f"{type(exc).__name__}: {exc}" if exc is not None else "unreadable on process 0"
         )
         if leader_transient:
-            log.warning(
-                "prefix store %s: reading %s failed (%s); kept",
-                self.dir,
-                entry.path.name,
-                self.stats.last_error,
-            )
+            log.warning("prefix store %s: reading %s failed (%s); kept", self.dir, entry.key.hex(), exc)
         elif entry.key in self.entries and not entry.holders:
             self._drop(entry)
         return None
@@ -431,3 +392,48 @@ class DiskTier:
             self._reader.shutdown(wait=True)
             if self.peers.leader:
                 files.unlock(self.dir)
+
+
+class Unreadable:
+    """Entries of a namespace that could not be read for now (an OSError that may pass, such as EIO or a
+    permission): kept on disk, logged once, tried again every RETRY_S seconds."""
+
+    def __init__(self, directory: Path, fingerprint: bytes, block_size: int):
+        self.dir, self.fingerprint, self.block_size = directory, fingerprint, block_size
+        self._due: dict[str, float] = {}  # name -> when to try again (monotonic)
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def skip(self, name: str, exc: BaseException) -> None:
+        if name not in self._due:
+            log.warning("prefix store %s: cannot read %s now (%s); will retry", self.dir, name, exc)
+        self._due[name] = time.monotonic() + RETRY_S
+
+    def forget(self, name: str) -> None:
+        self._due.pop(name, None)
+
+    def due(self) -> tuple[list[str], list[str]]:
+        """(names now readable, names now proven corrupt) among those due for a retry."""
+        found, corrupt, now = [], [], time.monotonic()
+        for name, due in list(self._due.items()):
+            if due <= now:
+                try:
+                    entry = read_entry(self.dir / name, self.fingerprint, self.block_size)
+                except OSError as exc:
+                    self.skip(name, exc)
+                    continue
+                (found if entry is not None else corrupt).append(name)
+        return found, corrupt
+
+    def read(self, name: str) -> DiskEntry | None:
+        """The entry `name`, found readable again (None if it is not, now: skipped again, or corrupt)."""
+        self.forget(name)
+        try:
+            entry = read_entry(self.dir / name, self.fingerprint, self.block_size)
+        except OSError as exc:
+            self.skip(name, exc)
+            return None
+        if entry is not None:
+            log.info("prefix store %s: %s is readable again", self.dir, name)
+        return entry
