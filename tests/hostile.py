@@ -3,9 +3,9 @@ runner that sends them from several threads and counts what came back (shared by
 
 Each request is raw bytes (so invalid JSON, invalid UTF-8 and lone surrogates reach the server as a
 client would send them). The mix: broken and deeply nested JSON, random bytes, wrong types, huge and
-non-finite numbers, integers of thousands of digits, lone surrogates in every string field and in field
-names, unknown fields, oversized salts and stop strings, chunked uploads, and a share of valid requests
-(streamed or not) so the engine is busy while the rest arrives.
+non-finite numbers, integers past the float range and of thousands of digits, lone surrogates in every
+string field and in field names, unknown fields, oversized salts and stop strings, chunked uploads, and a
+share of valid requests (streamed or not) so the engine is busy while the rest arrives.
 """
 
 from __future__ import annotations
@@ -127,8 +127,13 @@ def one(rng: random.Random) -> Hostile:
             base[rng.choice(FIELDS)] = _weird_value(rng)
         return Hostile(path, _raw(base), kind, stream_reply=base.get("stream") is True)
     if kind == "huge_number":
-        field = rng.choice(["max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n"])
-        number = rng.choice(["1e400", "-1e400", "9" * 5000, "-" + "9" * 4400, "1" + "0" * 4300, "NaN"])
+        field = rng.choice(
+            ["max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n", "presence_penalty"]
+        )
+        number = rng.choice(
+            ["1e400", "-1e400", "9" * 5000, "-" + "9" * 4400, "1" + "0" * 4300, "NaN"]
+            + ["1" + "0" * 400, "-" + "9" * 310, "9" * 4299]  # decodes, but float() overflows
+        )
         text = _raw(base).decode()[:-1] + f', "{field}": {number}}}'
         if rng.random() < 0.3:
             text = _raw(base).decode()[:-1] + f', "prompt": [1, {"9" * 5000}]}}'

@@ -156,3 +156,20 @@ def test_default_compile_cache_is_under_the_user_cache_dir(tmp_path, monkeypatch
     finally:
         for n, v in saved.items():
             jax.config.update(n, v)
+
+
+def test_generate_closes_the_engine_when_serving_raises(capsys, monkeypatch):
+    """Issue 27.2: a step that raises still closes the engine (its prefix store's saves land, its store
+    directory's lock is released) before the error propagates."""
+    from serve.engine.engine import Engine
+
+    closed = []
+    monkeypatch.setattr(Engine, "close", lambda self: closed.append(self))
+
+    def broken(self, events=None):
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(Engine, "step", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        main([*ARGS, "--prompt-ids", "1,2,3"])
+    assert len(closed) == 1

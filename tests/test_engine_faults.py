@@ -4,6 +4,7 @@ them. The oracle is the same requests on an amply provisioned engine (or the ful
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from faults import lose_pools_on_continued_prefill
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -116,3 +117,68 @@ def test_cache_salt_that_cannot_be_encoded_is_refused(model):
         eng.add_request([5, 6, 7], greedy(2), cache_salt="x" * 257)
     assert not eng.has_unfinished() and not eng.requests
     assert run(eng, [([5, 6, 7], greedy(2))])[0][0]
+
+
+def test_a_request_that_finished_in_a_failed_step_still_gets_its_final_output(model, monkeypatch):
+    """Issue 27.1: A finishes by decoding in the step whose later prefill call (B's second chunk) loses the
+    pools. The step raises; `recover` reports A's last token and its finish (not an error), and B's error:
+    exactly one final output each. Oracle: A served alone."""
+    short, long_ = [5, 6, 7], list(range(20, 60))
+    want = engine(model).generate([short], greedy(2))[0].token_ids
+    eng = engine(model)
+    lose_pools_on_continued_prefill(monkeypatch, eng.runner)  # B's second chunk
+    a = eng.add_request(short, greedy(2))
+    b = eng.add_request(long_, greedy(2))
+    first = eng.step()  # A's prompt and B's first chunk; A samples its first token
+    assert [o.new_token_ids for o in first if o.request_id == a] == [want[:1]]
+    with pytest.raises(RuntimeError, match="pools were lost"):
+        eng.step()  # A decodes its last token, then B's second chunk fails
+    outs = eng.recover("injected")
+    final = {o.request_id: o for o in outs if o.finished}
+    assert sorted(final) == sorted([a, b]) and len(outs) == 2
+    assert final[a].new_token_ids == want[1:] and final[a].finish_reason == "length"
+    assert final[a].error is None
+    assert final[b].finish_reason == "error" and "injected" in final[b].error
+    assert eng.result(a).token_ids == want and not eng.has_unfinished()
+    assert eng.allocator.num_used == 0  # nothing leaked (no prefix store here)
+
+
+def test_an_admission_that_raises_after_attach_unpins_the_checkpoint(model, monkeypatch):
+    """Issue 27.2: if admitting a request raises after the store pinned its hit's checkpoint, the pin is
+    released (a pinned checkpoint could never be evicted) and the request fails alone."""
+    eng = engine(model, prefix=EngineConfig().prefix)
+    prompt = list(range(10, 30))
+    run(eng, [(prompt, greedy(1))])  # a checkpoint at the prompt's end
+    store, attached = eng.store, []
+    attach = store.attach
+
+    allocate = eng.allocator.allocate
+
+    def recording(hit, load=None):
+        att = attach(hit, load)
+        attached.append(att)
+        return att
+
+    def broken(n):
+        if attached:  # the request's own copy of the hit's partial block
+            raise RuntimeError("injected: admission failed after attach")
+        return allocate(n)
+
+    monkeypatch.setattr(store, "attach", recording)
+    monkeypatch.setattr(eng.allocator, "allocate", broken)
+    rid = eng.add_request(prompt + [3, 4, 5], greedy(2))
+    outs = eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(rid, "error")]
+    assert attached and attached[0].hit.checkpoint.holders == 0
+    assert not eng.has_unfinished() and eng.allocator.num_used == len(store.held_blocks)
+
+
+def test_generate_releases_each_finished_request(model):
+    """Issue 27.5: `generate` returns the results and keeps no request's record (tokens, logprobs) for the
+    engine's life; the results are unchanged."""
+    eng = engine(model)
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    first = eng.generate(prompts, greedy(3))
+    assert eng.requests == {} and not eng.has_unfinished()
+    assert [r.token_ids for r in eng.generate(prompts, greedy(3))] == [r.token_ids for r in first]
+    assert eng.requests == {}

@@ -199,3 +199,46 @@ def test_a_stalled_step_shows_in_the_health_and_clears(running):
         release.set()
     col.events("s")
     assert loop.health() is None
+
+
+def test_a_request_the_recovery_does_not_report_still_gets_a_final_event(running, monkeypatch):
+    """Every client's wait ends: if a failed step's recovery reports nothing for a request the engine no
+    longer serves, the loop ends it with an error event instead of leaving its client waiting."""
+    engine, loop, col = running
+    recover = engine.recover
+
+    def forgetful(reason):
+        recover(reason)
+        return []  # what an engine that loses its outputs would report
+
+    step = engine.step
+
+    def broken(*args):
+        step(*args)  # the request is admitted and running, then the step fails
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(engine, "recover", forgetful)
+    monkeypatch.setattr(engine, "step", broken)
+    assert loop.submit([5, 6, 7], GREEDY, "o", None, col.sink("o")).result(10) == "o"
+    ev = col.events("o", timeout=120)[-1]
+    assert ev.finished and ev.finish_reason == "error" and "failed engine step" in ev.error
+    assert loop.call(lambda e: len(e.requests)).result(10) == 0
+
+
+def test_a_failure_outside_any_step_ends_every_wait_and_marks_the_engine_down(running, monkeypatch):
+    """A bug that escapes the engine thread's own handling (here: `forget` raising while outputs are
+    delivered) ends the thread; every client still gets a final event and /health reports it."""
+    engine, loop, col = running
+
+    def broken(rid):
+        raise RuntimeError("injected bug while delivering")
+
+    monkeypatch.setattr(engine, "forget", broken)
+    hold(loop, 0.3)  # both are queued in one round
+    for rid in ("p", "q"):
+        assert loop.submit([5, 6, 7], GREEDY, rid, None, col.sink(rid)).result(10) == rid
+    for rid in ("p", "q"):
+        assert col.events(rid, timeout=120)[-1].finished
+    assert "injected bug" in (loop.health() or "")
+    with pytest.raises(Unavailable):
+        loop.submit([5, 6, 7], GREEDY, "r", None, col.sink("r")).result(10)

@@ -139,3 +139,49 @@ def test_value_keeps_the_kind_that_gets_reused():
         p.looked_up()
     p.hit(ends[0].key)
     assert p.value(ends[1]) == pytest.approx(p.value(ends[0]) * 2 / 3, rel=1e-12)
+
+
+def test_value_forgets_the_lineage_of_checkpoints_no_held_one_walks_through():
+    """Issue 27.5: a removed checkpoint's lineage stays only while a held descendant's saved tokens walk
+    through it; with every checkpoint gone none is left (the policy does not grow with the store's
+    history), and what a held checkpoint saves is the same as with the whole lineage kept."""
+    p = ValueAware()
+    chains = []
+    for i in range(50):  # 50 chains a <- b <- c, each removed as the tiers would drop it
+        a = _ck(b"a%d" % i, 64, CheckpointKind.INTERVAL)
+        b = _ck(b"b%d" % i, 80, CheckpointKind.INTERVAL, a.key)
+        c = _ck(b"c%d" % i, 200, CheckpointKind.INTERVAL, b.key)
+        for ck in (a, b, c):
+            p.inserted(ck)
+        chains.append((a, b, c))
+    a, b, c = chains[0]
+    p.removed(b.key)
+    p.removed(a.key)
+    assert p.saved_tokens(c) == 200  # walks through b and a, both removed
+    for a, b, c in chains:
+        for ck in (c, a, b):
+            p.removed(ck.key)
+    assert len(p._lineage) == 0
+
+
+def test_adaptive_decode_hashes_each_block_once(model, monkeypatch):
+    """Issue 27.5: while a sequence decodes, the adaptive policy indexes only the blocks completed since the
+    last call, so a sequence of L tokens costs O(L) block hashes (counted), not its whole chain at every
+    block boundary (O(L^2)). The count: the lookup at admission hashes the prompt's blocks, decoding hashes
+    each new block once, plus the root and the checkpoint keys at the prompt's and the sequence's end."""
+    import serve.prefix.index as index
+
+    calls = []
+    sha256 = index.hashlib.sha256
+
+    def counting(data=b""):
+        calls.append(len(data))
+        return sha256(data)
+
+    eng = engine(model, "adaptive")
+    bs = eng.shape.block_size
+    prompt, new = list(range(10, 10 + 2 * bs)), 14 * bs  # 2 blocks of prompt, 14 decoded
+    monkeypatch.setattr(index, "hashlib", type("H", (), {"sha256": staticmethod(counting)}))
+    eng.generate([prompt], SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+    blocks = (len(prompt) + new) // bs
+    assert len(calls) <= 2 * blocks + 8, len(calls)

@@ -334,14 +334,8 @@ def test_a_full_disk_stops_writing_warns_once_and_keeps_serving(model, tmp_path,
     assert eng.ledger()["checkpoints"]["disk"] == 1
 
 
-def test_a_request_waiting_for_its_prefix_from_disk_stalls_nobody(model, tmp_path, monkeypatch):
-    rng = np.random.default_rng(8)
-    stored = tokens(rng, 29)
-    cfg = one_per_prompt(tmp_path)
-    a = engine(model, cfg)
-    a.generate([stored], greedy())
-    a.flush()
-    a.store.disk.close()  # a restart: this process lets go of the directory
+def block_reads(monkeypatch) -> threading.Event:
+    """Disk reads wait until the returned event is set (at most 60 s)."""
     release = threading.Event()
     read = DiskTier._read_arrays
 
@@ -350,6 +344,18 @@ def test_a_request_waiting_for_its_prefix_from_disk_stalls_nobody(model, tmp_pat
         return read(self, entry)
 
     monkeypatch.setattr(DiskTier, "_read_arrays", slow_read)
+    return release
+
+
+def test_a_request_waiting_for_its_prefix_from_disk_stalls_nobody(model, tmp_path, monkeypatch):
+    rng = np.random.default_rng(8)
+    stored = tokens(rng, 29)
+    cfg = one_per_prompt(tmp_path)
+    a = engine(model, cfg)
+    a.generate([stored], greedy())
+    a.flush()
+    a.store.disk.close()  # a restart: this process lets go of the directory
+    release = block_reads(monkeypatch)
     b = engine(model, cfg)
     other = tokens(rng, 11)
     waiting = b.add_request(stored + [9, 10], greedy())
@@ -367,3 +373,116 @@ def test_a_request_waiting_for_its_prefix_from_disk_stalls_nobody(model, tmp_pat
     assert got.stats["prefix_hit_tokens"] == len(stored)
     ref = engine(model, None).generate([stored + [9, 10], other], [greedy(), greedy(8)])
     assert [got.token_ids, b.result(busy).token_ids] == ids(ref)
+
+
+def test_a_transient_error_keeps_the_entry_and_it_is_retried(model, tmp_path, monkeypatch, caplog):
+    """Issue 27.3: an entry that cannot be read for a reason that may pass (EIO on its manifest at open, EIO
+    while restoring it) is skipped and logged, never removed; once readable it is indexed and hits."""
+    import errno
+
+    import serve.prefix.disk as pd
+
+    rng = np.random.default_rng(11)
+    prompts = [tokens(rng, 17), tokens(rng, 22)]
+    cfg = one_per_prompt(tmp_path)
+    a = engine(model, cfg)
+    a.generate(prompts, greedy(1))
+    a.close()
+    found = entries(tmp_path)
+    target = found[17]
+    read_text = Path.read_text
+
+    def eio(self, *args, **kw):
+        if self.name == MANIFEST and self.parent == target:
+            raise OSError(errno.EIO, "Input/output error", str(self))
+        return read_text(self, *args, **kw)
+
+    monkeypatch.setattr(Path, "read_text", eio)
+    monkeypatch.setattr(pd, "RETRY_S", 0.0, raising=False)
+    with caplog.at_level(logging.WARNING, logger="jaxhybrid.prefix"):
+        b = engine(model, cfg)
+    assert b.ledger()["checkpoints"]["disk"] == 1 and (target / MANIFEST).exists()
+    assert any("will retry" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(Path, "read_text", read_text)  # the disk is back
+    b.store.poll()
+    assert b.ledger()["checkpoints"]["disk"] == 2
+    # a read that fails with EIO: served from scratch, the entry stays and serves the next request
+    read_arrays = DiskTier._read_arrays
+    failures = []
+
+    def flaky(self, entry):
+        if not failures:
+            failures.append(entry.position)
+            raise OSError(errno.EIO, "Input/output error")
+        return read_arrays(self, entry)
+
+    monkeypatch.setattr(DiskTier, "_read_arrays", flaky)
+    extended = prompts[0] + tokens(rng, 3)
+    first = b.generate([extended], greedy(2))[0]
+    assert failures == [17] and first.stats["prefix_hit_tokens"] == 0
+    assert b.ledger()["checkpoints"]["disk"] == 2 and (target / MANIFEST).exists()
+    again = b.generate([extended], greedy(2))[0]
+    assert again.token_ids == first.token_ids
+    b.close()
+    c = engine(model, cfg)  # a fresh engine (no memory tier): the disk entry itself hits
+    assert c.generate([extended], greedy(2))[0].stats["prefix_hit_tokens"] == 17
+    c.close()
+
+
+def test_close_releases_the_lock_and_the_threads_even_when_the_last_poll_raises(model, tmp_path, monkeypatch):
+    """Issue 27.3: a failure while flushing at close still lets go of the namespace (another store can
+    open it) and of the tier's executors."""
+    cfg = one_per_prompt(tmp_path)
+    a = engine(model, cfg)
+    disk = a.store.disk
+
+    def broken(*args, **kw):
+        raise RuntimeError("injected: the last poll failed")
+
+    monkeypatch.setattr(disk, "poll", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        a.close()
+    for executor in (disk._worker, disk._reader):  # shut down: they take no more work
+        with pytest.raises(RuntimeError, match="shutdown"):
+            executor.submit(print)
+    out = subprocess.run(  # another process can take the namespace's lock now
+        [sys.executable, "-c", LOCK_TAKER, str(disk.dir)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+
+
+LOCK_TAKER = """
+import sys
+from pathlib import Path
+from serve.prefix import files
+files.lock(Path(sys.argv[1]))
+"""
+
+
+def test_a_request_reading_its_prefix_counts_as_waiting_and_an_abort_ends_it_at_once(
+    model, tmp_path, monkeypatch
+):
+    """Issue 27.4: a request waiting for its prefix from disk counts toward the waiting queue (the server's
+    429 limit); aborted, it leaves the engine at once, and its read's result is discarded when the read
+    ends (the entry is no longer held)."""
+    rng = np.random.default_rng(9)
+    stored = tokens(rng, 29)
+    cfg = one_per_prompt(tmp_path)
+    a = engine(model, cfg)
+    a.generate([stored], greedy())
+    a.close()
+    release = block_reads(monkeypatch)
+    b = engine(model, cfg)
+    rid = b.add_request(stored + [9, 10], greedy())
+    b.step()
+    assert b.ledger()["disk_loading"] == 1 and b.queue_state().waiting == 1
+    b.abort(rid)
+    assert not b.has_unfinished() and b.queue_state().waiting == 0
+    release.set()
+    deadline = time.monotonic() + 60
+    while any(e.holders for e in b.store.disk.entries.values()):
+        assert time.monotonic() < deadline, "the abandoned read is never finished"
+        b.step()
+        time.sleep(0.01)
+    assert b.ledger()["checkpoints"]["disk"] == 1
+    b.close()

@@ -8,15 +8,18 @@ a thread for the whole module; tests that need a busy engine slow its step down.
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
+from faults import lose_pools_on_continued_prefill
 from flax import nnx
 from servers import free_port, uvicorn_thread
 
@@ -580,3 +583,83 @@ def test_ignored_openai_fields_are_accepted_and_the_server_keeps_serving(served)
     }
     assert complete(served, prompt="steady", max_tokens=4, **GREEDY, **extra)["choices"][0]["text"] == want
     served.wait_idle()
+
+
+def failed_step_round(served: Served, submitted: threading.Semaphore, a_streams: bool) -> dict:
+    """Send A (2 tokens; streamed or not) then B (40 tokens, chunks of 16; the other kind) so that both
+    join one step; each one's answer (or the exception its client raised) by name."""
+    served.wait_idle(timeout=60)  # both get a slot at once
+    ids = random.Random(uuid.uuid4().int).sample(range(300, 512), 47)  # ids no text prompt uses: no hit
+    a = {"prompt": ids[:7], "max_tokens": 2, "return_token_ids": True, **GREEDY}
+    b = {"prompt": ids[7:], "max_tokens": 2, **GREEDY}  # 40 tokens: chunks of 16
+    got: dict = {}
+
+    def send_a():
+        if a_streams:
+            events = stream(served, "/v1/completions", **a)
+            ids = [t for e in events for t in e["choices"][0].get("token_ids", [])]
+            got["a"] = (ids, events[-1]["choices"][0])
+        else:
+            choice = served.client.post("/v1/completions", json=a, timeout=120).json()["choices"][0]
+            got["a"] = (choice["token_ids"], choice)
+
+    def send_b():
+        if a_streams:
+            got["b"] = served.client.post("/v1/completions", json=b, timeout=120).status_code
+        else:
+            body = {**b, "stream": True}
+            with served.client.stream("POST", "/v1/completions", json=body, timeout=120) as r:
+                got["b"] = sse(r.iter_lines())
+
+    def catching(f):
+        try:
+            f()
+        except Exception as exc:  # noqa: BLE001 - reported by the caller's asserts
+            got[f.__name__] = exc
+
+    gate = threading.Event()
+    held = served.server.loop.call(lambda e: gate.wait(30))  # both join the engine's next step
+    threads = [threading.Thread(target=catching, args=(f,)) for f in (send_a, send_b)]
+    for t in threads:  # A first: its whole prompt fits the step's token budget
+        t.start()
+        assert submitted.acquire(timeout=30)
+    gate.set()
+    held.result(30)
+    for t in threads:
+        t.join(150)
+    return got
+
+
+def test_a_request_finished_in_a_failed_step_gets_its_answer_blocking_and_streamed(served, monkeypatch):
+    """Issue 27.1: A decodes its last token in the step whose later prefill call (B's second chunk) fails
+    after donating the pools. A's client still gets its whole answer (blocking, then streamed) instead of
+    waiting forever; B's gets the error; the server goes on."""
+    engine, loop = served.engine, served.server.loop
+    exercised = []
+
+    def check_a_finished_here():  # in B's second chunk: A decoded its last token earlier in this step
+        state = [(len(r.prompt), str(r.status), len(r.generated)) for r in engine.requests.values()]
+        exercised.append((any(r.finished and len(r.generated) == 2 for r in engine.requests.values()), state))
+
+    lose_pools_on_continued_prefill(monkeypatch, engine.runner, check_a_finished_here)
+    submitted = threading.Semaphore(0)
+    submit = loop.submit
+
+    def counted(*args):
+        fut = submit(*args)
+        submitted.release()
+        return fut
+
+    monkeypatch.setattr(loop, "submit", counted)
+    for a_streams in (False, True):
+        got = failed_step_round(served, submitted, a_streams)
+        assert exercised and exercised[-1][0], f"A did not finish in the failed step: {exercised}"
+        assert "a" in got and "b" in got, got
+        tokens, last = got["a"]
+        assert len(tokens) == 2 and last["finish_reason"] == "length"
+        if a_streams:
+            assert got["b"] == 500
+        else:
+            assert got["b"][-1] == "[DONE]" and got["b"][-2]["error"]["type"] == "server_error"
+    assert loop.health() is None
+    assert served.wait_idle()["free_slots"] == SLOTS

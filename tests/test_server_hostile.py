@@ -4,6 +4,7 @@ and the app (Hypothesis): every answer is 2xx or a 4xx in the OpenAI error shape
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import hostile
 import httpx
@@ -18,6 +19,7 @@ from jaxhybrid.model import HybridLM
 from jaxhybrid.tokenizer import ByteTokenizer
 from serve.engine.engine import Engine, EngineConfig
 from serve.http.app import APIError, create_app
+from serve.http.parsing import RequestParser, decode_body
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 BEFORE: list[str] = []  # the greedy texts served before any hostile request
@@ -154,6 +156,66 @@ def test_the_app_answers_any_body_with_2xx_or_a_shaped_4xx(live, data, path):
     assert r.status_code < 300 or 400 <= r.status_code < 500, (r.status_code, r.text[:300])
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+NUMERIC_FIELDS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "logprobs",
+    "n",
+    "best_of",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "stop_token_ids",
+    "prompt",
+)
+# integers up to the 4300 digits Python's JSON decoder takes: past about 309 digits float() overflows
+HUGE_INTS = st.integers(1, 4299).flatmap(lambda n: st.integers(10 ** (n - 1), 10**n - 1)) | st.integers()
+NUMBERS = st.one_of(
+    HUGE_INTS, st.builds(int.__neg__, HUGE_INTS), st.floats(), st.lists(HUGE_INTS, max_size=3)
+)
+
+
+def stub_parser() -> RequestParser:
+    """The parser of an engine with the `live` server's vocabulary and context, without a model."""
+    engine = SimpleNamespace(model_config=SimpleNamespace(vocab_size=512, eos_token_id=1), max_model_len=64)
+    return RequestParser(engine, ByteTokenizer(512), "tiny", 4)
+
+
+def test_a_401_digit_temperature_is_refused_with_400():
+    """The issue's shape: float() of a 401-digit integer raises OverflowError, which was a 500."""
+    parser = stub_parser()
+    for name in ("temperature", "top_p"):
+        with pytest.raises(APIError) as err:
+            body = b'{"prompt": "a", "%s": 1%s}' % (name.encode(), b"0" * 400)
+            parser.parse(decode_body(body), "completion")
+        assert err.value.status == 400 and err.value.param == name
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    field=st.sampled_from(NUMERIC_FIELDS),
+    value=NUMBERS,
+    kind=st.sampled_from(["completion", "chat"]),
+)
+def test_every_numeric_field_takes_any_number_or_refuses_it_with_400(field, value, kind):
+    """Any JSON number (an integer of up to 4299 digits, a float, a list of them) in any numeric field:
+    the parser accepts it (and the settings validate) or raises a 400 naming that field."""
+    body = {"prompt": "a"} if kind == "completion" else {"messages": [{"role": "user", "content": "a"}]}
+    body[field] = value
+    try:
+        prep = stub_parser().parse(decode_body(raw(body)), kind)
+    except APIError as exc:
+        assert exc.status == 400 and exc.message, exc.body()
+        json.dumps(exc.body(), ensure_ascii=True)
+        return
+    prep.params.validate(512)
 
 
 def test_after_generated_bodies_the_greedy_text_is_unchanged(live):

@@ -190,13 +190,15 @@ def run(args: argparse.Namespace) -> int:
         else:
             requests = collect_requests(args, tokenizer)
             engine = Engine(model, engine_config(args), mesh=mesh)
-            for prompt, params, _ in requests:  # validate every line before serving any
-                engine.validate(prompt, params)
-            ids = [engine.add_request(prompt, params, cache_salt=salt) for prompt, params, salt in requests]
-            while engine.has_unfinished():
-                engine.step()
-            results = [engine.result(i) for i in ids]
-            engine.close()  # pending prefix-store saves land on disk; the store directory is free again
+            try:
+                for prompt, params, _ in requests:  # validate every line before serving any
+                    engine.validate(prompt, params)
+                ids = [engine.add_request(p, params, cache_salt=salt) for p, params, salt in requests]
+                while engine.has_unfinished():
+                    engine.step()
+                results = [engine.result(i) for i in ids]
+            finally:
+                engine.close()  # pending prefix-store saves land on disk; the store directory is free again
     except (UsageError, ConfigError, RequestError, SamplingError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -118,6 +118,7 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self.steps = 0
+        self._unreported: dict[str, RequestOutput] = {}  # produced by a step that then raised
 
     # views for callers that inspect (tests, benchmarks)
     @property
@@ -201,14 +202,24 @@ class Engine:
         return {"disk": self.store.observe(), "loaded": self.scheduler.observe_loads()}
 
     def step(self, events: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Apply `events` (default: this process's own `observe`), then plan, run and update one step."""
+        """Apply `events` (default: this process's own `observe`), then plan, run and update one step. If it
+        raises, what it produced before (a request that finished, a request failed alone) is kept for
+        `recover` (or the next step) to report: every request gets exactly one final output."""
+        outputs, self._unreported = self._unreported, {}
+        try:
+            self._step(events, outputs)
+        except BaseException:
+            self._unreported = outputs
+            raise
+        return list(outputs.values())
+
+    def _step(self, events: dict[str, Any] | None, outputs: dict[str, RequestOutput]) -> None:
         self.steps += 1
         if self.store is not None:
             events = events if events is not None else self.observe()
             self.store.apply(events["disk"])  # disk saves that finished become visible to lookups now
             self.scheduler.apply_loads(events["loaded"])
         plan = self.scheduler.schedule()
-        outputs: dict[str, RequestOutput] = {}
         for req, exc in plan.failed:
             self._report_failure(req, exc, outputs)
         for adm in plan.admissions:
@@ -232,7 +243,6 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - these requests only
                 for job in group:
                     self._fail(job.request, exc, outputs)
-        return list(outputs.values())
 
     def _decode(self, reqs: list[Request], outputs: dict[str, RequestOutput]) -> None:
         t0 = self.clock()
@@ -315,15 +325,15 @@ class Engine:
         """After a step that raised with no single request to blame: end every running request with an
         error (its cached state may be half written), rebuild the pools if the failed program consumed
         them (the prefix store then forgets its KV blocks; its checkpoints are copies and stay), keep the
-        waiting requests. Returns the outputs that tell their clients."""
-        outputs = []
+        waiting requests. Returns the outputs that tell their clients, with what the failed step produced
+        before it raised (a request that finished in it gets its own final output)."""
+        outputs, self._unreported = self._unreported, {}
         for req in self.scheduler.drop_running():
             req.error = f"the engine step failed: {reason}"
-            outputs.append(
-                RequestOutput(req.id, [], [], True, FinishReason.ERROR, req.prefix_hit_tokens, req.error)
-            )
+            out = outputs.setdefault(req.id, RequestOutput(req.id, [], [], True, None, req.prefix_hit_tokens))
+            out.finished, out.finish_reason, out.error = True, FinishReason.ERROR, req.error
         self.pools.rebuild_lost()
-        return outputs
+        return list(outputs.values())
 
     # --- compiling ahead of use (the server's warm-up; call between steps) -------------------------------
     def compiled_programs(self) -> frozenset[ProgramShape]:
@@ -356,7 +366,10 @@ class Engine:
         ids = [self.add_request(p, s) for p, s in zip(prompts, sampling, strict=True)]
         while any(not self.requests[i].finished for i in ids):
             self.step()
-        return [self.result(i) for i in ids]
+        results = [self.result(i) for i in ids]
+        for i in ids:  # delivered: a long-lived engine keeps no finished request's tokens
+            self.forget(i)
+        return results
 
     def result(self, request_id: str) -> GenerateResult:
         req = self.requests[request_id]

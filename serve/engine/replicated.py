@@ -59,7 +59,9 @@ NO_EVENTS: dict[str, Any] = {"disk": None, "loaded": []}  # nothing finished in 
 
 
 def _disk_news(disk: dict[str, Any] | None) -> bool:
-    return disk is not None and bool(disk["saved"] or disk["failed"] or disk["full"] is not None)
+    if disk is None:
+        return False
+    return any(disk.get(k) for k in ("saved", "failed", "found", "corrupt")) or disk["full"] is not None
 
 
 class ReplicatedEngine:

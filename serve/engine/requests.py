@@ -112,6 +112,8 @@ class Request:
     load: Any = None  # the prefix store's read of this request's prefix from disk, while it waits for it
     cuts: set[int] = dataclasses.field(default_factory=set)  # junctions it checkpoints at (adaptive policy)
     checkpoint_base: bytes | None = None  # the prefix store's last checkpoint on its path
+    chain: list[bytes] = dataclasses.field(default_factory=list)  # its block hashes so far (prefix store)
+    indexed_blocks: int = 0  # its blocks the prefix store has indexed since it got them
 
     @property
     def tokens(self) -> list[int]:

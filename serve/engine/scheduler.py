@@ -78,6 +78,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: list[Request] = []  # waiting for their prefix to be read from disk
+        self._abandoned: list[Request] = []  # ended while their read runs: its result is discarded when done
         self.free_slots = list(range(shape.slots))
         self._order = itertools.count()
         self._plan: StepPlan | None = None
@@ -93,12 +94,16 @@ class Scheduler:
         return [*self.running, *self.waiting, *(r for r in self.loading if not r.finished)]
 
     def queue_state(self) -> QueueState:
-        return QueueState(len(self.running), len(self.waiting), len(self.free_slots))
+        """Requests waiting for their prefix from disk count as waiting (they take a slot once read)."""
+        return QueueState(len(self.running), len(self.waiting) + len(self.loading), len(self.free_slots))
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End `req` (from any state): its slot and blocks are freed."""
         if req in self.waiting:
             self.waiting.remove(req)
+        if req in self.loading:  # its read goes on; `apply_loads` discards the result
+            self.loading.remove(req)
+            self._abandoned.append(req)
         self._release(req)
         req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, self.clock()
 
@@ -210,11 +215,13 @@ class Scheduler:
         self._plan.admissions.append(adm)
         att = store.attach(hit, load) if hit is not None and hit.hit > 0 else None
         if att is not None:
+            adm.attachment = att  # from here on `schedule` detaches it if the admission does not stand
             adm.restore = self._give_prefix(req, att)
-            if adm.restore is None:  # preempted itself for blocks: wait for the next step
+            if adm.restore is None:  # preempted itself for blocks: wait for the next step, keeping its read
+                adm.attachment = None
                 store.detach(att)
+                req.load = load
                 return False, None
-            adm.attachment = att
             req.prefix_hit_tokens += hit.hit
         elif hit is not None:
             hit = Hit(0, hit.matched, [])  # nothing reused (a disk entry that could not be read, too)
@@ -228,6 +235,7 @@ class Scheduler:
         if not self._ensure_blocks(req, req.num_computed + n):
             # It preempted itself: it is first in the queue again with its slot free, and taking it again
             # in this step would repeat exactly this; the running requests free blocks as they go on.
+            req.load = load  # what was read from disk serves its next admission
             return False, None
         return True, n
 
@@ -262,23 +270,24 @@ class Scheduler:
         )
 
     def observe_loads(self) -> list[list[Any]]:
-        """[request id, read ok] of every disk read that finished (on process 0, or the only process);
-        with nothing else to do, wait a moment for one first."""
-        if not self.loading:
+        """[request id, read ok, failed for a reason that may pass] of every disk read that finished (on
+        process 0, or the only process); with nothing else to do, wait a moment for one first."""
+        if not self.loading and not self._abandoned:
             return []
-        if not self.running and not self.waiting:
+        if self.loading and not self.running and not self.waiting:
             self.store.wait_loads([r.load for r in self.loading], timeout=0.05)
-        done = sorted((r for r in self.loading if self.store.load_ready(r.load)), key=lambda r: r.arrival)
-        return [[r.id, r.load.future.exception() is None] for r in done]
+        reads = self.loading + self._abandoned
+        done = sorted((r for r in reads if self.store.load_ready(r.load)), key=lambda r: r.arrival)
+        return [[r.id, *self.store.load_outcome(r.load)] for r in done]
 
     def apply_loads(self, done: list[list[Any]]) -> None:
         """Requests whose prefix was read go back to the front of the queue, in arrival order, with what
         was read (every process follows process 0's outcome)."""
-        by_id = {r.id: r for r in self.loading}
-        for rid, ok in reversed(done):
+        by_id = {r.id: r for r in self.loading + self._abandoned}
+        for rid, ok, transient in reversed(done):
             req = by_id[rid]
-            self.loading.remove(req)
-            self.store.finish_load(req.load, leader_ok=ok)
+            (self.loading if req in self.loading else self._abandoned).remove(req)
+            self.store.finish_load(req.load, leader_ok=ok, leader_transient=transient)
             if req.finished:  # aborted while it waited
                 req.load = None
                 continue
@@ -311,7 +320,7 @@ class Scheduler:
         """Give back the request's slot and blocks; it is recomputed from its tokens when readmitted."""
         self._release(req)
         req.status, req.num_computed, req.stored_logits = RequestStatus.WAITING, 0, None
-        req.checkpoint_base = None
+        req.checkpoint_base, req.indexed_blocks = None, 0
         req.preemptions += 1
         self.waiting.appendleft(req)
         if self._plan is not None:

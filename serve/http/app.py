@@ -161,6 +161,17 @@ class Server:
             ) from None
         return q
 
+    async def next_event(self, q: asyncio.Queue[Event]) -> Event | None:
+        """The request's next event, or None after DISCONNECT_POLL_S without one. Once the engine thread
+        has ended (and a further poll brought nothing it had sent), a final error event: no other can come."""
+        for _ in range(2):
+            try:
+                return await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if self.loop.thread_alive:
+                    return None
+        return Event([], [], True, "error", error="the engine thread ended")
+
     # -- non-streaming --
     async def run_blocking(self, prep: Prepared, request: Request, endpoint: str, t0: float) -> JSONResponse:
         rid = f"{'cmpl' if prep.kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
@@ -173,10 +184,7 @@ class Server:
                 try:
                     ev = q.get_nowait()
                 except asyncio.QueueEmpty:
-                    try:
-                        ev = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
-                    except TimeoutError:
-                        ev = None
+                    ev = await self.next_event(q)
                 if time.monotonic() >= next_check:  # tokens may flow all the time: look at the clock
                     next_check = time.monotonic() + DISCONNECT_POLL_S
                     if await request.is_disconnected():
@@ -283,7 +291,9 @@ class Server:
                 if prep.kind == "chat":
                     yield chunk(choice("", None, None, role=True))
                 while not tr.finished:
-                    ev = await q.get()
+                    ev = await self.next_event(q)
+                    if ev is None:
+                        continue
                     if t_first is None and ev.token_ids:
                         t_first = time.perf_counter()
                     tr.feed(ev)

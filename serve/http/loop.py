@@ -22,6 +22,7 @@ from typing import Any
 
 from serve.engine.engine import EngineAPI
 from serve.engine.requests import RequestError
+from serve.engine.requests import RequestOutput as Output
 from serve.engine.sampling import SamplingParams
 from serve.engine.warmup import Warmup, WarmupProgress
 from serve.http.errors import QueueFull, Unavailable
@@ -222,8 +223,20 @@ class EngineLoop:
         if self._thread.is_alive():
             log.warning("the engine thread did not stop within %.0f s", timeout)
 
+    @property
+    def thread_alive(self) -> bool:
+        """Whether the engine thread still runs (and so may still deliver events)."""
+        return self._thread is not None and self._thread.is_alive()
+
     # -- engine thread --
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # a bug outside any one command or step: no client may wait forever
+            log.exception("the engine thread failed")
+            self._refuse_queued(self._go_down(f"the engine thread failed: {type(exc).__name__}: {exc}"))
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             busy = self.failed is None and engine.has_unfinished()
@@ -257,9 +270,11 @@ class EngineLoop:
 
     def _step(self) -> None:
         self._step_started = time.monotonic()
+        recovered = False
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a bug or a device failure that no single request caused
+            recovered = True
             self.step_failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.exception("engine step failed (%d since a request last completed)", self.step_failures)
@@ -278,13 +293,24 @@ class EngineLoop:
         if any(o.finished and o.finish_reason in ("stop", "length") for o in outputs):
             self.step_failures = 0  # the engine completes requests again: earlier failures were transient
         self._deliver(outputs)
+        if recovered:
+            self._end_orphans()
 
-    def _go_down(self, reason: str) -> None:
-        """The engine is down for good: every request gets an error, new ones get 503."""
+    def _end_orphans(self) -> None:
+        """After a failed step, an error event for every request the engine no longer serves."""
+        active = {r.id for r in self.engine.active_requests()}
+        lost = [
+            Output(rid, [], [], True, "error", error="lost in a failed engine step") for rid in self._sinks
+        ]
+        self._deliver([o for o in lost if o.request_id not in active])
+
+    def _go_down(self, reason: str) -> str:
+        """The engine is down for good: every request gets an error, new ones get 503; returns `reason`."""
         log.error("%s; the server answers 503 until restarted", reason)
         self.failed = reason
         for rid in list(self._sinks):
             self._sinks.pop(rid).put(Event([], [], True, "error", error=reason))
+        return reason
 
     def _handle(self, cmd: Any) -> None:
         engine = self.engine
@@ -397,10 +423,14 @@ class EngineLoop:
                 flush()
             except Exception:
                 log.exception("flushing the prefix store failed")
-        while True:  # answer whatever arrived meanwhile
+        self._refuse_queued("the server is shutting down")
+
+    def _refuse_queued(self, reason: str) -> None:
+        """Answer every queued submission and call with Unavailable (the thread is ending)."""
+        while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
             if isinstance(cmd, _Add | _Call) and _claim(cmd.future):
-                _settle(cmd.future, error=Unavailable("the server is shutting down"))
+                _settle(cmd.future, error=Unavailable(reason))

@@ -127,7 +127,10 @@ def _get_float(body: dict, name: str, default: float) -> float:
         return default
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise bad(f"'{name}' must be a number, got {show(v)}", name, "invalid_type")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an integer of more than about 309 digits
+        raise bad(f"'{name}' is too large: {show(v)}", name) from None
 
 
 def _get_bool(body: dict, name: str, default: bool) -> bool:

@@ -17,6 +17,12 @@ their recorded sizes are entries; arrays are checked against their CRC32 when re
 a damaged entry is dropped instead of served. Opening removes what crashed saves left behind. When the disk
 is (nearly) full, writing stops with one warning and resumes after FULL_RETRY_S.
 
+Saves still queued complete on `close` (the CLI and the server close or flush the engine on the way
+out); a process that exits without it may lose them: they are a cache, and whatever they left half written
+is collected at the next open. Only an entry proven corrupt (a bad manifest, a missing or truncated file, a
+checksum mismatch) is removed; one that cannot be read for now (EIO, a permission) is skipped, logged and
+tried again after RETRY_S.
+
 Time: saves run on one background thread and reads on another. What finished is *observed* (`observe`:
 on process 0, or the only process) and then *applied* (`apply`) at a step boundary, so that with several
 processes every process changes its index at the same step, from process 0's observations carried in the
@@ -29,11 +35,9 @@ lock, collects leftovers, deletes and touches files.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import concurrent.futures.thread  # noqa: F401 - registers its exit hook before ours (see below)
 import logging
 import os
 import shutil
-import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -44,12 +48,13 @@ from typing import Any
 from jaxhybrid.weights.orbax_io import checkpointer
 from serve.prefix import files
 from serve.prefix.checkpoints import KindTally, Tier
-from serve.prefix.entries import DiskEntry, read_arrays, read_entry, write_entry
+from serve.prefix.entries import DiskEntry, is_transient, read_arrays, read_entry, write_entry
 from serve.prefix.files import (
     FULL_RETRY_S,
     LOCK,
     MANIFEST,
     MIN_FREE_BYTES,
+    RETRY_S,
     StoreLocked,
     namespace,
 )
@@ -58,18 +63,7 @@ from sharding.multihost import Peers
 
 __all__ = ["DiskEntry", "DiskTier", "StoreLocked", "namespace", "LOCK", "MANIFEST"]
 log = logging.getLogger("jaxhybrid.prefix")
-_LIVE: weakref.WeakSet[DiskTier] = weakref.WeakSet()
-
-
-def _finish_saves_at_exit() -> None:
-    """Let queued saves complete when the interpreter exits without a flush. Runs before the hook of
-    concurrent.futures (these hooks run in reverse order), which would stop the executors Orbax uses."""
-    for tier in list(_LIVE):
-        cf.wait(tier._jobs)
-
-
-if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(_finish_saves_at_exit)
+_LIVE: weakref.WeakSet[DiskTier] = weakref.WeakSet()  # for saves in flight in another tier of this process
 
 
 class DiskTier:
@@ -111,6 +105,7 @@ class DiskTier:
         self._saver: Any = None  # Orbax checkpointers: one used only by the worker, one by the reader
         self._loader: Any = None
         self.ignored: list[str] = []  # names in the directory that were not complete entries (at start)
+        self.skipped = Unreadable(self.dir, fingerprint, block_size)
         self.collected_bytes = 0  # bytes of those leftovers, removed at start
         self.bytes = 0  # on disk, committed entries
         _LIVE.add(self)
@@ -131,7 +126,11 @@ class DiskTier:
         for child in sorted(self.dir.iterdir()):
             if child.name == LOCK or child.name in busy:
                 continue
-            entry = read_entry(child, self.fingerprint, self.block_size)
+            try:
+                entry = read_entry(child, self.fingerprint, self.block_size)
+            except OSError as exc:
+                self.skipped.skip(child.name, exc)
+                continue
             if entry is not None:
                 found.append(entry)
             elif self.peers.leader:
@@ -255,7 +254,14 @@ class DiskTier:
             full = False  # try again
         if not full and self.peers.several and self.pending:  # only process 0 looks at the disk
             full = shutil.disk_usage(self.dir).free < self.max_pending_bytes + MIN_FREE_BYTES
-        return {"saved": saved, "failed": failed, "full": None if full == self.full else full}
+        found, corrupt = self.skipped.due()
+        return {
+            "saved": saved,
+            "failed": failed,
+            "full": None if full == self.full else full,
+            "found": found,
+            "corrupt": corrupt,
+        }
 
     def apply(self, events: dict[str, Any]) -> list[DiskEntry]:
         """Act on `observe`'s result (from process 0): new entries join the index; returns them."""
@@ -273,11 +279,22 @@ class DiskTier:
             self.stats.saves += 1
             self.stats.save_time_s += dt
             new.append(entry)
+        for name in events.get("found", ()):
+            entry = self.skipped.read(name)
+            if entry is not None and entry.key not in self.entries:
+                self._add(entry)
+                new.append(entry)
+        for name in events.get("corrupt", ()):
+            self.skipped.forget(name)
+            if self.peers.leader:
+                log.warning("prefix store %s: removing %s: not a valid entry", self.dir, name)
+                self._jobs.append(self._worker.submit(files.remove, self.dir / name))
         for key_hex, error, for_space in events["failed"]:
             fut, _ = self.pending.pop(bytes.fromhex(key_hex))
             cf.wait([fut])
             self.stats.save_errors += 1
             self.stats.last_error = error
+            log.warning("prefix store %s: saving checkpoint %s failed: %s", self.dir, key_hex[:16], error)
             if for_space:
                 events = {**events, "full": True}
         if events["full"] and not self.full:
@@ -325,13 +342,16 @@ class DiskTier:
         entry.holders += 1
         return self._reader.submit(self._read_arrays, entry)
 
-    def finish_load(self, entry: DiskEntry, fut: cf.Future, leader_ok: bool | None = None) -> Any:
-        """The result of `load_async` (waiting for it), on the thread that owns the index. `leader_ok`:
-        whether process 0's read succeeded (several processes decide alike: if it failed, all drop)."""
+    def finish_load(
+        self, entry: DiskEntry, fut: cf.Future, leader_ok: bool | None = None, leader_transient: bool = False
+    ) -> Any:
+        """`load_async`'s result or None (an entry proven corrupt is dropped, one that may read later kept);
+        on the owning thread. `leader_ok` / `leader_transient`: process 0's outcome, which all follow."""
         entry.holders -= 1
         exc = fut.exception()
         if leader_ok is None:
             leader_ok = exc is None
+            leader_transient = exc is not None and is_transient(exc)
         if leader_ok and exc is not None:
             raise RuntimeError(f"process {self.peers.index} could not read {entry.path}: {exc}") from exc
         if leader_ok:
@@ -340,7 +360,9 @@ class DiskTier:
         self.stats.last_error = (
             f"{type(exc).__name__}: {exc}" if exc is not None else "unreadable on process 0"
         )
-        if entry.key in self.entries and not entry.holders:
+        if leader_transient:
+            log.warning("prefix store %s: reading %s failed (%s); kept", self.dir, entry.key.hex(), exc)
+        elif entry.key in self.entries and not entry.holders:
             self._drop(entry)
         return None
 
@@ -361,10 +383,57 @@ class DiskTier:
         if self._closed:
             return
         self._closed = True
-        if not self.peers.several:
-            self.poll(wait=True)
-        cf.wait(self._jobs)
-        self._worker.shutdown(wait=True)
-        self._reader.shutdown(wait=True)
-        if self.peers.leader:
-            files.unlock(self.dir)
+        try:
+            if not self.peers.several:
+                self.poll(wait=True)
+        finally:
+            cf.wait(self._jobs)
+            self._worker.shutdown(wait=True)
+            self._reader.shutdown(wait=True)
+            if self.peers.leader:
+                files.unlock(self.dir)
+
+
+class Unreadable:
+    """Entries of a namespace that could not be read for now (an OSError that may pass, such as EIO or a
+    permission): kept on disk, logged once, tried again every RETRY_S seconds."""
+
+    def __init__(self, directory: Path, fingerprint: bytes, block_size: int):
+        self.dir, self.fingerprint, self.block_size = directory, fingerprint, block_size
+        self._due: dict[str, float] = {}  # name -> when to try again (monotonic)
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def skip(self, name: str, exc: BaseException) -> None:
+        if name not in self._due:
+            log.warning("prefix store %s: cannot read %s now (%s); will retry", self.dir, name, exc)
+        self._due[name] = time.monotonic() + RETRY_S
+
+    def forget(self, name: str) -> None:
+        self._due.pop(name, None)
+
+    def due(self) -> tuple[list[str], list[str]]:
+        """(names now readable, names now proven corrupt) among those due for a retry."""
+        found, corrupt, now = [], [], time.monotonic()
+        for name, due in list(self._due.items()):
+            if due <= now:
+                try:
+                    entry = read_entry(self.dir / name, self.fingerprint, self.block_size)
+                except OSError as exc:
+                    self.skip(name, exc)
+                    continue
+                (found if entry is not None else corrupt).append(name)
+        return found, corrupt
+
+    def read(self, name: str) -> DiskEntry | None:
+        """The entry `name`, found readable again (None if it is not, now: skipped again, or corrupt)."""
+        self.forget(name)
+        try:
+            entry = read_entry(self.dir / name, self.fingerprint, self.block_size)
+        except OSError as exc:
+            self.skip(name, exc)
+            return None
+        if entry is not None:
+            log.info("prefix store %s: %s is readable again", self.dir, name)
+        return entry

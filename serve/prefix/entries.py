@@ -64,10 +64,14 @@ def entry_meta(
 
 def read_entry(path: Path, fingerprint: bytes, block_size: int) -> DiskEntry | None:
     """The entry in `path` if its manifest is valid, belongs to this model and layout, and every file it
-    lists exists with its recorded size; else None."""
+    lists exists with its recorded size; None when it is proven not to be one (no or a bad manifest, a
+    missing or truncated file). Raises OSError when it cannot be read now (EIO, a permission, a manifest
+    still being written): the entry may be fine, so the caller keeps it and tries again later."""
     name = path.name
     if len(name) != 64 or not path.is_dir():
         return None  # Orbax temporary directories end in '.orbax-checkpoint-tmp'
+    if not (path / MANIFEST).exists() and (path / (MANIFEST + ".tmp")).exists():
+        raise BlockingIOError(f"{path}: its manifest is still being written")
     try:
         key = bytes.fromhex(name)
         stat = (path / MANIFEST).stat()
@@ -92,13 +96,27 @@ def read_entry(path: Path, fingerprint: bytes, block_size: int) -> DiskEntry | N
             arrays={k: [list(shape), str(dtype), crc] for k, (shape, dtype, crc) in m["arrays"].items()},
             used=stat.st_mtime,
         )
-    except Exception:  # noqa: BLE001 - unreadable or malformed: not a (complete) entry
+    except OSError as exc:
+        if is_transient(exc):
+            raise
+        return None  # a missing manifest or file
+    except Exception:  # noqa: BLE001 - malformed: not a (complete) entry
         return None
     if len(entry.block_hashes) != entry.position // block_size or len(entry.tail) != (
         entry.position % block_size
     ):
         return None
     return entry
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failure to read an entry may pass (an OSError other than a missing file, anywhere in its
+    chain of causes), as opposed to proof that the entry is corrupt."""
+    while exc is not None:
+        if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError | NotADirectoryError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def write_entry(

@@ -19,6 +19,7 @@ MANIFEST = "manifest.json"
 LOCK = ".lock"
 MIN_FREE_BYTES = 64 << 20  # a save needs its own size plus this much free on the file system
 FULL_RETRY_S = 60.0  # after the disk was found full, how long to wait before writing again
+RETRY_S = 30.0  # after an entry could not be read (EIO, a permission), how long before trying again
 _LOCKS: dict[Path, list] = {}  # namespace dir -> [open lock file, tiers of this process using it]
 _LOCKS_GUARD = threading.Lock()
 log = logging.getLogger("jaxhybrid.prefix")

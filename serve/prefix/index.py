@@ -25,23 +25,23 @@ class ChainHasher:
 
     def chain(self, tokens: Sequence[int], salt: str | None) -> list[bytes]:
         """[h_0, h_1, ...]: the root, then one hash per full block of `tokens`."""
-        out = [self.root(salt)]
+        return self.extend([], tokens, salt, len(tokens) // self.block_size)
+
+    def extend(self, chain: list[bytes], tokens: Sequence[int], salt: str | None, blocks: int) -> list[bytes]:
+        """`chain` (the chain of a prefix of `tokens`, or []) extended in place to at least `blocks` full
+        blocks, hashing only the blocks it lacks; returns it."""
+        if not chain:
+            chain.append(self.root(salt))
         salt_b = (salt or "").encode()
         bs = self.block_size
-        for i in range(len(tokens) // bs):
+        for i in range(len(chain) - 1, blocks):
             block = np.asarray(tokens[i * bs : (i + 1) * bs], np.int64).tobytes()
-            out.append(hashlib.sha256(out[-1] + self.fingerprint + salt_b + block).digest())
-        return out
+            chain.append(hashlib.sha256(chain[-1] + self.fingerprint + salt_b + block).digest())
+        return chain
 
     @staticmethod
     def checkpoint_key(chain_hash: bytes, tail: Sequence[int]) -> bytes:
         return hashlib.sha256(chain_hash + b"tail:" + np.asarray(tail, np.int64).tobytes()).digest()
-
-    def key_for(self, tokens: Sequence[int], position: int, salt: str | None) -> tuple[bytes, list[bytes]]:
-        """(the key of a checkpoint after tokens[:position], the chain of its full blocks)."""
-        nb = position // self.block_size
-        chain = self.chain(tokens[: nb * self.block_size], salt)
-        return self.checkpoint_key(chain[-1], tokens[nb * self.block_size : position]), chain
 
 
 class TailIndex:

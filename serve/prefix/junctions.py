@@ -40,11 +40,17 @@ def shared_prefix(
 
 
 def index_blocks(seq: Sequence_, hasher: Any, blocks: Any, tails: Any) -> None:
-    """Index `seq`'s computed full blocks (`BlockIndex`), and remember each block's tokens as a tail of the
-    one before it (`TailIndex`), so a prompt leaving this sequence inside a block finds the exact token."""
-    bs, tokens = hasher.block_size, seq.tokens
+    """Index `seq`'s full blocks computed since the last call (`BlockIndex`), and remember each block's
+    tokens as a tail of the one before it (`TailIndex`), so a prompt leaving this sequence inside a block
+    finds the exact token. The chain hashes are kept on the sequence (`seq.chain`): a sequence of L tokens
+    hashes each of its blocks once, not its whole chain at every block boundary."""
+    bs, start = hasher.block_size, seq.indexed_blocks
     nb = seq.num_computed // bs
-    chain = hasher.chain(tokens[: nb * bs], seq.cache_salt)
-    blocks.register(chain[1:], seq.blocks[:nb])
-    for i in range(nb):
+    if nb <= start:
+        return
+    tokens = seq.tokens
+    chain = hasher.extend(seq.chain, tokens, seq.cache_salt, nb)
+    blocks.register(chain[start + 1 : nb + 1], seq.blocks[start:nb])
+    for i in range(start, nb):
         tails.add(chain[i], tuple(tokens[i * bs : (i + 1) * bs]))
+    seq.indexed_blocks = nb

@@ -84,6 +84,7 @@ class ValueAware:
     def __init__(self) -> None:
         self._live: dict[Hashable, Checkpoint] = {}
         self._lineage: dict[Hashable, tuple[Hashable | None, int]] = {}  # key -> (parent, position)
+        self._children: Counter[Hashable] = Counter()  # key -> lineage entries naming it as their parent
         self._last: dict[Hashable, int] = {}
         self._kind_saves: Counter[str] = Counter()
         self._kind_hits: Counter[str] = Counter()
@@ -94,7 +95,12 @@ class ValueAware:
 
     def inserted(self, ck: Checkpoint) -> None:
         self._live[ck.key] = ck
+        old = self._lineage.get(ck.key)
+        if old is not None and old[0] is not None:
+            self._unref(old[0])
         self._lineage[ck.key] = (ck.parent, ck.position)
+        if ck.parent is not None:
+            self._children[ck.parent] += 1
         self._last[ck.key] = self._clock
         self._kind_saves[ck.kind] += 1
 
@@ -109,7 +115,27 @@ class ValueAware:
 
     def removed(self, key: Hashable) -> None:
         self._live.pop(key, None)
-        self._last.pop(key, None)  # the lineage stays: a child's saved tokens walk through it
+        self._last.pop(key, None)
+        self._prune(key)  # the lineage stays only while a child's saved tokens may walk through it
+
+    def _unref(self, key: Hashable) -> None:
+        self._children[key] -= 1
+        if self._children[key] <= 0:
+            del self._children[key]
+            self._prune(key)
+
+    def _prune(self, key: Hashable) -> None:
+        """Forget `key`'s lineage once it is neither held nor the parent of a lineage entry (and so up its
+        chain)."""
+        while key is not None and key not in self._live and not self._children[key] and key in self._lineage:
+            self._children.pop(key, None)
+            parent = self._lineage.pop(key)[0]
+            if parent is not None:
+                self._children[parent] -= 1
+                if self._children[parent] > 0:
+                    return
+                del self._children[parent]
+            key = parent
 
     def saved_tokens(self, ck: Checkpoint) -> int:
         """Tokens from the nearest checkpoint still held on `ck`'s chain (0: the start) to `ck`."""

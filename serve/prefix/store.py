@@ -41,6 +41,7 @@ from typing import Any, Protocol
 from serve.prefix import junctions
 from serve.prefix.checkpoints import Checkpoint, CheckpointKind, CheckpointTiers, KindTally, Tier
 from serve.prefix.disk import DiskEntry, DiskTier, namespace
+from serve.prefix.entries import is_transient
 from serve.prefix.index import BlockIndex, ChainHasher, TailIndex, kv_match
 from serve.prefix.policies import POLICIES, make_policy
 from serve.prefix.stats import LookupStats, MemoryStats, flatten
@@ -119,6 +120,8 @@ class Sequence_(Protocol):
     cache_salt: str | None
     cuts: set[int]  # positions the adaptive policy checkpoints at (junctions), where prefill chunks end
     checkpoint_base: bytes | None  # the checkpoint it resumed from or last took (its next one's parent)
+    chain: list[bytes]  # chain hashes of its blocks computed so far (root first), extended as it grows
+    indexed_blocks: int  # its leading blocks indexed since it got its current blocks (reset on preemption)
 
     @property
     def tokens(self) -> list[int]: ...
@@ -308,10 +311,16 @@ class PrefixStore:
         """Wait up to `timeout` seconds for one of `loads` to finish."""
         cf.wait([x.future for x in loads], timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
-    def finish_load(self, load: Load, leader_ok: bool | None = None) -> Load:
-        """The read's result in `load.data` (None: unreadable, the entry was dropped); waits for it.
-        `leader_ok`: process 0's outcome, which every process follows."""
-        load.data = self.disk.finish_load(load.hit.disk, load.future, leader_ok)
+    @staticmethod
+    def load_outcome(load: Load) -> tuple[bool, bool]:
+        """(the finished read succeeded, it failed for a reason that may pass: the entry is kept)."""
+        exc = load.future.exception()
+        return exc is None, exc is not None and is_transient(exc)
+
+    def finish_load(self, load: Load, leader_ok: bool | None = None, leader_transient: bool = False) -> Load:
+        """The read's result in `load.data` (None: unreadable; an entry proven corrupt is dropped); waits
+        for it. `leader_ok`, `leader_transient`: process 0's outcome (`load_outcome`), which all follow."""
+        load.data = self.disk.finish_load(load.hit.disk, load.future, leader_ok, leader_transient)
         return load
 
     # --- giving a hit to a request -------------------------------------------------------------------

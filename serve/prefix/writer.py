@@ -48,7 +48,8 @@ class CheckpointWriter:
         if pos == 0:
             return
         tokens = seq.tokens
-        key, chain = self.hasher.key_for(tokens, pos, seq.cache_salt)
+        chain = self.hasher.extend(seq.chain, tokens, seq.cache_salt, pos // bs)[: pos // bs + 1]
+        key = self.hasher.checkpoint_key(chain[-1], tokens[(pos // bs) * bs : pos])
         self.blocks.register(chain[1:], seq.blocks[: len(chain) - 1])
         tail = tuple(tokens[(pos // bs) * bs : pos])
         if tail:
