@@ -21,7 +21,7 @@ from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
-from serve.prefix.disk import LOCK, MANIFEST, DiskTier, StoreLocked
+from serve.prefix.disk import LOCK, MANIFEST, DiskReads, DiskTier, StoreLocked
 from serve.prefix.store import PrefixStore, PrefixStoreConfig
 
 BS = 8
@@ -328,7 +328,7 @@ def test_a_full_disk_stops_writing_warns_once_and_keeps_serving(model, tmp_path,
     hit = eng.generate([prompts[0] + [5, 6]], greedy(1))[0]  # memory still serves the prefix
     assert hit.stats["prefix_hit_tokens"] == len(prompts[0])
     monkeypatch.setattr(pd.shutil, "disk_usage", usage)
-    monkeypatch.setattr(eng.store.disk, "full_until", 0.0)  # the retry delay is over, space is back
+    monkeypatch.setattr(eng.store.disk.space, "until", 0.0)  # the retry delay is over, space is back
     eng.generate([tokens(rng, 21)], greedy())
     eng.flush()
     assert eng.ledger()["checkpoints"]["disk"] == 1
@@ -337,13 +337,13 @@ def test_a_full_disk_stops_writing_warns_once_and_keeps_serving(model, tmp_path,
 def block_reads(monkeypatch) -> threading.Event:
     """Disk reads wait until the returned event is set (at most 60 s)."""
     release = threading.Event()
-    read = DiskTier._read_arrays
+    read = DiskReads._read
 
     def slow_read(self, entry):
         assert release.wait(60)
         return read(self, entry)
 
-    monkeypatch.setattr(DiskTier, "_read_arrays", slow_read)
+    monkeypatch.setattr(DiskReads, "_read", slow_read)
     return release
 
 
@@ -407,7 +407,7 @@ def test_a_transient_error_keeps_the_entry_and_it_is_retried(model, tmp_path, mo
     b.store.poll()
     assert b.ledger()["checkpoints"]["disk"] == 2
     # a read that fails with EIO: served from scratch, the entry stays and serves the next request
-    read_arrays = DiskTier._read_arrays
+    read_arrays = DiskReads._read
     failures = []
 
     def flaky(self, entry):
@@ -416,7 +416,7 @@ def test_a_transient_error_keeps_the_entry_and_it_is_retried(model, tmp_path, mo
             raise OSError(errno.EIO, "Input/output error")
         return read_arrays(self, entry)
 
-    monkeypatch.setattr(DiskTier, "_read_arrays", flaky)
+    monkeypatch.setattr(DiskReads, "_read", flaky)
     extended = prompts[0] + tokens(rng, 3)
     first = b.generate([extended], greedy(2))[0]
     assert failures == [17] and first.stats["prefix_hit_tokens"] == 0
@@ -442,7 +442,7 @@ def test_close_releases_the_lock_and_the_threads_even_when_the_last_poll_raises(
     monkeypatch.setattr(disk, "poll", broken)
     with pytest.raises(RuntimeError, match="injected"):
         a.close()
-    for executor in (disk._worker, disk._reader):  # shut down: they take no more work
+    for executor in (disk._worker, disk.reads._pool):  # shut down: they take no more work
         with pytest.raises(RuntimeError, match="shutdown"):
             executor.submit(print)
     out = subprocess.run(  # another process can take the namespace's lock now

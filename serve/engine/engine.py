@@ -84,7 +84,42 @@ class EngineAPI(Protocol):
     def memory(self) -> dict[str, Any]: ...
 
 
-class Engine:
+class BatchAPI:
+    """`Engine.generate`: prompts served to completion through the engine's own request API (add_request,
+    step, result, forget), for scripts, benchmarks and tests."""
+
+    requests: dict[str, Request]
+
+    def generate(
+        self: Engine,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerateResult]:
+        """Serve every prompt to completion, results in prompt order; invalid requests raise first."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise RequestError(f"{len(sampling)} sampling settings for {len(prompts)} prompts")
+        for prompt, params in zip(prompts, sampling, strict=True):
+            self.validate(prompt, params)
+        ids = [self.add_request(p, s) for p, s in zip(prompts, sampling, strict=True)]
+        while any(not self.requests[i].finished for i in ids):
+            self.step()
+        results = [self.result(i) for i in ids]
+        for i in ids:  # delivered: a long-lived engine keeps no finished request's tokens
+            self.forget(i)
+        return results
+
+    def result(self, request_id: str) -> GenerateResult:
+        """The request's tokens so far (all of them once it finished) and its stats."""
+        req = self.requests[request_id]
+        logprobs = list(req.logprobs) if req.params.logprobs else None
+        return GenerateResult(
+            request_id, list(req.generated), logprobs, str(req.finish_reason or ""), req.stats()
+        )
+
+
+class Engine(BatchAPI):
     """See the module doc. `mesh`: a device mesh the model's parameters are already sharded over
     (`sharding.placement`); the cache pools are then laid out on it too."""
 
@@ -351,33 +386,6 @@ class Engine:
         self.pools.compile_helpers(rows, run_once=not self.has_unfinished(), slot_programs=slot_programs)
 
     # --- batch API -----------------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[GenerateResult]:
-        """Serve every prompt to completion, results in prompt order; invalid requests raise first."""
-        if sampling is None or isinstance(sampling, SamplingParams):
-            sampling = [sampling or SamplingParams()] * len(prompts)
-        if len(sampling) != len(prompts):
-            raise RequestError(f"{len(sampling)} sampling settings for {len(prompts)} prompts")
-        for prompt, params in zip(prompts, sampling, strict=True):
-            self.validate(prompt, params)
-        ids = [self.add_request(p, s) for p, s in zip(prompts, sampling, strict=True)]
-        while any(not self.requests[i].finished for i in ids):
-            self.step()
-        results = [self.result(i) for i in ids]
-        for i in ids:  # delivered: a long-lived engine keeps no finished request's tokens
-            self.forget(i)
-        return results
-
-    def result(self, request_id: str) -> GenerateResult:
-        req = self.requests[request_id]
-        logprobs = list(req.logprobs) if req.params.logprobs else None
-        return GenerateResult(
-            request_id, list(req.generated), logprobs, str(req.finish_reason or ""), req.stats()
-        )
-
     def flush(self) -> None:
         """Wait for every pending disk save of the prefix store and make it visible (graceful shutdown)."""
         if self.store is not None:

@@ -113,6 +113,70 @@ class TokenRate:
         return sum(n for t, n in self._recent if t >= now - RATE_WINDOW_S) / RATE_WINDOW_S
 
 
+def snapshot(engine: Any, rate: TokenRate, healthy: bool) -> dict[str, Any]:
+    """What `/metrics` and `/health` show of the engine: queue lengths, token rate, ledger and memory."""
+    memory = engine.memory()
+    memory.pop("requests", None)
+    q = engine.queue_state()
+    return {
+        "running": q.running,
+        "waiting": q.waiting,
+        "tokens_per_second": rate.per_second(),
+        "generated_tokens": rate.total,
+        "healthy": healthy,
+        "ledger": engine.ledger(),
+        "memory": memory,
+    }
+
+
+class Subscribers:
+    """Where each request's events go (its client's sink) and what it has reused so far; the engine thread
+    alone calls these. A final event removes the request, so no client gets two."""
+
+    def __init__(self) -> None:
+        self._sinks: dict[str, Sink] = {}
+        self._hits: dict[str, int] = {}  # prompt tokens reused, per request still running (for its abort)
+        self.rate = TokenRate()
+
+    def ids(self) -> list[str]:
+        return list(self._sinks)
+
+    def add(self, request_id: str, sink: Sink) -> None:
+        self._sinks[request_id] = sink
+
+    def end(self, request_id: str, event: Event) -> None:
+        """`event` (final) to the request's client, if it still has one; the request is forgotten here."""
+        self._hits.pop(request_id, None)
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink.put(event)
+
+    def abort(self, request_id: str, hits: int | None = None) -> None:
+        """The final 'abort' event, with the prompt tokens it reused (`hits`, default: as last reported)."""
+        reused = self._hits.get(request_id, 0) if hits is None else hits
+        self.end(request_id, Event([], [], True, "abort", reused))
+
+    def deliver(self, out: Any) -> None:
+        """One engine output to its client; a finished request is removed."""
+        sink = self._sinks.get(out.request_id)
+        if sink is not None:
+            sink.put(
+                Event(
+                    list(out.new_token_ids),
+                    list(out.new_logprobs),
+                    out.finished,
+                    out.finish_reason,
+                    out.cached_tokens,
+                    error=out.error,
+                )
+            )
+        if out.finished:
+            self._sinks.pop(out.request_id, None)
+            self._hits.pop(out.request_id, None)
+        else:
+            self._hits[out.request_id] = out.cached_tokens
+
+
 class EngineLoop:
     """Owns `engine` on one background thread. `max_waiting`: the most requests that may wait for a slot
     (None: no limit); a submission that would exceed it fails with QueueFull.
@@ -146,12 +210,11 @@ class EngineLoop:
         self.step_failures = 0  # failed steps since a request last completed
         self.last_error: str | None = None
         self._commands: queue.Queue[Any] = queue.Queue()
-        self._sinks: dict[str, Sink] = {}
-        self._hits: dict[str, int] = {}  # prompt tokens reused, per request still running (for its abort)
+        self.subscribers = Subscribers()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._step_started: float | None = None  # monotonic start of the step in progress
-        self.rate = TokenRate()
+        self.rate = self.subscribers.rate
 
     # -- called from any thread --
     def start(self) -> None:
@@ -212,7 +275,7 @@ class EngineLoop:
 
     def snapshot(self) -> concurrent.futures.Future:
         """Queue lengths, token rate, ledger and memory, taken on the engine thread."""
-        return self.call(self._snapshot)
+        return self.call(lambda engine: snapshot(engine, self.rate, self.health() is None))
 
     def stop(self, timeout: float = 60.0) -> None:
         """Abort whatever is still queued or running, flush pending saves (`Engine.flush`), end the thread."""
@@ -300,7 +363,8 @@ class EngineLoop:
         """After a failed step, an error event for every request the engine no longer serves."""
         active = {r.id for r in self.engine.active_requests()}
         lost = [
-            Output(rid, [], [], True, "error", error="lost in a failed engine step") for rid in self._sinks
+            Output(rid, [], [], True, "error", error="lost in a failed engine step")
+            for rid in self.subscribers.ids()
         ]
         self._deliver([o for o in lost if o.request_id not in active])
 
@@ -308,8 +372,8 @@ class EngineLoop:
         """The engine is down for good: every request gets an error, new ones get 503; returns `reason`."""
         log.error("%s; the server answers 503 until restarted", reason)
         self.failed = reason
-        for rid in list(self._sinks):
-            self._sinks.pop(rid).put(Event([], [], True, "error", error=reason))
+        for rid in self.subscribers.ids():
+            self.subscribers.end(rid, Event([], [], True, "error", error=reason))
         return reason
 
     def _handle(self, cmd: Any) -> None:
@@ -318,9 +382,7 @@ class EngineLoop:
             self._add(cmd)
         elif isinstance(cmd, _Abort):
             engine.abort(cmd.request_id)
-            sink = self._sinks.pop(cmd.request_id, None)
-            if sink is not None:
-                sink.put(Event([], [], True, "abort", self._hits.pop(cmd.request_id, 0)))
+            self.subscribers.abort(cmd.request_id)
             engine.forget(cmd.request_id)
         elif isinstance(cmd, _AbortAll):
             self._abort_all()
@@ -361,52 +423,21 @@ class EngineLoop:
             log.exception("add_request failed")
             _settle(cmd.future, error=exc)
             return
-        self._sinks[cmd.request_id] = cmd.sink
+        self.subscribers.add(cmd.request_id, cmd.sink)
         _settle(cmd.future, cmd.request_id)
 
     def _deliver(self, outputs: Sequence[Any]) -> None:
         self.rate.add(sum(len(o.new_token_ids) for o in outputs))
         for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is not None:
-                sink.put(
-                    Event(
-                        list(out.new_token_ids),
-                        list(out.new_logprobs),
-                        out.finished,
-                        out.finish_reason,
-                        out.cached_tokens,
-                        error=out.error,
-                    )
-                )
+            self.subscribers.deliver(out)
             if out.finished:
-                self._sinks.pop(out.request_id, None)
-                self._hits.pop(out.request_id, None)
                 self.engine.forget(out.request_id)
-            else:
-                self._hits[out.request_id] = out.cached_tokens
-
-    def _snapshot(self, engine: Any) -> dict[str, Any]:
-        memory = engine.memory()
-        memory.pop("requests", None)
-        q = engine.queue_state()
-        return {
-            "running": q.running,
-            "waiting": q.waiting,
-            "tokens_per_second": self.rate.per_second(),
-            "generated_tokens": self.rate.total,
-            "healthy": self.health() is None,
-            "ledger": engine.ledger(),
-            "memory": memory,
-        }
 
     def _abort_all(self) -> None:
         engine = self.engine
         for req in engine.active_requests():
             engine.abort(req.id)
-            sink = self._sinks.pop(req.id, None)
-            if sink is not None:
-                sink.put(Event([], [], True, "abort", req.prefix_hit_tokens))
+            self.subscribers.abort(req.id, req.prefix_hit_tokens)
             engine.forget(req.id)
 
     def _shutdown(self) -> None:

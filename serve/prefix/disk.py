@@ -98,12 +98,9 @@ class DiskTier:
         self.pending: dict[bytes, tuple[cf.Future, int]] = {}  # key -> (save, device bytes it holds)
         self._jobs: list[cf.Future] = []
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk")
-        self._reader = cf.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk-read")
-        self.full = False  # the disk was found full: no save is tried until `full_until`
-        self.full_until = 0.0
-        self._warned_full = False
-        self._saver: Any = None  # Orbax checkpointers: one used only by the worker, one by the reader
-        self._loader: Any = None
+        self.space = DiskFull(self.dir, self.stats)
+        self._saver: Any = None  # the Orbax checkpointer of the worker thread (the reads have their own)
+        self.reads = DiskReads(self._checkpointer, block_size, self.peers, restore_shardings)
         self.ignored: list[str] = []  # names in the directory that were not complete entries (at start)
         self.skipped = Unreadable(self.dir, fingerprint, block_size)
         self.collected_bytes = 0  # bytes of those leftovers, removed at start
@@ -210,7 +207,7 @@ class DiskTier:
         if key in self.entries:
             self.entries.move_to_end(key)
             return False
-        if self.full:
+        if self.space.full:
             self.stats.skipped += 1
             return False
         if key in self.pending or nbytes > self.budget:
@@ -232,11 +229,6 @@ class DiskTier:
             self._saver = self._checkpointer()
         return write_entry(self._saver, self.dir, meta, arrays, self.peers)
 
-    def _read_arrays(self, entry: DiskEntry) -> tuple[list, Any, Any]:
-        if self._loader is None:
-            self._loader = self._checkpointer()
-        return read_arrays(self._loader, entry, self.block_size, self.peers, self.restore_shardings)
-
     # --- what finished: observed on process 0, applied everywhere at a step boundary -------------------
     def observe(self) -> dict[str, Any]:
         """Saves that finished (ok or failed, and whether for want of space), and the disk's full state
@@ -249,16 +241,14 @@ class DiskTier:
                     saved.append(key.hex())
                 else:
                     failed.append([key.hex(), f"{type(exc).__name__}: {exc}", files.is_full(exc)])
-        full = self.full
-        if self.full and time.monotonic() >= self.full_until:
-            full = False  # try again
+        full = self.space.still_full()
         if not full and self.peers.several and self.pending:  # only process 0 looks at the disk
             full = shutil.disk_usage(self.dir).free < self.max_pending_bytes + MIN_FREE_BYTES
         found, corrupt = self.skipped.due()
         return {
             "saved": saved,
             "failed": failed,
-            "full": None if full == self.full else full,
+            "full": None if full == self.space.full else full,
             "found": found,
             "corrupt": corrupt,
         }
@@ -297,11 +287,7 @@ class DiskTier:
             log.warning("prefix store %s: saving checkpoint %s failed: %s", self.dir, key_hex[:16], error)
             if for_space:
                 events = {**events, "full": True}
-        if events["full"] and not self.full:
-            self._disk_full()
-        elif events["full"] is False and self.full:
-            self.full = False
-            log.info("prefix store %s: writing checkpoints again", self.dir)
+        self.space.set(events["full"])
         if new:
             self.enforce_budget()
         self._jobs = [j for j in self._jobs if not j.done()]
@@ -317,19 +303,6 @@ class DiskTier:
             self._jobs = []
         return new
 
-    def _disk_full(self) -> None:
-        """Stop writing for FULL_RETRY_S; warn once per run (the cache keeps serving from memory)."""
-        self.full, self.full_until = True, time.monotonic() + FULL_RETRY_S
-        self.stats.full += 1
-        if not self._warned_full:
-            self._warned_full = True
-            log.warning(
-                "prefix store %s: the disk is full; not writing checkpoints for %.0f s at a time, "
-                "serving from memory",
-                self.dir,
-                FULL_RETRY_S,
-            )
-
     # --- loading ---------------------------------------------------------------------------------
     def load(self, entry: DiskEntry) -> tuple[list, Any, Any] | None:
         """(states [(conv, state) per KDA layer], kv [mla, n, block_size, latent] or None, tail or None),
@@ -340,7 +313,7 @@ class DiskTier:
     def load_async(self, entry: DiskEntry) -> cf.Future:
         """Start reading `entry` on the reader thread; it cannot be dropped until `finish_load`."""
         entry.holders += 1
-        return self._reader.submit(self._read_arrays, entry)
+        return self.reads.submit(entry)
 
     def finish_load(
         self, entry: DiskEntry, fut: cf.Future, leader_ok: bool | None = None, leader_transient: bool = False
@@ -389,9 +362,60 @@ class DiskTier:
         finally:
             cf.wait(self._jobs)
             self._worker.shutdown(wait=True)
-            self._reader.shutdown(wait=True)
+            self.reads.close()
             if self.peers.leader:
                 files.unlock(self.dir)
+
+
+class DiskReads:
+    """Entries read back on a thread of their own, with an Orbax checkpointer used only there."""
+
+    def __init__(self, make_checkpointer: Callable[[], Any], block_size: int, peers: Peers, shardings: Any):
+        self.make_checkpointer, self.block_size = make_checkpointer, block_size
+        self.peers, self.shardings = peers, shardings
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk-read")
+        self._loader: Any = None
+
+    def submit(self, entry: DiskEntry) -> cf.Future:
+        return self._pool.submit(self._read, entry)
+
+    def _read(self, entry: DiskEntry) -> tuple[list, Any, Any]:
+        if self._loader is None:
+            self._loader = self.make_checkpointer()
+        return read_arrays(self._loader, entry, self.block_size, self.peers, self.shardings)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class DiskFull:
+    """Whether the disk was found full: then no save is tried for FULL_RETRY_S at a time, with one warning per
+    run (the cache keeps serving from memory)."""
+
+    def __init__(self, directory: Path, stats: DiskStats):
+        self.dir, self.stats = directory, stats
+        self.full, self.until, self._warned = False, 0.0, False
+
+    def still_full(self) -> bool:
+        """Full, and not yet due to try again."""
+        return self.full and time.monotonic() < self.until
+
+    def set(self, full: bool | None) -> None:
+        """Act on process 0's finding: True full (from now), False writable again, None unchanged."""
+        if full and not self.full:
+            self.full, self.until = True, time.monotonic() + FULL_RETRY_S
+            self.stats.full += 1
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "prefix store %s: the disk is full; not writing checkpoints for %.0f s at a time, "
+                    "serving from memory",
+                    self.dir,
+                    FULL_RETRY_S,
+                )
+        elif full is False and self.full:
+            self.full = False
+            log.info("prefix store %s: writing checkpoints again", self.dir)
 
 
 class Unreadable:
