@@ -50,7 +50,10 @@ def test_exact_experts_cost_nothing_and_the_loss_is_the_training_loss(tmp_path, 
     result = bench(capsys, model_dir, corpus, greedy=3)
     val = result["validation"]
     assert val["tokens"] == 2 * 2 * 16
-    assert val["mxfp4"] == val["dense"] and val["top1_agree"] == 1.0 and val["kl"] == 0.0
+    # the same weights, packed or dense: only the summation order differs (the packed path dequantizes
+    # inside the expert loop), so the losses agree to fp32 round-off and the predictions are the same
+    assert val["mxfp4"] == pytest.approx(val["dense"], rel=1e-6)
+    assert val["top1_agree"] == 1.0 and abs(val["kl"]) < 1e-6
     assert [c["agreed_tokens"] for c in result["completions"]] == [3, 3]
 
     # The oracle: `jaxhybrid train`'s evaluation step on the validation files' bytes (+3, bos 1, eos 2: the
