@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from serve.cli.common import add_config_arg
+from serve.engine.config import engine_default
 from serve.report import DTYPES, print_table
 
 EXPERTS = ("packed", "dequantized")
@@ -208,8 +209,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype", choices=DTYPES, default="bfloat16", help="weights and KV dtype (default bfloat16)"
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="longest prefill piece (default 512)")
+    block, chunk = engine_default("block_size"), engine_default("prefill_chunk")
+    p.add_argument("--block-size", type=int, default=block, help=f"tokens per KV block (default {block})")
+    p.add_argument(
+        "--prefill-chunk", type=int, default=chunk, help=f"longest prefill piece (default {chunk})"
+    )
     p.add_argument(
         "--scan-layers",
         choices=("auto", "off", "prefill", "all"),
