@@ -10,17 +10,23 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 # `serve` and `generate` keep compiled programs in the user's cache directory (`--compile-cache`): every
-# server and command the tests start uses one of this session instead, removed at the end.
-_COMPILE_CACHE_HOME = tempfile.mkdtemp(prefix="jaxhybrid-test-cache-")
-os.environ["XDG_CACHE_HOME"] = _COMPILE_CACHE_HOME
+# server and command the tests start uses one of this run instead, removed at the end. The run's processes
+# (pytest-xdist's workers inherit the controller's environment) share it, and the tests' own programs go
+# there too: most of the suite's time is XLA compiling, and many tests compile the same programs.
+if "JAXHYBRID_TEST_CACHE_HOME" not in os.environ:
+    os.environ["JAXHYBRID_TEST_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxhybrid-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAXHYBRID_TEST_CACHE_HOME"], True)
+os.environ["XDG_CACHE_HOME"] = os.environ["JAXHYBRID_TEST_CACHE_HOME"]
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
-atexit.register(shutil.rmtree, _COMPILE_CACHE_HOME, True)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+if os.environ.get("JAXHYBRID_TEST_COMPILE_CACHE") != "off":  # off: compile every program (to compare)
+    jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ["XDG_CACHE_HOME"], "tests-xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def rel_err(a, b) -> float:

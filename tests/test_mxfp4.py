@@ -170,3 +170,28 @@ def test_shape_and_dtype_errors():
         dequantize_mxfp4(np.zeros((2, 16), np.uint8), np.zeros((3, 1), np.uint8))
     with pytest.raises(MXFP4Error, match="uint8"):
         dequantize_mxfp4(np.zeros((2, 16), np.int32), np.zeros((2, 1), np.uint8))
+
+
+@pytest.mark.parametrize("out, cols", [(1, 32), (8, 64), (24, 256)])
+def test_matvec_equals_the_reference_dequantized_product(out, cols):
+    """`ops.mxfp4.matvec` (decoding while it sums) equals the NumPy reference's dequantized matrix times the
+    vector in float64, within fp32 summation error; an E8M0 NaN scale makes its row NaN, as dequantizing
+    does."""
+    rng = np.random.default_rng(out + cols)
+    packed = rng.integers(0, 256, size=(out, cols // 2), dtype=np.uint8)
+    scale = rng.integers(115, 135, size=(out, cols // 32), dtype=np.uint8)
+    x = rng.standard_normal(cols).astype(np.float32)
+    dense = dequantize_mxfp4(packed, scale, np.float64)
+    want = dense @ x.astype(np.float64)
+    # float32 sums of `cols` exact products: each row within cols * 2^-24 of the sum of their magnitudes
+    bound = cols * 2.0**-24 * (np.abs(dense) @ np.abs(x.astype(np.float64)))
+    w = ops_mxfp4.MXFP4(jnp.asarray(packed), jnp.asarray(scale))
+    got = np.asarray(ops_mxfp4.matvec(w, jnp.asarray(x)))
+    assert got.dtype == np.float32 and got.shape == (out,)
+    assert (np.abs(got - want) <= bound).all()
+    scale[0, -1] = 255
+    nan_row = ops_mxfp4.MXFP4(jnp.asarray(packed), jnp.asarray(scale))
+    got = np.asarray(ops_mxfp4.matvec(nan_row, jnp.asarray(x)))
+    assert np.isnan(got[0]) and not np.isnan(got[1:]).any()
+    with pytest.raises(ValueError, match="one matrix"):
+        ops_mxfp4.matvec(w, jnp.asarray(x[:-2]))

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxhybrid.ops import mxfp4
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 from jaxhybrid.ops.mxfp4 import ExpertWeight, as_dense, expert_slice, is_packed
 
@@ -443,15 +444,28 @@ def _skipping_forward(
     weight = jnp.zeros((blocks.num_rows,), jnp.float32)
     weight = weight.at[blocks.dest].set(_sorted_weights(blocks, weights), mode="drop")
 
-    def block(i: jax.Array, acc: jax.Array) -> jax.Array:
-        e = blocks.block_expert[i]
-        t = jax.lax.dynamic_slice_in_dim(token, i * m, m)
-        r = jnp.take(x, t, axis=0, mode="fill", fill_value=0)
+    def one_row(e: jax.Array, r: jax.Array) -> jax.Array:
+        """[1, D] -> [1, D] through packed expert e: each product decodes the codes as it sums them
+        (`mxfp4.matvec`), so no dequantized expert is written (the decode-sized blocks)."""
+        at = e if group is None else (group, e)
+        v = r[0].astype(jnp.float32)
+        gate, up = (mxfp4.matvec(expert_slice(w, at), v) for w in (w1, w3))
+        hidden = gated_act(gate, up, act).astype(hidden_dtype).astype(jnp.float32)  # as `rows` rounds it
+        return mxfp4.matvec(expert_slice(w2, at), hidden)[None]
+
+    def rows(e: jax.Array, r: jax.Array) -> jax.Array:
         r, a, c, b = _f32_operands(r, pick(w1, e), pick(w3, e), pick(w2, e))
         gate = jnp.dot(r, a.T, preferred_element_type=jnp.float32)
         up = jnp.dot(r, c.T, preferred_element_type=jnp.float32)
         hidden = gated_act(gate, up, act).astype(b.dtype)
-        y = jnp.dot(hidden, b.T, preferred_element_type=jnp.float32)
+        return jnp.dot(hidden, b.T, preferred_element_type=jnp.float32)
+
+    hidden_dtype = _f32_operands(x[:0])[0].dtype  # the dtype `rows` gives its hidden activations
+    expert_rows = one_row if m == 1 and is_packed(w1) else rows
+
+    def block(i: jax.Array, acc: jax.Array) -> jax.Array:
+        t = jax.lax.dynamic_slice_in_dim(token, i * m, m)
+        y = expert_rows(blocks.block_expert[i], jnp.take(x, t, axis=0, mode="fill", fill_value=0))
         return acc.at[t].add(y * jax.lax.dynamic_slice_in_dim(weight, i * m, m)[:, None], mode="drop")
 
     out = jax.lax.fori_loop(0, blocks.used_blocks, block, jnp.zeros((num_tokens, dim), jnp.float32))

@@ -27,6 +27,7 @@ __all__ = [
     "E2M1_VALUES",
     "MXFP4",
     "dequantize",
+    "matvec",
     "quantize",
     "as_dense",
     "expert_slice",
@@ -67,27 +68,56 @@ def is_packed(w: Any) -> bool:
     return isinstance(w, MXFP4)
 
 
-def dequantize(packed: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """[.., out, in/2] codes and [.., out, in/32] E8M0 scales -> [.., out, in] in `dtype` (traceable).
-
-    No table lookup (a gather, slow on the CPU): each E2M1 magnitude is built as float32 bits (exponent
-    127 + (m >> 1) - 1 and one mantissa bit for m >= 2; 0.5 for m = 1; 0 for m = 0), then multiplied by the
-    scale's power of two, exactly as the table of `jaxhybrid.weights.mxfp4` gives."""
-    if packed.shape[:-1] != scale.shape[:-1] or 2 * packed.shape[-1] != GROUP * scale.shape[-1]:
-        raise ValueError(f"MXFP4 packed shape {packed.shape} and scale shape {scale.shape} do not fit")
-    cols = 2 * packed.shape[-1]
-    codes = jnp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], cols)
+def _e2m1(codes: jax.Array) -> jax.Array:
+    """E2M1 codes (uint8 or wider, 0..15) -> float32 values, without a table lookup (a gather, slow on the
+    CPU): each magnitude is built as float32 bits (exponent 127 + (m >> 1) - 1 and one mantissa bit for
+    m >= 2; 0.5 for m = 1; 0 for m = 0), exactly as the table of `jaxhybrid.weights.mxfp4` gives."""
     c = codes.astype(jnp.uint32)
     m = c & 7
     normal = (((m >> 1) + 126) << 23) | ((m & 1) << 22)
     bits = jnp.where(m >= 2, normal, jnp.where(m == 1, jnp.uint32(126 << 23), jnp.uint32(0))) | (
         (c >> 3) << 31
     )
-    values = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _scale_factor(scale: jax.Array) -> jax.Array:
+    """E8M0 scales -> float32 powers of two (NaN for 255)."""
     e = scale.astype(jnp.int32)
-    factor = jnp.where(e == SCALE_NAN, jnp.nan, jnp.ldexp(jnp.float32(1.0), e - SCALE_BIAS))
-    out = values.reshape(*scale.shape, GROUP) * factor[..., None].astype(jnp.float32)
+    return jnp.where(e == SCALE_NAN, jnp.nan, jnp.ldexp(jnp.float32(1.0), e - SCALE_BIAS))
+
+
+def _check_shapes(packed: jax.Array, scale: jax.Array) -> None:
+    if packed.shape[:-1] != scale.shape[:-1] or 2 * packed.shape[-1] != GROUP * scale.shape[-1]:
+        raise ValueError(f"MXFP4 packed shape {packed.shape} and scale shape {scale.shape} do not fit")
+
+
+def dequantize(packed: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """[.., out, in/2] codes and [.., out, in/32] E8M0 scales -> [.., out, in] in `dtype` (traceable)."""
+    _check_shapes(packed, scale)
+    cols = 2 * packed.shape[-1]
+    codes = jnp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], cols)
+    values = _e2m1(codes)
+    out = values.reshape(*scale.shape, GROUP) * _scale_factor(scale)[..., None]
     return out.reshape(values.shape).astype(dtype)
+
+
+def matvec(w: MXFP4, x: jax.Array) -> jax.Array:
+    """`dequantize(w) @ x` for one packed matrix w [out, in] and one vector x [in]: [out] float32.
+
+    The decode-sized product of the CPU expert loop. Written as elementwise work and sums (per 32 columns,
+    then over the groups, times each group's power of two) so that XLA fuses the decoding into the
+    reduction: the codes are read once and no dequantized [out, in] matrix is written or read again, which
+    on a CPU costs more than the matrix-vector product itself. The reference is `dequantize(...) @ x`; the
+    two differ only in the order of the float32 sums."""
+    _check_shapes(w.packed, w.scale)
+    if w.packed.ndim != 2 or x.shape != (w.shape[-1],):
+        raise ValueError(f"matvec takes one matrix [out, in] and a vector [in]; got {w.shape} and {x.shape}")
+    out, groups = w.scale.shape
+    codes = w.packed.reshape(out, groups, GROUP // 2)
+    xs = x.astype(jnp.float32).reshape(groups, GROUP // 2, 2)  # columns 2i (low nibble) and 2i + 1 (high)
+    per_group = jnp.sum(_e2m1(codes & 0x0F) * xs[..., 0] + _e2m1(codes >> 4) * xs[..., 1], axis=-1)
+    return jnp.sum(per_group * _scale_factor(w.scale), axis=-1)
 
 
 def quantize(w: jax.Array) -> MXFP4:
