@@ -158,6 +158,39 @@ def test_orbax_chunks_split_on_expert_boundaries(model, orbax_ckpt, spec):
         assert shard[0] < CFG.num_experts and chunks[name][1][0] == 1, (name, shard, chunks[name])
 
 
+def test_orbax_slice_reads_equal_orbax_restore(model, orbax_ckpt, tmp_path):
+    """`restore` reads each process's slices from the OCDBT store itself: on tensor=2,expert=4, cast to
+    bf16 on the way, every array equals Orbax's own restore bit for bit with the same sharding, for the
+    chunked directory and for one written with one chunk per array (how `save_orbax` wrote them before).
+    A slice that several local devices hold is read once into one buffer they all use."""
+    import orbax.checkpoint as ocp
+
+    from jaxhybrid.model import abstract_model, path_name
+    from jaxhybrid.weights import orbax_io
+    from sharding.rules import state_shardings
+
+    want_arrays = named_arrays(model)
+    old = tmp_path / "one-chunk"
+    ck = orbax_io.checkpointer()
+    ck.save((old / "params").resolve(), args=ocp.args.PyTreeSave(orbax_io._nest(want_arrays)))
+    ck.close()
+    assert zarr_chunks(old)["lm_head.weight"][1] == list(model.lm_head.weight.shape)
+    mesh = make_mesh("tensor=2,expert=4")
+    placement = nnx.to_flat_state(state_shardings(abstract_model(CFG, jnp.bfloat16), mesh))
+    shardings = {path_name(p): v.get_value() for p, v in placement}
+    targets = {n: (jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), shardings[n]) for n, a in want_arrays.items()}
+    for directory in (orbax_ckpt, old):
+        got = orbax_io.restore(directory, targets)
+        want = orbax_io.restore_with_orbax((directory / "params").resolve(), targets)
+        for name, arr in got.items():
+            assert arr.dtype == jnp.bfloat16 and arr.sharding == want[name].sharding, name
+            np.testing.assert_array_equal(
+                np.asarray(arr, np.float32), np.asarray(want[name], np.float32), err_msg=name
+            )
+        norm = got["model.norm.weight"]  # replicated on all 8 devices
+        assert len({s.data.unsafe_buffer_pointer() for s in norm.addressable_shards}) == 1
+
+
 def test_mesh_flag_loads_a_model_directory_into_its_shardings(ckpt):
     """`--model DIR --mesh expert=8` (serve / generate) reads the parameters into their shardings, with
     expert parallelism installed, and equals the model loaded without a mesh."""

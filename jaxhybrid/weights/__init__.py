@@ -6,9 +6,9 @@
 
 The model is built abstractly (`nnx.eval_shape`, nothing allocated), split into graph and state, and each
 state leaf is filled with a device array read straight into its sharding: from safetensors each process
-reads only the byte ranges of its own devices' shards; Orbax restores onto the shardings too, reading the
-stored chunks its shards touch (`save_orbax` stores routed experts one expert per chunk; directories
-written before that hold one chunk per array and are read whole).
+reads only the byte ranges of its own devices' shards; from Orbax each process reads the stored chunks its
+devices' slices touch (`orbax_io.restore`; `save_orbax` stores routed experts one expert per chunk, while
+directories written before that hold one chunk per array, read whole).
 
 The released Kimi K3 layout loads too: `language_model.`-prefixed tensors, the vision tower skipped (and
 reported), MXFP4 routed experts kept packed (or dequantized on request), config.json with the text model

@@ -1,10 +1,11 @@
 """Our own checkpoint directory: `config.json` (HF style, `load_config` reads it), the tokenizer files, and
 the parameters as an Orbax checkpoint under `params/`, keyed by our names (experts stacked).
 
-Restoring goes straight into the target shardings (Orbax reads each array into its device buffers), and
-the stored dtype is cast to the requested one on the way. Arrays are stored in chunks (`save_args`), so a
-process restoring its shards reads the chunks its devices hold; directories written with one chunk per
-array (before chunking) restore the same way, each array read whole.
+Restoring goes straight into the target shardings, and the stored dtype is cast to the requested one on
+the way: each process reads from Orbax's OCDBT store (with tensorstore, Orbax's storage library) the
+chunks of its own devices' slices (`_sharded_reads`). Arrays are stored in chunks (`save_args`) so that
+those are about its own bytes; directories written with one chunk per array restore the same way, each
+array read whole.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jaxhybrid.weights.hf import CheckpointError, copy_tokenizer_files, named_ar
 PARAMS_DIR = "params"
 RESTORE_CONCURRENT_GB = 1
 FORMAT = "orbax"
+OCDBT_MANIFEST = "manifest.ocdbt"
 CHUNK_BYTES = 4 << 20
 EXPERTS_AXIS = "experts"  # the logical name of the stacked routed experts' axis (`sharding.rules`)
 
@@ -171,11 +173,26 @@ def check_stored(
 def restore(
     directory: str | Path, targets: Mapping[str, tuple[jax.ShapeDtypeStruct, jax.sharding.Sharding]]
 ) -> dict[str, jax.Array]:
-    """Our name -> array restored onto its sharding in the target dtype, after checking names and shapes."""
-    import orbax.checkpoint as ocp
-
+    """Our name -> array restored onto its sharding in the target dtype, after checking names and shapes:
+    read by `_sharded_reads` from the OCDBT store Orbax writes (every directory `save_orbax` writes), by
+    Orbax's restore otherwise."""
     params = (Path(directory) / PARAMS_DIR).resolve()
     check_stored(stored_arrays(directory), {n: sds.shape for n, (sds, _) in targets.items()}, str(params))
+    if not (params / OCDBT_MANIFEST).exists():
+        return restore_with_orbax(params, targets)
+    try:
+        return _sharded_reads(params, targets)
+    except ValueError as exc:  # tensorstore's errors (a missing array, an unreadable chunk)
+        raise CheckpointError(f"{params}: reading the Orbax checkpoint failed: {exc}") from exc
+
+
+def restore_with_orbax(
+    params: Path, targets: Mapping[str, tuple[jax.ShapeDtypeStruct, jax.sharding.Sharding]]
+) -> dict[str, jax.Array]:
+    """Orbax's own restore of `params` onto the targets (directories without an OCDBT store; the oracle
+    of `_sharded_reads`)."""
+    import orbax.checkpoint as ocp
+
     abstract = {
         name: jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=sharding)
         for name, (sds, sharding) in targets.items()
@@ -190,3 +207,52 @@ def restore(
     finally:
         ck.close()
     return _flatten(restored)
+
+
+def _sharded_reads(
+    params: Path, targets: Mapping[str, tuple[jax.ShapeDtypeStruct, jax.sharding.Sharding]]
+) -> dict[str, jax.Array]:
+    """Our name -> array on its sharding, each process reading from the OCDBT store only the chunks of its
+    own devices' slices, each distinct slice once, straight into a page-aligned buffer of the target dtype
+    (tensorstore casts on the way) that `jax.make_array_from_callback` places: on the CPU its local devices'
+    replicas adopt that one buffer (`hf.host_buffer`), as the safetensors loader's do. Orbax's restore
+    reads a slice once too but copies it to each device from an unaligned buffer, and keeps up to
+    `restore_concurrent_gb` of such buffers in flight. No chunk cache: in a directory of one chunk per
+    array each distinct slice reads its array's whole chunk."""
+    import tensorstore as ts
+
+    context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+    kvstore = {"driver": "ocdbt", "base": f"file://{params}"}
+    out = {}
+    for name, (sds, sharding) in targets.items():
+        spec = {"driver": "zarr", "kvstore": kvstore, "path": name}
+        store = ts.open(spec, open=True, read=True, context=context).result()
+        dtype = np.dtype(sds.dtype)
+        source = store if store.dtype.numpy_dtype == dtype else ts.cast(store, ts.dtype(dtype.name))
+        out[name] = jax.make_array_from_callback(
+            tuple(sds.shape), sharding, _slice_reader(source, tuple(sds.shape), dtype), dtype=dtype
+        )
+    return out
+
+
+def _slice_reader(source: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    """The callback of `jax.make_array_from_callback`: index -> the slice of `source`, read once."""
+    import tensorstore as ts
+
+    from jaxhybrid.weights.hf import host_buffer
+
+    seen: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+    def fetch(index: tuple[slice, ...]) -> np.ndarray:
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+        if bounds not in seen:
+            buf = host_buffer(tuple(b - a for a, b in bounds), dtype)
+            if not bounds:
+                buf[()] = source.read().result()
+            else:
+                part = source[tuple(slice(a, b) for a, b in bounds)]
+                ts.array(buf)[ts.d[:].translate_to[[a for a, _ in bounds]]].write(part).result()
+            seen[bounds] = buf
+        return seen[bounds]
+
+    return fetch
