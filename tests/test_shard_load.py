@@ -20,7 +20,7 @@ from test_multihost_engine import ENGINE, run_two
 from test_weights import random_model
 
 from jaxhybrid.config import load_config
-from jaxhybrid.weights import load_pretrained, save_hf
+from jaxhybrid.weights import load_pretrained, save_hf, save_orbax
 from jaxhybrid.weights.hf import named_arrays, scan_checkpoint
 from jaxhybrid.weights.slices import slice_ranges
 from serve.models import load_on_mesh
@@ -31,6 +31,7 @@ from sharding.placement import load_pretrained_on_mesh
 CFG = load_config("tiny").replace(num_hidden_layers=2, kda_layers=(1,), full_attn_layers=(2,))
 EXPERT_TENSOR_BYTES = CFG.moe_intermediate_size * CFG.hidden_size * 4  # w1, w2, w3: [32, 64] / [64, 32] fp32
 MESHES = ["expert=8", "tensor=2,expert=4", "data=2,expert=2,tensor=2", "data=8"]
+ORBAX_CHUNK_BYTES = 4096  # half of one expert's [32, 64] fp32 matrix
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,26 @@ def model():
 def ckpt(model, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ckpt")
     save_hf(model, out, max_shard_bytes=64 << 10)  # several files
+    return out
+
+
+@pytest.fixture(scope="module")
+def orbax_ckpt(model, tmp_path_factory) -> Path:
+    return save_orbax(model, tmp_path_factory.mktemp("orbax") / "m", chunk_bytes=ORBAX_CHUNK_BYTES)
+
+
+def zarr_chunks(directory: Path) -> dict[str, tuple[list[int], list[int]]]:
+    """Our name -> (shape, chunk shape) from each array's `.zarray` inside the Orbax directory's OCDBT
+    store: what a reader finds on disk, independent of the code that chose it."""
+    import tensorstore as ts
+
+    base = f"file://{(directory / 'params').resolve()}"
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
+    out = {}
+    for key in kv.list().result():
+        if key.endswith(b"/.zarray"):
+            meta = json.loads(kv.read(key).result().value)
+            out[key.decode()[: -len("/.zarray")]] = (meta["shape"], meta["chunks"])
     return out
 
 
@@ -112,6 +133,62 @@ def test_bf16_checkpoint_to_fp32_on_a_mesh_and_mxfp4_experts(ckpt, tmp_path):
             assert want["model.layers.1.block_sparse_moe.experts.w1_packed"].dtype == jnp.uint8
         elif directory == mx:
             assert want["model.layers.1.block_sparse_moe.experts.w1"].dtype == jnp.float32  # dequantized
+
+
+@pytest.mark.parametrize("spec", ["expert=8", "tensor=2,expert=4"])
+def test_orbax_chunks_split_on_expert_boundaries(model, orbax_ckpt, spec):
+    """`save_orbax` stores each array in chunks of at most its chunk size (the zarr metadata on disk says
+    so), one expert per chunk at most, so a device's experts shard (here 1 or 2 experts, whole or split
+    over tensor) is a whole number of chunks along the expert axis: a process reads its own experts
+    only. Restored onto the mesh, every array equals the saved one bit for bit."""
+    chunks = zarr_chunks(orbax_ckpt)
+    want = named_arrays(model)
+    assert set(chunks) == set(want)
+    got = named_arrays(load_pretrained_on_mesh(orbax_ckpt, make_mesh(spec), progress=False))
+    experts = [n for n in want if ".experts." in n]
+    assert len(experts) == 3
+    for name, arr in got.items():
+        shape, chunk = chunks[name]
+        assert shape == list(want[name].shape), name
+        if want[name].nbytes > ORBAX_CHUNK_BYTES:
+            assert np.prod(chunk) * want[name].dtype.itemsize <= ORBAX_CHUNK_BYTES, (name, chunk)
+        np.testing.assert_array_equal(np.asarray(arr), np.asarray(want[name]), err_msg=name)
+    for name in experts:
+        shard = got[name].sharding.shard_shape(got[name].shape)
+        assert shard[0] < CFG.num_experts and chunks[name][1][0] == 1, (name, shard, chunks[name])
+
+
+def test_orbax_slice_reads_equal_orbax_restore(model, orbax_ckpt, tmp_path):
+    """`restore` reads each process's slices from the OCDBT store itself: on tensor=2,expert=4, cast to
+    bf16 on the way, every array equals Orbax's own restore bit for bit with the same sharding, for the
+    chunked directory and for one written with one chunk per array (how `save_orbax` wrote them before).
+    A slice that several local devices hold is read once into one buffer they all use."""
+    import orbax.checkpoint as ocp
+
+    from jaxhybrid.model import abstract_model, path_name
+    from jaxhybrid.weights import orbax_io
+    from sharding.rules import state_shardings
+
+    want_arrays = named_arrays(model)
+    old = tmp_path / "one-chunk"
+    ck = orbax_io.checkpointer()
+    ck.save((old / "params").resolve(), args=ocp.args.PyTreeSave(orbax_io._nest(want_arrays)))
+    ck.close()
+    assert zarr_chunks(old)["lm_head.weight"][1] == list(model.lm_head.weight.shape)
+    mesh = make_mesh("tensor=2,expert=4")
+    placement = nnx.to_flat_state(state_shardings(abstract_model(CFG, jnp.bfloat16), mesh))
+    shardings = {path_name(p): v.get_value() for p, v in placement}
+    targets = {n: (jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), shardings[n]) for n, a in want_arrays.items()}
+    for directory in (orbax_ckpt, old):
+        got = orbax_io.restore(directory, targets)
+        want = orbax_io.restore_with_orbax((directory / "params").resolve(), targets)
+        for name, arr in got.items():
+            assert arr.dtype == jnp.bfloat16 and arr.sharding == want[name].sharding, name
+            np.testing.assert_array_equal(
+                np.asarray(arr, np.float32), np.asarray(want[name], np.float32), err_msg=name
+            )
+        norm = got["model.norm.weight"]  # replicated on all 8 devices
+        assert len({s.data.unsafe_buffer_pointer() for s in norm.addressable_shards}) == 1
 
 
 def test_mesh_flag_loads_a_model_directory_into_its_shardings(ckpt):

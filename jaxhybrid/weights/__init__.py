@@ -6,8 +6,9 @@
 
 The model is built abstractly (`nnx.eval_shape`, nothing allocated), split into graph and state, and each
 state leaf is filled with a device array read straight into its sharding: from safetensors each process
-reads only the byte ranges of its own devices' shards; Orbax restores onto the shardings too, but reads
-each array whole (our directories store one chunk per array).
+reads only the byte ranges of its own devices' shards; from Orbax each process reads the stored chunks its
+devices' slices touch (`orbax_io.restore`; `save_orbax` stores routed experts one expert per chunk, while
+directories written before that hold one chunk per array, read whole).
 
 The released Kimi K3 layout loads too: `language_model.`-prefixed tensors, the vision tower skipped (and
 reported), MXFP4 routed experts kept packed (or dequantized on request), config.json with the text model
@@ -137,6 +138,35 @@ def _shardings(abstract: Any, names: list[str], shardings: Any) -> dict[str, Any
     return out
 
 
+def _packed_targets(cfg: Any, dtype: Any, targets: dict[str, Any], shardings: Any) -> dict[str, Any]:
+    """`targets` of a model with dequantized experts, its routed experts' `wK` replaced by the stored
+    `wK_packed` / `wK_scale` arrays (shapes and shardings of the packed model): what to restore from an
+    Orbax directory of packed experts before `_dequantized`."""
+    from flax import nnx
+
+    from jaxhybrid.model import abstract_model
+
+    packed = abstract_model(cfg, dtype)
+    names = [n for n in (path_name(p) for p, _ in nnx.to_flat_state(nnx.state(packed))) if n not in targets]
+    placement = _shardings(packed, names, shardings)
+    values = {path_name(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(packed))}
+    kept = {n: t for n, t in targets.items() if n + "_packed" not in values}
+    return kept | {n: (values[n], placement[n]) for n in names}
+
+
+def _dequantized(restored: dict[str, Any], targets: dict[str, Any]) -> dict[str, Any]:
+    """`restored` with each `wK_packed` / `wK_scale` pair dequantized (`jaxhybrid.ops.mxfp4`, exact) into the
+    target `wK`'s dtype and sharding, one array at a time."""
+    from jaxhybrid.ops.mxfp4 import dequantize
+
+    out = {n: a for n, a in restored.items() if not n.endswith(("_packed", "_scale"))}
+    for name in set(targets) - set(out):
+        sds, sharding = targets[name]
+        fn = jax.jit(lambda p, s, dt=sds.dtype: dequantize(p, s, dt), out_shardings=sharding)
+        out[name] = fn(restored.pop(name + "_packed"), restored.pop(name + "_scale"))
+    return out
+
+
 def load_pretrained(
     path: str | Path,
     dtype: Any = None,
@@ -160,7 +190,8 @@ def load_pretrained(
     `packed_experts` and, for safetensors, `read_bytes` / `read_bytes_by_tensor` (what this process read:
     its own shards only). MXFP4 routed experts load packed (uint8 codes + scales, `HybridLM` docs) unless
     `dequantize_experts` (dequantized exactly at load: 3.6x the bytes, the oracle). An Orbax directory
-    restores its experts as it stored them (packed, or dense from a dequantized model).
+    restores its experts as it stored them (packed, or dense from a dequantized model); packed ones with
+    `dequantize_experts` are restored packed and then dequantized, one array at a time.
     """
     from flax import nnx
 
@@ -172,6 +203,7 @@ def load_pretrained(
     cfg = read_model_config(directory)
     fmt = checkpoint_format(directory)
     tensors = None
+    unpack = False
     skipped: list[str] = []
     expert_quant = getattr(cfg, "expert_quant", None)  # from config.json's quantization_config
     if fmt == "hf":
@@ -189,12 +221,8 @@ def load_pretrained(
         stored_dtypes = {n: np.dtype(d) for n, (_, d) in arrays.items()}
         released = False
         stored_packed = any(n.endswith(".experts.w1_packed") for n in arrays)
-        if stored_packed and dequantize_experts:
-            raise CheckpointError(
-                f"{directory}: this Orbax directory holds packed MXFP4 experts; load it packed, or "
-                "dequantize from the Hugging Face checkpoint"
-            )
-        dequantize_experts = not stored_packed
+        unpack = stored_packed and dequantize_experts  # restore packed, then dequantize
+        dequantize_experts = not stored_packed or dequantize_experts
     dtype = np.dtype(stored if dtype is None else jnp.dtype(dtype))
     if skipped:
         summary = hf.skipped_summary(skipped)
@@ -256,8 +284,12 @@ def load_pretrained(
 
         total = sum(int(np.prod(sds.shape)) * np.dtype(sds.dtype).itemsize for sds, _ in targets.values())
         with load_progress(total, f"loading {directory.name}", progress, stepwise=False) as bar:
-            restored = orbax_io.restore(directory, targets)
+            restored = orbax_io.restore(
+                directory, _packed_targets(cfg, dtype, targets, shardings) if unpack else targets
+            )
             bar.update(total)
+        if unpack:
+            restored = _dequantized(restored, targets)
         for name, arr in restored.items():
             variables[name].set_value(arr)
     return nnx.merge(graphdef, state)

@@ -1,8 +1,11 @@
 """Our own checkpoint directory: `config.json` (HF style, `load_config` reads it), the tokenizer files, and
 the parameters as an Orbax checkpoint under `params/`, keyed by our names (experts stacked).
 
-Restoring goes straight into the target shardings (Orbax reads each array into its device buffers), and
-the stored dtype is cast to the requested one on the way.
+Restoring goes straight into the target shardings, and the stored dtype is cast to the requested one on
+the way: each process reads from Orbax's OCDBT store (with tensorstore, Orbax's storage library) the
+chunks of its own devices' slices (`_sharded_reads`). Arrays are stored in chunks (`save_args`) so that
+those are about its own bytes; directories written with one chunk per array restore the same way, each
+array read whole.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from jaxhybrid.weights.hf import CheckpointError, copy_tokenizer_files, named_ar
 PARAMS_DIR = "params"
 RESTORE_CONCURRENT_GB = 1
 FORMAT = "orbax"
+OCDBT_MANIFEST = "manifest.ocdbt"
+CHUNK_BYTES = 4 << 20
+EXPERTS_AXIS = "experts"  # the logical name of the stacked routed experts' axis (`sharding.rules`)
 
 
 def is_orbax_dir(directory: str | Path) -> bool:
@@ -82,10 +88,45 @@ def stored_arrays(directory: str | Path) -> dict[str, tuple[tuple[int, ...], np.
     return {name: (tuple(m.shape), np.dtype(m.dtype)) for name, m in _flatten(tree).items()}
 
 
+def save_args(model: Any, chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
+    """Our name -> the Orbax `SaveArgs` that chunk each array on disk, from its logical axes.
+
+    A sharded restore reads every chunk its shard touches, whole, so the chunks must split where shards
+    do. Routed experts are the bytes that matter (K3: 2.72T of 2.78T parameters) and expert parallelism is
+    the axis that spans processes, so a stacked experts array is chunked one expert at a time (Orbax's
+    `shard_axes` on the expert axis: every expert-parallel degree splits on expert boundaries, so each
+    process reads exactly its experts). Any chunk still over `chunk_bytes` (an expert matrix of a large
+    model; every other array over it) is split further by `chunk_byte_size`, Orbax's largest-axes-first
+    split; arrays under `chunk_bytes` stay one chunk. Orbax's options cannot ask for a partial split of a
+    chosen axis (`shard_axes` cuts it to width 1), so a tensor-parallel axis is split only where it is
+    among an array's largest: a tensor shard narrower than a chunk reads the whole chunk. That costs
+    little where tensor parallelism stays inside a host, whose process needs every tensor rank's part of
+    its arrays anyway. 4 MiB: above the 1 MiB under which Orbax warns of slow I/O, small against a layer
+    of any model worth sharding."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from jaxhybrid.layers.basic import Buffer
+    from jaxhybrid.weights.hf import path_name
+
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, Buffer))):
+        axes = var.get_metadata("out_sharding", None) or ()
+        experts = tuple(i for i, name in enumerate(axes) if name == EXPERTS_AXIS)
+        out[path_name(path)] = ocp.SaveArgs(chunk_byte_size=chunk_bytes, shard_axes=experts)
+    return out
+
+
 def save_orbax(
-    model: Any, directory: str | Path, *, tokenizer_dir: str | Path | None = None, overwrite: bool = False
+    model: Any,
+    directory: str | Path,
+    *,
+    tokenizer_dir: str | Path | None = None,
+    overwrite: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> Path:
-    """Write `model` to `directory` (config.json, tokenizer files copied from `tokenizer_dir`, params/)."""
+    """Write `model` to `directory` (config.json, tokenizer files copied from `tokenizer_dir`, params/),
+    each array in chunks of at most `chunk_bytes`, routed experts one expert per chunk (`save_args`)."""
     directory = Path(directory)
     if directory.exists() and any(directory.iterdir()):
         if not overwrite:
@@ -98,7 +139,10 @@ def save_orbax(
     arrays = named_arrays(model)
     ck = checkpointer()
     try:
-        ck.save((directory / PARAMS_DIR).resolve(), args=ocp.args.PyTreeSave(_nest(arrays)))
+        ck.save(
+            (directory / PARAMS_DIR).resolve(),
+            args=ocp.args.PyTreeSave(_nest(arrays), save_args=_nest(save_args(model, chunk_bytes))),
+        )
     finally:
         ck.close()
     dtype = np.dtype(arrays["model.embed_tokens.weight"].dtype).name
@@ -129,11 +173,26 @@ def check_stored(
 def restore(
     directory: str | Path, targets: Mapping[str, tuple[jax.ShapeDtypeStruct, jax.sharding.Sharding]]
 ) -> dict[str, jax.Array]:
-    """Our name -> array restored onto its sharding in the target dtype, after checking names and shapes."""
-    import orbax.checkpoint as ocp
-
+    """Our name -> array restored onto its sharding in the target dtype, after checking names and shapes:
+    read by `_sharded_reads` from the OCDBT store Orbax writes (every directory `save_orbax` writes), by
+    Orbax's restore otherwise."""
     params = (Path(directory) / PARAMS_DIR).resolve()
     check_stored(stored_arrays(directory), {n: sds.shape for n, (sds, _) in targets.items()}, str(params))
+    if not (params / OCDBT_MANIFEST).exists():
+        return restore_with_orbax(params, targets)
+    try:
+        return _sharded_reads(params, targets)
+    except ValueError as exc:  # tensorstore's errors (a missing array, an unreadable chunk)
+        raise CheckpointError(f"{params}: reading the Orbax checkpoint failed: {exc}") from exc
+
+
+def restore_with_orbax(
+    params: Path, targets: Mapping[str, tuple[jax.ShapeDtypeStruct, jax.sharding.Sharding]]
+) -> dict[str, jax.Array]:
+    """Orbax's own restore of `params` onto the targets (directories without an OCDBT store; the oracle
+    of `_sharded_reads`)."""
+    import orbax.checkpoint as ocp
+
     abstract = {
         name: jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=sharding)
         for name, (sds, sharding) in targets.items()
@@ -148,3 +207,52 @@ def restore(
     finally:
         ck.close()
     return _flatten(restored)
+
+
+def _sharded_reads(
+    params: Path, targets: Mapping[str, tuple[jax.ShapeDtypeStruct, jax.sharding.Sharding]]
+) -> dict[str, jax.Array]:
+    """Our name -> array on its sharding, each process reading from the OCDBT store only the chunks of its
+    own devices' slices, each distinct slice once, straight into a page-aligned buffer of the target dtype
+    (tensorstore casts on the way) that `jax.make_array_from_callback` places: on the CPU its local devices'
+    replicas adopt that one buffer (`hf.host_buffer`), as the safetensors loader's do. Orbax's restore
+    reads a slice once too but copies it to each device from an unaligned buffer, and keeps up to
+    `restore_concurrent_gb` of such buffers in flight. No chunk cache: in a directory of one chunk per
+    array each distinct slice reads its array's whole chunk."""
+    import tensorstore as ts
+
+    context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+    kvstore = {"driver": "ocdbt", "base": f"file://{params}"}
+    out = {}
+    for name, (sds, sharding) in targets.items():
+        spec = {"driver": "zarr", "kvstore": kvstore, "path": name}
+        store = ts.open(spec, open=True, read=True, context=context).result()
+        dtype = np.dtype(sds.dtype)
+        source = store if store.dtype.numpy_dtype == dtype else ts.cast(store, ts.dtype(dtype.name))
+        out[name] = jax.make_array_from_callback(
+            tuple(sds.shape), sharding, _slice_reader(source, tuple(sds.shape), dtype), dtype=dtype
+        )
+    return out
+
+
+def _slice_reader(source: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    """The callback of `jax.make_array_from_callback`: index -> the slice of `source`, read once."""
+    import tensorstore as ts
+
+    from jaxhybrid.weights.hf import host_buffer
+
+    seen: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+    def fetch(index: tuple[slice, ...]) -> np.ndarray:
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+        if bounds not in seen:
+            buf = host_buffer(tuple(b - a for a, b in bounds), dtype)
+            if not bounds:
+                buf[()] = source.read().result()
+            else:
+                part = source[tuple(slice(a, b) for a, b in bounds)]
+                ts.array(buf)[ts.d[:].translate_to[[a for a, _ in bounds]]].write(part).result()
+            seen[bounds] = buf
+        return seen[bounds]
+
+    return fetch
