@@ -93,6 +93,11 @@ class _Stop:
     pass
 
 
+@dataclasses.dataclass
+class _ReadDone:
+    """A prefix read from disk ended (posted from the reader thread): wakes the loop to step again."""
+
+
 class TokenRate:
     """Tokens generated: in all, and per second over the last RATE_WINDOW_S seconds (the metrics' gauge)."""
 
@@ -300,11 +305,15 @@ class EngineLoop:
             self._refuse_queued(self._go_down(f"the engine thread failed: {type(exc).__name__}: {exc}"))
 
     def _serve(self) -> None:
+        """Step while a step can do something; otherwise wait for a command (or for a prefix read to end,
+        when the only unfinished requests wait for one), compiling warm-up programs while idle."""
         engine = self.engine
+        engine.on_read_done(lambda: self._commands.put(_ReadDone()))
         while True:
             busy = self.failed is None and engine.has_unfinished()
             warming = not busy and self.failed is None and self.warmup is not None and self.warmup.pending
-            commands = [] if busy or warming else [self._commands.get()]
+            stepping = busy and not engine.waits_for_reads()
+            commands = [] if stepping or warming else [self._commands.get()]
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -319,7 +328,8 @@ class EngineLoop:
                 self._shutdown()
                 return
             if self.failed is None and engine.has_unfinished():
-                self._step()
+                if not engine.waits_for_reads():
+                    self._step()
             elif warming:
                 self._warm()
 
