@@ -1,9 +1,11 @@
 """The engine thread of the HTTP server.
 
 One background thread owns the engine (which is not thread-safe): it takes submissions, aborts and
-queries from a command queue, calls `step()` while work exists, and hands every output to the asyncio
-queue of the request it belongs to (`loop.call_soon_threadsafe`). Handlers never touch the engine. No
-delivery to a client (a cancelled future, a closed event loop) ever raises in this thread.
+queries from a command queue, calls `step()` while a step can do something (when every unfinished request
+waits for a prefix read from disk, it waits on the queue: the read's end posts a wake-up there), and hands
+every output to the asyncio queue of the request it belongs to (`loop.call_soon_threadsafe`). Handlers never
+touch the engine. No delivery to a client (a cancelled future, a closed event loop) ever raises in this
+thread.
 """
 
 from __future__ import annotations
