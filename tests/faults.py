@@ -1,9 +1,13 @@
-"""Faults injected into an engine's runner (shared by the engine and server fault tests)."""
+"""Faults injected into an engine's runner or its prefix store's disk reads (shared by the engine, disk and
+server fault tests)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
+
+from serve.prefix.disk import DiskReads
 
 
 def lose_pools_on_continued_prefill(monkeypatch: Any, runner: Any, on_fail: Callable[[], None] | None = None):
@@ -27,3 +31,16 @@ def lose_pools_on_continued_prefill(monkeypatch: Any, runner: Any, on_fail: Call
     monkeypatch.setattr(runner, "prefill_rows", failing)
     monkeypatch.setattr(runner, "pools_lost", lambda: bool(lost))
     monkeypatch.setattr(runner, "rebuild", rebuilt)
+
+
+def block_reads(monkeypatch: Any) -> threading.Event:
+    """Disk reads of the prefix store wait until the returned event is set (at most 60 s)."""
+    release = threading.Event()
+    read = DiskReads._read
+
+    def slow_read(self, entry):
+        assert release.wait(60)
+        return read(self, entry)
+
+    monkeypatch.setattr(DiskReads, "_read", slow_read)
+    return release

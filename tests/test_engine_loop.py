@@ -7,7 +7,9 @@ import threading
 import time
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from faults import block_reads
 from flax import nnx
 
 from jaxhybrid.config import load_config
@@ -15,6 +17,7 @@ from jaxhybrid.model import HybridLM
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
 from serve.http.app import EngineLoop, Sink, Unavailable
+from serve.prefix.store import PrefixStoreConfig
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
@@ -125,14 +128,14 @@ def test_a_client_that_leaves_during_submission_does_not_leave_its_request_runni
 
 def test_a_request_that_fails_fails_alone(running, model, monkeypatch):
     engine, loop, col = running
-    match = engine.store.match
+    find = engine.store.find
 
-    def broken(tokens, salt):
-        if salt == "poison":
+    def broken(seq):
+        if seq.cache_salt == "poison":
             raise OSError("injected: the prefix store failed for this request")
-        return match(tokens, salt)
+        return find(seq)
 
-    monkeypatch.setattr(engine.store, "match", broken)
+    monkeypatch.setattr(engine.store, "find", broken)
     prompts = {"a": [5, 6, 7, 8], "b": [9, 10, 11], "c": [12, 13, 14, 15, 16]}
     hold(loop, 0.2)  # all three join one step
     for rid, prompt in prompts.items():
@@ -242,3 +245,53 @@ def test_a_failure_outside_any_step_ends_every_wait_and_marks_the_engine_down(ru
     assert "injected bug" in (loop.health() or "")
     with pytest.raises(Unavailable):
         loop.submit([5, 6, 7], GREEDY, "r", None, col.sink("r")).result(10)
+
+
+def test_a_held_disk_read_makes_the_loop_wait_not_spin(model, tmp_path, monkeypatch):
+    """Issue 27.4: while the only unfinished requests wait for prefix reads from disk, the engine thread
+    waits for a command or a read to finish instead of stepping: the step count stays put however often it
+    is woken; an abort and a new request are served meanwhile; once the read is released its request is
+    served from what was read, with the tokens of an engine without the store."""
+    cfg = PrefixStoreConfig(checkpoint_interval=1024, sequence_end_checkpoints=False, store_dir=str(tmp_path))
+    shape = dict(max_slots=2, block_size=16, prefill_chunk=16, max_model_len=64)
+    rng = np.random.default_rng(3)
+    stored = [rng.integers(3, 512, n).tolist() for n in (20, 25)]
+    first = Engine(model, EngineConfig(prefix=cfg, **shape))
+    first.generate(stored, GREEDY)
+    first.close()
+    release = block_reads(monkeypatch)
+    engine = Engine(model, EngineConfig(prefix=cfg, **shape))
+    loop, col = EngineLoop(engine), Collector()
+    loop.start()
+    steps = lambda: loop.call(lambda e: e.steps).result(10)
+    try:
+        x, y, other = stored[0] + [9, 10], stored[1] + [11, 12], rng.integers(3, 512, 7).tolist()
+        for rid, prompt in (("x", x), ("y", y)):
+            assert loop.submit(prompt, GREEDY, rid, None, col.sink(rid)).result(10) == rid
+        deadline = time.monotonic() + 60
+        while loop.call(lambda e: e.ledger()["disk_loading"]).result(10) < 2:
+            assert time.monotonic() < deadline, "the reads never started"
+            time.sleep(0.01)
+        before = steps()
+        for _ in range(5):  # every call wakes the thread; time for it to spin if it would
+            time.sleep(0.05)
+            assert steps() == before
+        loop.abort("x")
+        assert col.events("x")[-1].finish_reason == "abort"
+        assert loop.submit(other, GREEDY, "o", None, col.sink("o")).result(10) == "o"
+        served = col.events("o")
+        before = steps()
+        for _ in range(5):
+            time.sleep(0.05)
+            assert steps() == before
+        assert loop.call(lambda e: e.ledger()["disk_loading"]).result(10) == 1  # y still waits for its read
+        release.set()
+        got = col.events("y")
+    finally:
+        release.set()
+        loop.stop(30)
+        col.close()
+        engine.close()
+    assert got[-1].finish_reason == "length" and got[-1].cached_tokens == len(stored[1])
+    ref = Engine(model, EngineConfig(prefix=None, **shape)).generate([y, other], GREEDY)
+    assert [tokens_of(got), tokens_of(served)] == [r.token_ids for r in ref]

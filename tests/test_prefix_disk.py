@@ -13,6 +13,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from faults import block_reads
 from flax import nnx
 from oracles import FullPass, assert_matches_full_pass
 
@@ -334,19 +335,6 @@ def test_a_full_disk_stops_writing_warns_once_and_keeps_serving(model, tmp_path,
     assert eng.ledger()["checkpoints"]["disk"] == 1
 
 
-def block_reads(monkeypatch) -> threading.Event:
-    """Disk reads wait until the returned event is set (at most 60 s)."""
-    release = threading.Event()
-    read = DiskReads._read
-
-    def slow_read(self, entry):
-        assert release.wait(60)
-        return read(self, entry)
-
-    monkeypatch.setattr(DiskReads, "_read", slow_read)
-    return release
-
-
 def test_a_request_waiting_for_its_prefix_from_disk_stalls_nobody(model, tmp_path, monkeypatch):
     rng = np.random.default_rng(8)
     stored = tokens(rng, 29)
@@ -485,4 +473,48 @@ def test_a_request_reading_its_prefix_counts_as_waiting_and_an_abort_ends_it_at_
         b.step()
         time.sleep(0.01)
     assert b.ledger()["checkpoints"]["disk"] == 1
+    b.close()
+
+
+def test_a_request_that_preempts_itself_at_admission_keeps_its_disk_read(model, tmp_path, monkeypatch):
+    """Issue 27.2: a request whose prefix was read from disk is admitted, then preempts itself for the blocks
+    its restore needs (the fit check counted the hit's own cached blocks as evictable; attaching pins them);
+    it keeps what was read and is admitted with it once blocks are free: the entry is read once. Oracle: the
+    same requests without the store."""
+    rng = np.random.default_rng(10)
+    stored = tokens(rng, 29)  # 3 full blocks + 5
+    cfg = one_per_prompt(tmp_path)
+    a = engine(model, cfg)
+    a.generate([stored], greedy())
+    a.close()
+    reads = []
+    read = DiskReads._read
+
+    def counting(self, entry):
+        reads.append(entry.position)
+        return read(self, entry)
+
+    monkeypatch.setattr(DiskReads, "_read", counting)
+    b = engine(model, cfg, num_blocks=20)  # 19 usable blocks
+    b.generate([stored[:16] + tokens(rng, 5)], greedy(1))  # caches the stored prompt's first 2 blocks
+    assert b.ledger()["cached_kv_blocks"] == 2 and reads == []
+    holder = tokens(rng, 16 * BS + 1)
+    h = b.add_request(holder, greedy(7))  # 17 blocks, the rest of the pool, for as long as it runs
+    while b.requests[h].pending > 1:
+        b.step()
+    x = b.add_request(stored + [9, 10], greedy())
+    b.step()  # a disk hit: its read starts
+    deadline = time.monotonic() + 60
+    while not (events := b.observe())["loaded"]:
+        assert time.monotonic() < deadline, "the read never ends"
+        time.sleep(0.01)
+    b.step(events)  # read: admitted, it needs 2 blocks beyond the 2 cached ones it pins, and none is free
+    assert b.requests[x].preemptions == 1 and b.requests[h].running and reads == [29]
+    while b.has_unfinished():
+        b.step()
+    assert reads == [29] and b.ledger()["disk_restores"] == 1
+    got = [b.result(h).token_ids, b.result(x).token_ids]
+    assert b.result(x).stats["prefix_hit_tokens"] == len(stored)
+    ref = engine(model, None, num_blocks=20).generate([holder, stored + [9, 10]], [greedy(7), greedy()])
+    assert got == ids(ref)
     b.close()

@@ -13,6 +13,7 @@ from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
+from serve.prefix.index import ChainHasher
 from serve.prefix.store import PrefixStoreConfig
 
 BS = 8
@@ -276,3 +277,50 @@ def test_any_block_size_rounds_the_interval_and_stays_exact(model, block_size, c
     assert token_ids(on) == token_ids(off)
     ledger = eng.ledger()
     assert sum(ledger["checkpoints_by_kind"]["interval"].values()) > 0 and ledger["hit_tokens"] >= interval
+
+
+def test_a_request_that_waits_for_blocks_is_looked_up_once_and_hashes_each_block_once(model, monkeypatch):
+    """Issue 27.4: a head-of-line request that does not fit waits several steps; it is looked up once, when
+    admitted (the lookup counter and the value policy's clock advance by exactly the admissions), and its
+    chain hashes are computed once per block (kept on the request), however long it waits. Oracle: the
+    same requests without the store."""
+    hashed = []
+    extend = ChainHasher.extend
+
+    def counting(self, chain, tokens, salt, blocks):
+        before = len(chain)
+        out = extend(self, chain, tokens, salt, blocks)
+        hashed.append(len(out) - before)
+        return out
+
+    monkeypatch.setattr(ChainHasher, "extend", counting)
+    rng = np.random.default_rng(13)
+    long_ = rng.integers(3, 512, 16 * BS).tolist()  # 16 of the 19 usable blocks, 17 once it decodes
+    short = rng.integers(3, 512, 30).tolist()  # its first chunk needs 4 blocks: it waits for `long_`
+
+    def serve(eng):
+        clock = []
+        if eng.store is not None:
+            policy = eng.store.checkpoints.policy
+            looked_up = policy.looked_up
+            monkeypatch.setattr(policy, "looked_up", lambda: (clock.append(1), looked_up()))
+        a = eng.add_request(long_, greedy(8))
+        while eng.requests[a].pending > 1:  # its prompt
+            eng.step()
+        b = eng.add_request(short, greedy(4))
+        waited = 0
+        while not eng.requests[b].running:
+            eng.step()
+            waited += 1
+        while eng.has_unfinished():
+            eng.step()
+        return eng.requests[a], eng.requests[b], waited, len(clock)
+
+    on = engine(model, PrefixStoreConfig(checkpoint_interval=BS), num_blocks=20)
+    a, b, waited, clock = serve(on)
+    assert waited >= 5 and a.preemptions == b.preemptions == 0  # the case: it waited for `long_` to end
+    assert on.ledger()["lookups"] == clock == 2  # one per admission
+    assert sum(hashed) == len(a.chain) + len(b.chain)  # each request's root and blocks, once each
+    hashed.clear()
+    a_off, b_off, _, _ = serve(engine(model, None, num_blocks=20))
+    assert [a.generated, b.generated] == [a_off.generated, b_off.generated]

@@ -69,6 +69,10 @@ class EngineAPI(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
+    def waits_for_reads(self) -> bool: ...
+
+    def on_read_done(self, fn: Callable[[], None] | None) -> None: ...
+
     def active_requests(self) -> list[Request]: ...
 
     def queue_state(self) -> QueueState: ...
@@ -219,6 +223,16 @@ class Engine(BatchAPI):
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def waits_for_reads(self) -> bool:
+        """Unfinished requests, none of which can go on before a prefix read from disk ends (a step now
+        would do nothing: wait for `on_read_done`'s call, or a new command)."""
+        return self.scheduler.waits_for_reads()
+
+    def on_read_done(self, fn: Callable[[], None] | None) -> None:
+        """Call `fn()` from another thread whenever a prefix read from disk ends (None: nobody)."""
+        if self.store is not None:
+            self.store.on_read_done(fn)
 
     def active_requests(self) -> list[Request]:
         """Every request not finished: running, waiting for a slot, or waiting for its prefix from disk."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -168,6 +168,16 @@ class ReplicatedEngine:
         if self.idle_wait_s is not None and self.process_count > 1 and not self.closed:
             return True
         return bool(self._log) or self.engine.has_unfinished()
+
+    def waits_for_reads(self) -> bool:
+        """`Engine.waits_for_reads` with one process. With several never: the followers wait in the leader's
+        next broadcast, so the leader keeps stepping (its engine's wait for a read paces those steps)."""
+        if self.process_count > 1 or self._log or self._close:
+            return False
+        return self.engine.waits_for_reads()
+
+    def on_read_done(self, fn: Callable[[], None] | None) -> None:
+        self.engine.on_read_done(fn)
 
     # --- the lockstep -------------------------------------------------------------------------------
     def _exchange(self) -> dict[str, Any]:

@@ -191,13 +191,15 @@ class Scheduler:
     def _admit_one(self, req: Request, budget: int) -> tuple[bool, int | None]:
         """Admit the first waiting request: (False, None) when it does not fit now (admission stops; also when
         it was admitted and had to preempt itself for blocks), else (True, its first chunk), or (True, None)
-        when it left the queue without a job (waiting for its prefix to be read from disk)."""
+        when it left the queue without a job (waiting for its prefix to be read from disk). Its lookup counts
+        (`PrefixStore.record`) when it is admitted or its read starts, not at every step it waits."""
         store, bs = self.store, self.shape.block_size
-        hit = store.match(req.tokens, req.cache_salt) if store is not None else None
+        hit = store.find(req) if store is not None else None  # no side effect: it may not fit yet
         load = req.load
         if hit is not None and hit.disk is not None and (load is None or load.hit.disk is not hit.disk):
             self.waiting.popleft()  # the prefix is on disk: read it in the background, the others go on
             req.load = store.start_load(hit)
+            store.record(hit)
             self.loading.append(req)
             return True, None
         reuse = hit.hit if hit is not None else 0
@@ -206,6 +208,8 @@ class Scheduler:
         evictable = store.evictable() if store is not None else 0
         if math.ceil((reuse + n) / bs) - shared > self.allocator.num_free + evictable:
             return False, None
+        if hit is not None and hit.disk is None:  # (a disk hit was counted when its read started)
+            store.record(hit)
         self.waiting.popleft()
         req.slot = self.free_slots.pop(0)
         req.status, req.order = RequestStatus.RUNNING, next(self._order)
@@ -271,7 +275,8 @@ class Scheduler:
 
     def observe_loads(self) -> list[list[Any]]:
         """[request id, read ok, failed for a reason that may pass] of every disk read that finished (on
-        process 0, or the only process); with nothing else to do, wait a moment for one first."""
+        process 0, or the only process); with nothing else to do, wait a moment for one first (a caller that
+        can wait for a read to end, `waits_for_reads`, steps only once one has)."""
         if not self.loading and not self._abandoned:
             return []
         if self.loading and not self.running and not self.waiting:
@@ -279,6 +284,13 @@ class Scheduler:
         reads = self.loading + self._abandoned
         done = sorted((r for r in reads if self.store.load_ready(r.load)), key=lambda r: r.arrival)
         return [[r.id, *self.store.load_outcome(r.load)] for r in done]
+
+    def waits_for_reads(self) -> bool:
+        """Requests are unfinished, but none can go on before a disk read ends: a step would do nothing."""
+        reads = self.loading + self._abandoned
+        if not self.loading or self.running or self.waiting:
+            return False
+        return not any(self.store.load_ready(r.load) for r in reads)
 
     def apply_loads(self, done: list[list[Any]]) -> None:
         """Requests whose prefix was read go back to the front of the queue, in arrival order, with what

@@ -1,9 +1,11 @@
 """The engine thread of the HTTP server.
 
 One background thread owns the engine (which is not thread-safe): it takes submissions, aborts and
-queries from a command queue, calls `step()` while work exists, and hands every output to the asyncio
-queue of the request it belongs to (`loop.call_soon_threadsafe`). Handlers never touch the engine. No
-delivery to a client (a cancelled future, a closed event loop) ever raises in this thread.
+queries from a command queue, calls `step()` while a step can do something (when every unfinished request
+waits for a prefix read from disk, it waits on the queue: the read's end posts a wake-up there), and hands
+every output to the asyncio queue of the request it belongs to (`loop.call_soon_threadsafe`). Handlers never
+touch the engine. No delivery to a client (a cancelled future, a closed event loop) ever raises in this
+thread.
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ class _Call:
 @dataclasses.dataclass
 class _Stop:
     pass
+
+
+@dataclasses.dataclass
+class _ReadDone:
+    """A prefix read from disk ended (posted from the reader thread): wakes the loop to step again."""
 
 
 class TokenRate:
@@ -300,11 +307,15 @@ class EngineLoop:
             self._refuse_queued(self._go_down(f"the engine thread failed: {type(exc).__name__}: {exc}"))
 
     def _serve(self) -> None:
+        """Step while a step can do something; otherwise wait for a command (or for a prefix read to end,
+        when the only unfinished requests wait for one), compiling warm-up programs while idle."""
         engine = self.engine
+        engine.on_read_done(lambda: self._commands.put(_ReadDone()))
         while True:
             busy = self.failed is None and engine.has_unfinished()
             warming = not busy and self.failed is None and self.warmup is not None and self.warmup.pending
-            commands = [] if busy or warming else [self._commands.get()]
+            stepping = busy and not engine.waits_for_reads()
+            commands = [] if stepping or warming else [self._commands.get()]
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -319,7 +330,8 @@ class EngineLoop:
                 self._shutdown()
                 return
             if self.failed is None and engine.has_unfinished():
-                self._step()
+                if not engine.waits_for_reads():
+                    self._step()
             elif warming:
                 self._warm()
 

@@ -20,8 +20,9 @@ Tiers: checkpoints live on the device until its budget is exceeded, then in host
 are evicted (LRU, only those no running request holds) when the pool runs out. With `store_dir`, every
 checkpoint is also written through to disk with the KV of its whole prefix (`serve.prefix.disk`).
 
-The engine talks to the store through these methods only: `match`, `start_load` / `load_ready` / `finish_load`
-(a disk hit is read in the background), `attach` / `attached` / `detach` (a hit given to a request),
+The engine talks to the store through these methods only: `find` / `record` (a lookup, counted once per
+admission: `serve.prefix.lookup`), `start_load` / `load_ready` / `finish_load` / `on_read_done` (a disk hit is
+read in the background), `attach` / `attached` / `detach` (a hit given to a request),
 `junction` / `shared_prefix` (where the adaptive policy cuts a prefill), `chunk_limit`, `on_computed` /
 `on_finished` (checkpoints and block indexing), `evict_one` / `evictable`, `observe` / `apply` (what finished
 in the background, applied at a step boundary: with several processes process 0 observes and every process
@@ -35,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,7 +44,8 @@ from serve.prefix import junctions
 from serve.prefix.checkpoints import Checkpoint, CheckpointKind, CheckpointTiers, KindTally, Tier
 from serve.prefix.disk import DiskEntry, DiskTier, namespace
 from serve.prefix.entries import is_transient
-from serve.prefix.index import BlockIndex, ChainHasher, TailIndex, kv_match
+from serve.prefix.index import BlockIndex, ChainHasher, TailIndex
+from serve.prefix.lookup import Hit, Lookup
 from serve.prefix.policies import POLICIES, make_policy
 from serve.prefix.stats import LookupStats, MemoryStats, flatten
 from serve.prefix.writer import CheckpointWriter
@@ -120,7 +123,7 @@ class Sequence_(Protocol):
     cache_salt: str | None
     cuts: set[int]  # positions the adaptive policy checkpoints at (junctions), where prefill chunks end
     checkpoint_base: bytes | None  # the checkpoint it resumed from or last took (its next one's parent)
-    chain: list[bytes]  # chain hashes of its blocks computed so far (root first), extended as it grows
+    chain: list[bytes]  # chain hashes of its full blocks (root first), extended as it grows or is looked up
     indexed_blocks: int  # its leading blocks indexed since it got its current blocks (reset on preemption)
 
     @property
@@ -139,22 +142,6 @@ class CheckpointSource(Protocol):
     def pack(self, states: Any, kv_full: Any, num_full: int, tail: Any) -> dict[str, Any]: ...
 
     def to_host(self, tree: Any) -> Any: ...
-
-
-@dataclasses.dataclass
-class Hit:
-    """A prompt match: reuse `hit` tokens (blocks + checkpoint), recompute the rest of `matched`. A disk hit
-    has `disk` set instead of `checkpoint`; `blocks` are then the leading blocks already in the pool."""
-
-    hit: int
-    matched: int
-    blocks: list[int]
-    checkpoint: Checkpoint | None = None
-    disk: DiskEntry | None = None
-
-    @property
-    def recomputed(self) -> int:
-        return max(0, self.matched - self.hit)
 
 
 @dataclasses.dataclass
@@ -189,25 +176,6 @@ def empty_ledger() -> dict[str, Any]:
         "checkpoints": {"device": 0, "host": 0, "disk": 0},
         **KindTally().ledger(),
     }
-
-
-def deepest_checkpoint(
-    tokens: list[int], chain: list[bytes], reach: int, nb: int, hasher: ChainHasher, memory: Any, disk: Any
-) -> tuple[int, Checkpoint | DiskEntry] | None:
-    """The deepest checkpoint of `tokens` (at most len - 1) in memory, whose blocks must be among the `nb`
-    in the pool, or on disk, whose entry carries its own KV (up to `reach` blocks): (position, it)."""
-    bs, limit = hasher.block_size, len(tokens) - 1
-    for i in range(reach, -1, -1):
-        if i * bs > limit:
-            continue
-        for r in range(min(bs - 1, limit - i * bs), -1, -1):
-            key = hasher.checkpoint_key(chain[i], tokens[i * bs : i * bs + r])
-            ck = memory.get(key) if i <= nb else None
-            if ck is None and disk is not None:
-                ck = disk.entries.get(key)
-            if ck is not None:
-                return i * bs + r, ck
-    return None
 
 
 class PrefixStore:
@@ -252,6 +220,10 @@ class PrefixStore:
             )
             for entry in self.disk.entries.values():
                 self._note_disk_tail(entry)
+        self.lookup = Lookup(
+            self.hasher, self.blocks, self.tails, self.checkpoints, self.disk, self.lookups, config.adaptive
+        )
+        self._read_done: Callable[[], None] | None = None
         self.writer = CheckpointWriter(
             self.hasher,
             self.blocks,
@@ -265,42 +237,26 @@ class PrefixStore:
         )
 
     # --- matching --------------------------------------------------------------------------------------
-    def match(self, tokens: list[int], salt: str | None) -> Hit:
-        """Longest reusable prefix of `tokens`: all of them when a checkpoint at their end kept its next-token
-        logits, else at most len - 1 (one token is left to produce logits)."""
-        self.lookups.lookups += 1
-        self.checkpoints.looked_up()
-        limit, bs, disk = len(tokens) - 1, self.block_size, self.disk
-        chain = self.hasher.chain(tokens, salt)
-        refs = disk.block_refs if disk is not None else ()
-        nb, reach, matched = kv_match(tokens, chain, bs, self.blocks, refs, self.tails, self.config.adaptive)
-        matched = min(matched, limit)
-        best: tuple[int, Checkpoint | DiskEntry] | None = None
-        end_blocks = len(tokens) // bs
-        if (
-            end_blocks <= nb
-        ):  # an identical earlier prompt whose checkpoint kept its logits: nothing to compute
-            ck = self.checkpoints.get(
-                self.hasher.checkpoint_key(chain[end_blocks], tokens[end_blocks * bs :])
-            )
-            if ck is not None and ck.logits is not None:
-                best, matched = (len(tokens), ck), len(tokens)
-        if best is None:
-            best = deepest_checkpoint(tokens, chain, reach, nb, self.hasher, self.checkpoints, disk)
-        if best is None:
-            return Hit(0, matched, [])
-        pos, ck = best
-        used = chain[1 : min(nb, pos // bs) + 1]
-        self.blocks.touch(used)
-        blocks = [self.blocks.get(h) for h in used]
-        if isinstance(ck, DiskEntry):
-            return Hit(pos, max(matched, pos), blocks, disk=ck)
-        self.checkpoints.used(ck.key)
-        return Hit(pos, max(matched, pos), blocks, checkpoint=ck)
+    def find(self, seq: Sequence_) -> Hit:
+        """Longest reusable prefix of `seq`'s tokens (`Lookup.find`), changing nothing but `seq.chain`: it is
+        extended to all of its full blocks, so matching a request again hashes nothing again."""
+        return self.lookup.find(seq.tokens, seq.cache_salt, seq.chain)
+
+    def record(self, hit: Hit) -> None:
+        """Count the lookup that found `hit`, once per admission or disk read started (`Lookup.record`)."""
+        self.lookup.record(hit)
+
+    def on_read_done(self, fn: Callable[[], None] | None) -> None:
+        """Call `fn()` (from the reader thread) whenever a disk read this store starts ends, so that an owner
+        waiting for nothing but reads can wait without polling; None: nobody."""
+        self._read_done = fn
 
     def start_load(self, hit: Hit) -> Load:
         """Read a disk hit in the background (`load_ready`, then `finish_load` on the owning thread)."""
-        return Load(hit, self.disk.load_async(hit.disk))
+        load = Load(hit, self.disk.load_async(hit.disk))
+        if self._read_done is not None:
+            load.future.add_done_callback(lambda _, fn=self._read_done: fn())
+        return load
 
     @staticmethod
     def load_ready(load: Load) -> bool:
