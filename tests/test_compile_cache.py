@@ -66,6 +66,9 @@ def decode_once(runner):
 
 
 def test_a_cached_program_runs_without_tracing_the_model(model, tmp_path, monkeypatch):
+    """A new runner (its own jitted functions, as in a new process) reads the decode program that another
+    compiled from the cache without tracing the model, and its step equals the compiled one's, logits and
+    pools bit for bit; other weights of the same structure run it too; a corrupt entry is compiled again."""
     cache = ExecutableCache(tmp_path)
     fresh, fresh_traces = counting_runner(model, cache, monkeypatch)
     assert fresh.compile_program(DECODE)
@@ -79,6 +82,11 @@ def test_a_cached_program_runs_without_tracing_the_model(model, tmp_path, monkey
     np.testing.assert_array_equal(got[0], expected[0])
     for a, b in zip(got[1], expected[1], strict=True):
         np.testing.assert_array_equal(a, b)
+
+    # the weights are arguments: a model of the same structure with other weights runs the same executable
+    other = HybridLM(load_config("tiny"), rngs=nnx.Rngs(1), dtype=jnp.float32)
+    loaded, traces = counting_runner(other, ExecutableCache(tmp_path), monkeypatch)
+    assert not np.array_equal(decode_once(loaded)[0], expected[0]) and traces == []
 
     for entry in tmp_path.glob("*.pkl"):  # a torn or corrupt entry: compiled again, same answer
         entry.write_bytes(entry.read_bytes()[:100])

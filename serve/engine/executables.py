@@ -1,15 +1,16 @@
 """Compiled programs kept on disk as serialized executables, so that a later start skips tracing too.
 
 JAX's persistent compilation cache saves XLA's compile but not the Python trace and lowering that come
-before its lookup: a cached model program still costs seconds per start. `ExecutableCache` keeps each
-compiled program itself (`jax.experimental.serialize_executable`) in `executables/` beside JAX's cache
-(`jax_compilation_cache_dir`, which `--compile-cache` sets; off when that cache is off), and loads it
-without tracing. An entry's key covers everything that changes the program but not the values of its
+before its lookup: a cached model program still costs a second or more per start. `ExecutableCache` keeps each
+compiled program itself (`jax.experimental.serialize_executable`) in `executables/` under JAX's cache
+directory (`jax_compilation_cache_dir`, which `--compile-cache` sets; off with that cache), and loads
+it without tracing. An entry's key covers everything that changes the program but not the values of its
 arguments (the weights are arguments, so one executable serves any weights of that structure): the model's
 structure as its static graph, the shapes, dtypes and shardings of every input and the tree they form, the
 program's name, the source of the packages that trace it, the jax and jaxlib versions and the devices.
 Anything that fails on reading is logged and the program compiles as without the cache; entries are
-written to a temporary file and renamed, so processes may share the directory.
+written to a temporary file and renamed, so processes may share the directory. Like JAX's own cache, the
+directory must be the user's own: an entry is a pickle of machine code, loaded as it is.
 """
 
 from __future__ import annotations
