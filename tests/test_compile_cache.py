@@ -2,6 +2,8 @@
 the compile cache's serialized executables without tracing the model (an entry that cannot be read is
 compiled again), giving what a fresh compile gives."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from flax import nnx
 import serve.engine.runner as runner_mod
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
+from serve.engine import executables
 from serve.engine.config import EngineShape, ProgramShape
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.executables import ExecutableCache
@@ -39,7 +42,8 @@ def test_a_short_first_request_needs_one_prefill_and_one_decode_program(model):
 
 
 def counting_runner(model, cache, monkeypatch):
-    """A new Runner whose model function counts its traces (its own jitted programs, not shared ones)."""
+    """A new Runner whose model function counts its traces (its own jitted programs, not shared ones, and
+    none of the programs this process already read or kept)."""
     traces = []
 
     def counting(*a):
@@ -54,6 +58,7 @@ def counting_runner(model, cache, monkeypatch):
     monkeypatch.setattr(runner_mod, "_run_fn", counting)
     monkeypatch.setattr(runner_mod, "_programs", PROGRAMS)
     monkeypatch.setattr(ExecutableCache, "from_jax_config", classmethod(lambda cls: cache))
+    monkeypatch.setattr(executables, "_LOADED", collections.OrderedDict())  # as in a new process: disk only
     return Runner(model, EngineShape.resolve(SMALL, model.config)), traces
 
 

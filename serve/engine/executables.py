@@ -15,6 +15,7 @@ directory must be the user's own: an entry is a pickle of machine code, loaded a
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import logging
@@ -168,15 +169,34 @@ class ModelExecutables:
         if self.cache.enabled:
             self._structure_text = self._structure_text or self._structure()
             key = self.cache.key(name, self._structure_text, args)
-            loaded = self.cache.load(key)
+            loaded = _LOADED.get(key) or self.cache.load(key)
         if loaded is not None and len(loaded) == 2:
             log.debug("compiled program %s read from %s", program, self.cache.directory)
-            self._compiled[program] = (loaded[0], loaded[1])
+            self._compiled[program] = _remember(key, (loaded[0], loaded[1]))
             return self._compiled[program]
         compiled_run = run.lower(*args).compile()
         _, rows, _ = compiled_run.out_info
         compiled_write = self.write_rows.lower(args[1], args[4], rows).compile()
         self._compiled[program] = (compiled_run, compiled_write)
         if self.cache.enabled:
-            self.cache.save(key, self._compiled[program])
+            self.cache.save(key, _remember(key, self._compiled[program]))
         return self._compiled[program]
+
+
+# The programs this process read or kept, by key: another runner of the same model and shape (engines
+# built one after another) takes them from here, as jit's own caches would give it, not from the disk.
+_LOADED: collections.OrderedDict[str, tuple[Any, Any]] = collections.OrderedDict()
+_LOADED_MAX = 64
+
+
+def _remember(key: str, programs: tuple[Any, Any]) -> tuple[Any, Any]:
+    _LOADED[key] = programs
+    _LOADED.move_to_end(key)
+    while len(_LOADED) > _LOADED_MAX:
+        _LOADED.popitem(last=False)
+    return programs
+
+
+def forget_loaded() -> None:
+    """Drop the programs kept in this process (with `jax.clear_caches`, to free their memory)."""
+    _LOADED.clear()
