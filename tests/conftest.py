@@ -56,8 +56,10 @@ def _free_compiled_programs():
     yield
     if _mappings() < _MAX_MAPPINGS:
         return
+    from serve.engine.executables import forget_loaded
     from serve.engine.runner import _programs
 
     _programs.cache_clear()
+    forget_loaded()
     jax.clear_caches()
     gc.collect()

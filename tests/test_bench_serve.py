@@ -124,17 +124,17 @@ def test_prefill_plan_holds_every_chunk_the_engine_runs(block, chunk, max_len, p
 
 def test_warmup_plan_puts_what_a_first_request_needs_first():
     """The README's first request (a prompt of a few tokens, 16 generated) meets the one-row helpers, the
-    smallest prefill chunk at the narrowest table and the one-row decode steps of 1 and 2 blocks: those are
-    the first items, before any batched program; every program is planned once."""
+    one-row decode step and the smallest prefill chunk at the narrowest table (64 tokens: 4 blocks of 16):
+    those are the first items, before any batched program; every program is planned once."""
     shape = shape_of()
     plan = warmup_plan(shape, WarmupLevel.ALL)
     programs = [p for p in plan if isinstance(p, ProgramShape)]
     assert len(programs) == len(set(programs)) == len(shape.decode_programs()) + len(shape.prefill_programs())
     assert plan[:4] == [
         Helpers((1,), slot_programs=True),
-        ProgramShape(1, 1, 1),
-        ProgramShape(1, 16, 1),
-        ProgramShape(1, 1, 2),
+        ProgramShape(1, 1, 4),
+        ProgramShape(1, 16, 4),
+        ProgramShape(1, 32, 4),
     ]
     # the first request's programs, whatever its prompt: one row, short contexts (narrow tables) first
     first_batched = next(i for i, p in enumerate(programs) if p.rows > 1)
@@ -149,7 +149,7 @@ def test_warmup_plan_puts_what_a_first_request_needs_first():
         assert all(lengths == sorted(lengths) and lengths[0] == 1 for lengths in at_width.values())
     decode_only = warmup_plan(shape, WarmupLevel.DECODE)
     assert all(p.is_decode for p in decode_only if isinstance(p, ProgramShape))
-    assert decode_only[:3] == [Helpers((1,), True), ProgramShape(1, 1, 1), ProgramShape(1, 1, 2)]
+    assert decode_only[:3] == [Helpers((1,), True), ProgramShape(1, 1, 4), ProgramShape(1, 1, 8)]
     assert not warmup_plan(shape, WarmupLevel.NONE)
 
 

@@ -168,8 +168,9 @@ def add_compile_cache_arg(p: argparse.ArgumentParser) -> None:
         "--compile-cache",
         metavar="DIR|off",
         default=None,
-        help="JAX's persistent compilation cache: compiled programs are written to DIR and a later start "
-        "reads them instead of compiling again (default: $JAX_COMPILATION_CACHE_DIR when set, else "
+        help="JAX's persistent compilation cache, with the engine's model programs in DIR/executables: "
+        "compiled programs are written to DIR and a later start reads them instead of compiling (the model "
+        "programs without tracing them again) (default: $JAX_COMPILATION_CACHE_DIR when set, else "
         f"{default_compile_cache_dir()}); off: compile at every start",
     )
 
@@ -178,7 +179,9 @@ def setup_compile_cache(setting: str | None) -> Path | None:
     """Turn JAX's persistent compilation cache on in the directory `setting` names (None: the default,
     `default_compile_cache_dir`, or $JAX_COMPILATION_CACHE_DIR) or off ("off"); the directory in use, or
     None. Every program is cached however small or quick to compile: a server's start compiles dozens of
-    programs of a few seconds each. Call it before the first compile: JAX opens its cache once."""
+    programs of a few seconds each. The engine keeps its model programs as serialized executables in
+    `executables/` under the same directory (`serve.engine.executables`), off with it. Call it before the
+    first compile: JAX opens its cache once."""
     import jax
 
     if setting == "off":

@@ -22,6 +22,10 @@ AUTO_SCAN_MIN_GROUPS = 4  # "auto" scans every program of a model with at least 
 # alone, where one row already uses the matmul well.
 PACK_LENGTHS = (32, 128)
 PACK_MAX_CONTEXT = 256
+# The narrowest block table holds this many tokens: a short request (a prompt of a few tokens, tens generated)
+# then runs one prefill and one decode program whatever its length, not one decode program per power of two
+# of its blocks. Reading up to 64 tokens of padding (scratch blocks, masked) costs a decode step little.
+MIN_TABLE_TOKENS = 64
 
 
 def scan_mode(setting: str, groups: int) -> str:
@@ -95,9 +99,12 @@ def decode_buckets(slots: int) -> tuple[int, ...]:
     return (*(b for b in (4**i for i in range(16)) if b < slots), slots)
 
 
-def table_buckets(max_blocks: int) -> tuple[int, ...]:
-    """Static block-table widths: powers of two below `max_blocks`, then `max_blocks` itself."""
-    return (*(w for w in (2**i for i in range(31)) if w < max_blocks), max_blocks)
+def table_buckets(max_blocks: int, smallest: int = 1) -> tuple[int, ...]:
+    """Static block-table widths: `smallest`, the powers of two above it and below `max_blocks`, then
+    `max_blocks` itself (`smallest` is capped at `max_blocks`)."""
+    smallest = min(smallest, max_blocks)
+    powers = (w for w in (2**i for i in range(31)) if smallest < w < max_blocks)
+    return tuple(dict.fromkeys((smallest, *powers, max_blocks)))
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -214,7 +221,7 @@ class EngineShape:
             block_bytes=block_bytes,
             state_bytes=kda_state_bytes(model, kv_dtype)["total"],
             buckets=prefill_buckets(config.prefill_chunk),
-            table_buckets=table_buckets(per_seq),
+            table_buckets=table_buckets(per_seq, math.ceil(MIN_TABLE_TOKENS / config.block_size)),
             decode_buckets=decode_buckets(config.max_slots),
             prefill_rows=min(config.prefill_rows, config.max_slots),
             pack_lengths=tuple(sorted({min(n, config.prefill_chunk) for n in PACK_LENGTHS})),

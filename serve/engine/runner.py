@@ -23,6 +23,7 @@ from jaxhybrid.layers.mla import read_paged, write_paged
 from jaxhybrid.model import HybridLM
 from jaxhybrid.scan import ScanDefs, forward_scanned, scan_layout, split_for_scan
 from serve.engine.config import EngineShape, ProgramShape, scan_mode
+from serve.engine.executables import ExecutableCache, ModelExecutables
 from serve.engine.requests import Request
 from serve.engine.sampling import batch_arrays, sample
 
@@ -240,7 +241,11 @@ class Runner:
         self.programs = _programs(graphdef, cfg.layer_types, self.pool_shardings, scan_defs)
         self.pools = self._new_pools()
         self._restore_shardings: list[tuple[Any, Any]] | None = None
-        self._compiled: set[ProgramShape] = set()  # program shapes this runner has run or compiled
+        # the compiled model programs by shape, read from the compile cache's executables when it has them
+        structure = lambda: repr((graphdef, scan_defs, cfg.layer_types))  # noqa: E731
+        self._executables = ModelExecutables(
+            self.programs.write_rows, structure, ExecutableCache.from_jax_config()
+        )
 
     def _new_pools(self) -> tuple[Any, ...]:
         pools = empty_pools(self.model_config, self.shape)
@@ -288,17 +293,17 @@ class Runner:
         slots = jnp.asarray(np.asarray(slot_ids, np.int32))
         host = (tokens, tables, start, valid)  # int32 on the host: no conversion on the device
         tokens_, tables_, start_, valid_ = (jnp.asarray(np.asarray(a, np.int32)) for a in host)
-        run, params = self._program(tokens.shape[1])
-        logits, rows, mla = run(params, kda, mla, tokens_, slots, tables_, start_, valid_)
-        kda_it, mla_it = iter(self.programs.write_rows(kda, slots, rows)), iter(mla)
+        inputs = (*self._program(tokens.shape[1]), kda, mla, tokens_, slots, tables_, start_, valid_)
+        run, write_rows = self._compiled_program(ProgramShape(*tokens.shape, tables.shape[1]), inputs)
+        logits, rows, mla = run(*inputs[1:])
+        kda_it, mla_it = iter(write_rows(kda, slots, rows)), iter(mla)
         self.pools = tuple(next(kda_it) if kind == "kda" else next(mla_it) for kind in kinds)
-        self._compiled.add(ProgramShape(*tokens.shape, tables.shape[1]))
         return logits
 
     # --- compiling ahead of use (the server's warm-up) -------------------------------------------------
     def compiled_programs(self) -> frozenset[ProgramShape]:
         """The model-program shapes this runner has run or compiled (calling one compiles nothing)."""
-        return frozenset(self._compiled)
+        return self._executables.shapes()
 
     def compile_program(self, program: ProgramShape, run_once: bool = False) -> bool:
         """Compile the model program of `program`'s shape ahead of its first use; False if it already was.
@@ -307,7 +312,7 @@ class Runner:
         no request holds a slot) the program also runs once, on rows with no real token whose block tables
         point at the scratch block: XLA:CPU's first run of a program costs more than later ones (about
         0.15 s for the shipped model), and the first request should not pay that either."""
-        if program in self._compiled:
+        if program in self._executables.shapes():
             return False
         rows = program.rows
         args = (
@@ -320,14 +325,16 @@ class Runner:
         if run_once:
             jax.block_until_ready(self.run_program(*args))
         else:
-            kda, mla = self._split_pools()
-            run, params = self._program(program.length)
-            inputs = (params, kda, mla, *(jnp.asarray(a) for a in args))
-            run.lower(*inputs).compile()
-            _, rows, _ = jax.eval_shape(run, *inputs)
-            self.programs.write_rows.lower(kda, inputs[4], rows).compile()
-            self._compiled.add(program)
+            inputs = (*self._program(program.length), *self._split_pools(), *(jnp.asarray(a) for a in args))
+            self._compiled_program(program, inputs)
         return True
+
+    def _compiled_program(self, program: ProgramShape, inputs: tuple[Any, ...]) -> tuple[Any, Any]:
+        """(model program, rows' write) compiled for `program`; `inputs`: the jitted model function, then
+        its arguments."""
+        run, *args = inputs
+        name = "run_scanned" if run is self.programs.run_scanned else "run"
+        return self._executables.get(program, name, run, tuple(args))
 
     def compile_helpers(
         self, sample_rows: tuple[int, ...], run_once: bool = False, slot_programs: bool = True
@@ -361,8 +368,8 @@ class Runner:
         return jax.device_put(logits, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
     def _program(self, length: int) -> tuple[Any, Any]:
-        """(model program, its parameters) for chunks of `length` tokens: scanned over the layer groups when
-        the engine's `scan_layers` says so for this length, else unrolled."""
+        """(jitted model function, its parameters) for chunks of `length` tokens: scanned over the layer
+        groups when the engine's `scan_layers` says so for this length, else unrolled."""
         scanned = self.scan_params is not None and (self.scan_mode == "all" or length > 1)
         return (self.programs.run_scanned, self.scan_params) if scanned else (self.programs.run, self.params)
 

@@ -1,0 +1,101 @@
+"""The engine's compiled model programs: a short first request's set of programs, and programs read back from
+the compile cache's serialized executables without tracing the model (an entry that cannot be read is
+compiled again), giving what a fresh compile gives."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import serve.engine.runner as runner_mod
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from serve.engine import executables
+from serve.engine.config import EngineShape, ProgramShape
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.executables import ExecutableCache
+from serve.engine.runner import Runner
+from serve.engine.sampling import SamplingParams
+
+RUN_FN, PROGRAMS = runner_mod._run_fn, runner_mod._programs.__wrapped__  # the model function; uncached
+SMALL = EngineConfig(max_slots=1, block_size=8, prefill_chunk=16, max_model_len=64, prefix=None)
+DECODE = ProgramShape(1, 1, 8)  # the one table width of SMALL (64 tokens)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HybridLM(load_config("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)
+
+
+def test_a_short_first_request_needs_one_prefill_and_one_decode_program(model):
+    """The README's curl ("Hello", 16 tokens) with the default block size: its prompt and answer fit the
+    narrowest block table (64 tokens), so it meets the 16-token prefill and the one-row decode step at that
+    width, nothing else (it used to meet a decode step per table of 1 and 2 blocks as well)."""
+    eng = Engine(model, EngineConfig())
+    eng.generate([[5, 6, 7]], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    width = eng.shape.table_buckets[0]
+    assert width * eng.shape.block_size == 64
+    assert eng.compiled_programs() == {ProgramShape(1, 16, width), ProgramShape(1, 1, width)}
+
+
+def counting_runner(model, cache, monkeypatch):
+    """A new Runner whose model function counts its traces (its own jitted programs, not shared ones, and
+    none of the programs this process already read or kept)."""
+    traces = []
+
+    def counting(*a):
+        fn = RUN_FN(*a)
+
+        def run(*args):
+            traces.append(1)
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(runner_mod, "_run_fn", counting)
+    monkeypatch.setattr(runner_mod, "_programs", PROGRAMS)
+    monkeypatch.setattr(ExecutableCache, "from_jax_config", classmethod(lambda cls: cache))
+    monkeypatch.setattr(executables, "_LOADED", collections.OrderedDict())  # as in a new process: disk only
+    return Runner(model, EngineShape.resolve(SMALL, model.config)), traces
+
+
+def decode_once(runner):
+    """One decode step of slot 0 at position 3 over a table of blocks 1..: logits and the pools after."""
+    tables = np.full((1, DECODE.width), 0, np.int32)
+    tables[0, 0] = 1
+    logits = runner.run_program(np.array([[9]]), np.array([0]), tables, np.array([3]), np.array([1]))
+    return np.asarray(logits), [np.asarray(x) for x in jax.tree.leaves(runner.pools)]
+
+
+def test_a_cached_program_runs_without_tracing_the_model(model, tmp_path, monkeypatch):
+    """A new runner (its own jitted functions, as in a new process) reads the decode program that another
+    compiled from the cache without tracing the model, and its step equals the compiled one's, logits and
+    pools bit for bit; other weights of the same structure run it too; a corrupt entry is compiled again."""
+    cache = ExecutableCache(tmp_path)
+    fresh, fresh_traces = counting_runner(model, cache, monkeypatch)
+    assert fresh.compile_program(DECODE)
+    assert fresh_traces and list(tmp_path.glob("*.pkl"))  # compiled (traced) and kept
+    expected = decode_once(fresh)
+
+    loaded, traces = counting_runner(model, ExecutableCache(tmp_path), monkeypatch)
+    got = decode_once(loaded)
+    assert traces == []  # read from the cache: the model function was never traced
+    assert loaded.compiled_programs() == {DECODE}
+    np.testing.assert_array_equal(got[0], expected[0])
+    for a, b in zip(got[1], expected[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    # the weights are arguments: a model of the same structure with other weights runs the same executable
+    other = HybridLM(load_config("tiny"), rngs=nnx.Rngs(1), dtype=jnp.float32)
+    loaded, traces = counting_runner(other, ExecutableCache(tmp_path), monkeypatch)
+    assert not np.array_equal(decode_once(loaded)[0], expected[0]) and traces == []
+
+    for entry in tmp_path.glob("*.pkl"):  # a torn or corrupt entry: compiled again, same answer
+        entry.write_bytes(entry.read_bytes()[:100])
+    again, traces = counting_runner(model, ExecutableCache(tmp_path), monkeypatch)
+    got = decode_once(again)
+    assert traces
+    np.testing.assert_array_equal(got[0], expected[0])
