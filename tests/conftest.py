@@ -28,6 +28,12 @@ if os.environ.get("JAXHYBRID_TEST_COMPILE_CACHE") != "off":  # off: compile ever
     jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ["XDG_CACHE_HOME"], "tests-xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
+    # The tests' own engines keep no serialized executables (JAX's cache above is enough for them, and the
+    # servers and commands they start keep theirs); tests of that cache give their runners one of their own.
+    from serve.engine.executables import ExecutableCache  # noqa: E402
+
+    ExecutableCache.from_jax_config = classmethod(lambda cls: cls(None))
+
 
 def rel_err(a, b) -> float:
     """max |a - b| / max |b| in float64."""

@@ -3,6 +3,10 @@ the compile cache's serialized executables without tracing the model (an entry t
 compiled again), giving what a fresh compile gives."""
 
 import collections
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +63,7 @@ def counting_runner(model, cache, monkeypatch):
     monkeypatch.setattr(runner_mod, "_programs", PROGRAMS)
     monkeypatch.setattr(ExecutableCache, "from_jax_config", classmethod(lambda cls: cache))
     monkeypatch.setattr(executables, "_LOADED", collections.OrderedDict())  # as in a new process: disk only
+    jax.clear_caches()  # and none of the executables jit keeps in memory (some came from JAX's disk cache)
     return Runner(model, EngineShape.resolve(SMALL, model.config)), traces
 
 
@@ -99,3 +104,45 @@ def test_a_cached_program_runs_without_tracing_the_model(model, tmp_path, monkey
     got = decode_once(again)
     assert traces
     np.testing.assert_array_equal(got[0], expected[0])
+
+
+KEEP_AFTER_JAX_CACHE = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from serve.engine.config import EngineShape
+from serve.engine.executables import ExecutableCache
+from serve.engine.runner import Runner
+from tests.test_compile_cache import SMALL, decode_once
+cache_dir, phase = sys.argv[1], sys.argv[2]
+jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_compilation_cache_dir", cache_dir + "/xla")
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+cache = ExecutableCache(None if phase == "jax" else __import__("pathlib").Path(cache_dir) / "executables")
+ExecutableCache.from_jax_config = classmethod(lambda cls: cache)
+model = HybridLM(load_config("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)
+np.save(f"{cache_dir}/{phase}.npy", decode_once(Runner(model, EngineShape.resolve(SMALL, model.config)))[0])
+"""
+
+
+def test_a_program_kept_after_jax_cache_gave_it_back_runs(tmp_path):
+    """Three starts, as a server's: the first compiles the decode program into JAX's persistent cache only,
+    the second keeps it as a serialized executable (JAX's cache holds it), the third reads that and runs it.
+    On XLA:CPU an executable read back from JAX's cache serializes without its kernels: the third start failed
+    at its first step (NOT_FOUND: Function ... not found). Oracle: the first start's logits, bit for bit."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    for phase in ("jax", "keep", "read"):
+        run = subprocess.run(
+            [sys.executable, "-c", KEEP_AFTER_JAX_CACHE, str(tmp_path), phase],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert list((tmp_path / "executables").glob("*.pkl"))
+    np.testing.assert_array_equal(np.load(tmp_path / "read.npy"), np.load(tmp_path / "jax.npy"))

@@ -126,17 +126,17 @@ def test_engine_on_packed_experts_serves_the_dequantized_full_pass(k3):
         max_slots=4,
         block_size=16,
         prefill_chunk=32,
-        max_model_len=128,
+        max_model_len=64,  # one block-table width; every full pass below fits one 64-token program
         prefix=PrefixStoreConfig(checkpoint_interval=16),
     )
     eng = Engine(packed, config)
     rng = np.random.default_rng(5)
     vocab = packed.config.vocab_size
-    long = rng.integers(3, vocab, 70).tolist()
+    long = rng.integers(3, vocab, 40).tolist()
     prompts = [rng.integers(3, vocab, n).tolist() for n in (12, 14)] + [long]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
     first = eng.generate(prompts, params)
-    follow = long[:48] + rng.integers(3, vocab, 6).tolist()
+    follow = long[:32] + rng.integers(3, vocab, 6).tolist()
     (second,) = eng.generate([follow], params)
     assert second.stats["prefix_hit_tokens"] >= 32
     for prompt, res in zip([*prompts, follow], [*first, second], strict=True):

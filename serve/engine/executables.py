@@ -16,6 +16,7 @@ directory must be the user's own: an entry is a pickle of machine code, loaded a
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import hashlib
 import logging
@@ -70,6 +71,15 @@ def _device_ids(compiled: Any) -> list[int]:
     by default it would be loaded for every device of the backend)."""
     sharding = jax.tree_util.tree_leaves(compiled.input_shardings)[0]
     return [d.id for d in sharding._device_assignment]
+
+
+def fresh_compile() -> contextlib.AbstractContextManager:
+    """Compile in this thread without JAX's persistent cache: on XLA:CPU an executable that cache gave back
+    serializes without its kernels' code (`serialize_executable` of it loads, then fails at its first run with
+    NOT_FOUND: Function ... not found), so a program to be kept must be compiled, not read."""
+    from jax._src import config as jax_config  # the option's thread-local switch, which jax.config lacks
+
+    return jax_config.enable_compilation_cache(False)
 
 
 class ExecutableCache:
@@ -174,9 +184,10 @@ class ModelExecutables:
             log.debug("compiled program %s read from %s", program, self.cache.directory)
             self._compiled[program] = _remember(key, (loaded[0], loaded[1]))
             return self._compiled[program]
-        compiled_run = run.lower(*args).compile()
-        _, rows, _ = compiled_run.out_info
-        compiled_write = self.write_rows.lower(args[1], args[4], rows).compile()
+        with fresh_compile() if self.cache.enabled else contextlib.nullcontext():
+            compiled_run = run.lower(*args).compile()
+            _, rows, _ = compiled_run.out_info
+            compiled_write = self.write_rows.lower(args[1], args[4], rows).compile()
         self._compiled[program] = (compiled_run, compiled_write)
         if self.cache.enabled:
             self.cache.save(key, _remember(key, self._compiled[program]))
