@@ -6,8 +6,14 @@ import os
 import shutil
 import tempfile
 
-# Multi-device tests need simulated CPU devices; set before jax is imported anywhere.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Multi-device tests need simulated CPU devices; set before jax is imported anywhere. Most of the suite's
+# time is XLA:CPU compiling tiny models' programs, and LLVM's optimization is much of a compile: the tests
+# compile at level 0 (the same HLO, fp32 arithmetic without fast-math; only the machine code is slower), a
+# quarter less time. JAXHYBRID_TEST_OPT_LEVEL=default runs them on the programs `serve` compiles.
+_flags = ["--xla_force_host_platform_device_count=8"]
+if os.environ.get("JAXHYBRID_TEST_OPT_LEVEL", "0") != "default":
+    _flags.append(f"--xla_backend_optimization_level={int(os.environ.get('JAXHYBRID_TEST_OPT_LEVEL', '0'))}")
+os.environ.setdefault("XLA_FLAGS", " ".join(_flags))
 
 # `serve` and `generate` keep compiled programs in the user's cache directory (`--compile-cache`): every
 # server and command the tests start uses one of this run instead, removed at the end. The run's processes
@@ -33,6 +39,14 @@ if os.environ.get("JAXHYBRID_TEST_COMPILE_CACHE") != "off":  # off: compile ever
     from serve.engine.executables import ExecutableCache  # noqa: E402
 
     ExecutableCache.from_jax_config = classmethod(lambda cls: cls(None))
+
+
+def subprocess_xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a test's subprocess: this run's flags (the optimization level) with the subprocess's own
+    simulated device count (None: the one real CPU device)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    kept = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join(kept + ([f"--xla_force_host_platform_device_count={devices}"] if devices else []))
 
 
 def rel_err(a, b) -> float:

@@ -431,6 +431,7 @@ def test_bench_prefix_engine_docqa_under_two_budgets(capsys):
     """One engine run: a small docqa (a 41-token shared prefix, off the blocks of 8) under a budget of about
     one checkpoint and an ample one; the real model's answers, the bound per row from its own replay."""
     args = ["bench", "prefix", "--workload", "docqa", "--budgets", "12,1024", "--intervals", "8"]
+    args += ["--checkpoint-policy", "fixed"]  # the rows below are the fixed policy's (serve: adaptive)
     args += ["--documents", "2", "--doc-len", "37", "--system-len", "4", "--questions", "3", "--turns", "2"]
     args += ["--user-min", "2", "--user-max", "5", "--max-tokens", "2", "--block-size", "8", "--chunk", "32"]
     assert main([*args, "--max-model-len", "256"]) == 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import subprocess_xla_flags
 from flax import nnx
 from oracles import FullPass, assert_matches_full_pass
 from servers import free_port, wait_healthy
@@ -41,8 +42,7 @@ def run_two(make_cmd, tmp_path: Path, cache: Path, local_devices: int = 4) -> li
     """Start process 0 and 1 (`make_cmd(i, port)`), wait, and kill both on timeout or any failure;
     returns (returncode, stdout, stderr) per process."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+    env = {**os.environ, "XLA_FLAGS": subprocess_xla_flags(local_devices)}
     env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -192,6 +192,7 @@ def test_generate_cli_on_two_processes(tmp_path, engine, compile_cache):
     assert out1 == "" and "process 1 of 2: followed process 0" in err1
 
 
+@pytest.mark.slow  # 2 processes x 2 starts compile every program (3.5 min); test_prefix_disk restarts one
 def test_the_prefix_store_on_two_processes_with_a_disk_tier_survives_a_restart(
     tmp_path, engine, full_pass, compile_cache
 ):
@@ -248,8 +249,7 @@ def start_two_servers(tmp_path: Path, cache: Path, http_port: int, shutdown_time
     import httpx
 
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env = {**os.environ, "XLA_FLAGS": subprocess_xla_flags(4)}
     env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])

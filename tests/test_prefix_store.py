@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from oracles import FullPass, assert_matches_full_pass
+from oracles import LOGPROB_TOL, FullPass, assert_matches_full_pass
 
 from jaxhybrid.cache import kda_state_bytes
 from jaxhybrid.config import load_config
@@ -217,6 +217,15 @@ def shared_prefix_workloads(draw):
     return rounds
 
 
+ILL_CONDITIONED = [
+    int(t)
+    for t in (
+        "217 445 492 148 61 310 342 398 330 367 468 468 474 440 369 470 9 "
+        "16 409 225 383 249 461 36 345 5 78 425 151 503 180 402 491"
+    ).split()
+]
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     rounds=shared_prefix_workloads(),
@@ -227,12 +236,29 @@ def shared_prefix_workloads(draw):
     prompt_end=st.booleans(),
     policy=st.sampled_from(["fixed", "adaptive"]),
 )
+# Found by the search: ill-conditioned near the last prompt's end (see the docstring).
+@example(
+    rounds=[
+        [ILL_CONDITIONED + [163, 500], ILL_CONDITIONED + [362, 496, 155]],
+        [ILL_CONDITIONED + [446, 467, 447, 363, 298, 285, 43, 472, 470]],
+    ],
+    interval=BS,
+    device_states=0,
+    host_states=0,
+    num_blocks=None,
+    prompt_end=False,
+    policy="fixed",
+)
 def test_store_on_equals_store_off_for_generated_workloads(
     model, full_pass, rounds, interval, device_states, host_states, num_blocks, prompt_end, policy
 ):
     """Any shared-prefix workload, checkpoint policy and spacing, tier budgets (down to nothing) and pool
-    size (40 blocks: cached blocks are evicted): the same greedy tokens as without the store, and tokens and
-    logprobs as the full causal pass (a resumed prefill sums in another order: LOGPROB_TOL)."""
+    size (40 blocks: cached blocks are evicted): the same greedy tokens and logprobs as without the store (a
+    resumed prefill sums in another order: LOGPROB_TOL), every token the full causal pass's argmax. Logprobs
+    are held to the store-off engine, not the full pass: where the model is ill-conditioned the full pass
+    disagrees with itself by more than LOGPROB_TOL when only its padding changes (the example below: 2.7e-4
+    near the end of the last prompt, store on and off both 2.2e-4 from it and 6e-6 from each other); the
+    conversation tests above hold the store to the full pass on fixed workloads."""
     state = kda_state_bytes(model.config, jnp.float32)["total"]
     cfg = PrefixStoreConfig(
         checkpoint_policy=policy,
@@ -246,8 +272,9 @@ def test_store_on_equals_store_off_for_generated_workloads(
     for prompts in rounds:
         got, want = on.generate(prompts, params), off.generate(prompts, params)
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
-        for prompt, res in zip(prompts, got, strict=True):
-            assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
+        for prompt, res, ref in zip(prompts, got, want, strict=True):
+            assert_matches_full_pass(full_pass, prompt, res.token_ids)
+            np.testing.assert_allclose(res.logprobs, ref.logprobs, rtol=0, atol=LOGPROB_TOL)
     ledger = on.ledger()
     assert ledger["checkpoint_bytes"]["device"] <= cfg.device_bytes
     assert ledger["checkpoint_bytes"]["host"] <= cfg.host_bytes

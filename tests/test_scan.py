@@ -36,6 +36,11 @@ def test_layout_scans_the_repeated_groups(model):
     assert scan_layout(k3) is None  # attention residuals: not scanned
 
 
+# The same layers, compiled as one loop body or unrolled: equal within fp32 round-off of another evaluation
+# order (below 1e-6 at XLA's default optimization level, 3.9e-6 at the tests' level 0).
+SAME = 1e-5
+
+
 @pytest.mark.slow  # compiles both forms of a 10-layer model (about 20 s); "auto" scans only deeper models
 def test_scanned_forward_equals_forward_cached(model):
     defs, params = split_for_scan(model, scan_layout(model))
@@ -45,12 +50,12 @@ def test_scanned_forward_equals_forward_cached(model):
     lengths = jnp.array([24, 13])
     want, want_cache = cached(state, tokens, model.init_cache(2, 32), lengths)
     got, got_cache = scanned(params, tokens, model.init_cache(2, 32), lengths)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=SAME, atol=SAME)
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=SAME, atol=SAME)
     step = tokens[:, :1]  # one decode step on those caches
     got_step, want_step = scanned(params, step, got_cache, None)[0], cached(state, step, want_cache, None)[0]
-    np.testing.assert_allclose(got_step, want_step, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got_step, want_step, rtol=SAME, atol=SAME)
 
 
 @pytest.mark.slow  # compiles 10-layer engine programs (about 30 s quiet, 100 s loaded)

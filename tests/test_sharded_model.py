@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import rel_err, subprocess_xla_flags
 from flax import nnx
 from jax.sharding import PartitionSpec
 
@@ -247,7 +247,7 @@ def test_two_processes_on_localhost_match_single_process(tmp_path, sharded, unsh
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     worker = Path(__file__).with_name("multihost_worker.py")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": subprocess_xla_flags()}
     procs = [
         subprocess.Popen(
             [

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import subprocess_xla_flags
 
 from jaxhybrid.ops.moe import route
 from jaxhybrid.train.data import is_validation
@@ -96,7 +97,7 @@ def run_train(workdir: Path, out: str, *extra: str) -> dict:
         "--no-progress",
         *extra,
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": subprocess_xla_flags()}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = workdir / out / "log.json"
