@@ -10,9 +10,11 @@ import tempfile
 # time is XLA:CPU compiling tiny models' programs, and LLVM's optimization is much of a compile: the tests
 # compile at level 0 (the same HLO, fp32 arithmetic without fast-math; only the machine code is slower), a
 # quarter less time. JAXHYBRID_TEST_OPT_LEVEL=default runs them on the programs `serve` compiles.
-_flags = ["--xla_force_host_platform_device_count=8"]
-if os.environ.get("JAXHYBRID_TEST_OPT_LEVEL", "0") != "default":
-    _flags.append(f"--xla_backend_optimization_level={int(os.environ.get('JAXHYBRID_TEST_OPT_LEVEL', '0'))}")
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_flags = [f"{DEVICE_COUNT_FLAG}=8"]
+_level = os.environ.get("JAXHYBRID_TEST_OPT_LEVEL", "0")
+if _level != "default":
+    _flags.append(f"--xla_backend_optimization_level={int(_level)}")
 os.environ.setdefault("XLA_FLAGS", " ".join(_flags))
 
 # `serve` and `generate` keep compiled programs in the user's cache directory (`--compile-cache`): every
@@ -45,8 +47,8 @@ def subprocess_xla_flags(devices: int | None = None) -> str:
     """XLA_FLAGS for a test's subprocess: this run's flags (the optimization level) with the subprocess's own
     simulated device count (None: the one real CPU device)."""
     flags = os.environ.get("XLA_FLAGS", "").split()
-    kept = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
-    return " ".join(kept + ([f"--xla_force_host_platform_device_count={devices}"] if devices else []))
+    kept = [f for f in flags if not f.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join(kept + ([f"{DEVICE_COUNT_FLAG}={devices}"] if devices else []))
 
 
 def rel_err(a, b) -> float:

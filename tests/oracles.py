@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxhybrid.layers.basic import Buffer
 from jaxhybrid.model import HybridLM, pure_fn
+from jaxhybrid.weights.hf import named_arrays
 
 # Per-token logprobs of what the engine serves vs the full pass (absolute, fp32 logprobs of about -4 to -7):
 # the engine computes the same positions with other fp32 evaluation orders (chunked vs recurrent KDA,
@@ -46,6 +47,17 @@ def assert_matches_full_pass(full: FullPass, prompt, generated, logprobs=None, t
     if logprobs is not None:
         want = log_softmax(logits)[np.arange(len(generated)), generated]
         np.testing.assert_allclose(logprobs, want, rtol=0, atol=tol)
+
+
+def assert_same_arrays(got: HybridLM, want: HybridLM) -> list[str]:
+    """Both models hold the same named arrays, dtypes and bits (with one config: the same logits); returns
+    the names compared."""
+    got_arrays, want_arrays = named_arrays(got), named_arrays(want)
+    assert got_arrays.keys() == want_arrays.keys()
+    for name, arr in got_arrays.items():
+        assert arr.dtype == want_arrays[name].dtype, name
+        np.testing.assert_array_equal(np.asarray(arr), np.asarray(want_arrays[name]), err_msg=name)
+    return list(got_arrays)
 
 
 def randomize(module: nnx.Module, seed: int) -> dict[str, np.ndarray]:

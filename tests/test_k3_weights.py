@@ -16,13 +16,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from oracles import assert_same_arrays
 from safetensors.numpy import save_file
 from test_mxfp4 import K3_E2M1, pack_row
 from test_weights import published_tensors, random_model
 
 from jaxhybrid.config import ConfigError, load_config
 from jaxhybrid.weights import CheckpointError, load_pretrained, save_hf
-from jaxhybrid.weights.hf import named_arrays, scan_checkpoint
+from jaxhybrid.weights.hf import scan_checkpoint
 from serve.cli import main as cli_main
 
 MXFP4_QUANT = {
@@ -342,11 +343,7 @@ def test_tiny_k3_released_layout_round_trip(tiny_k3_mx, tmp_path):
     assert {n: t.shape for n, t in ours.items()} == {n: t.shape for n, t in theirs.items()}
     reloaded = load_pretrained(tmp_path / "saved", progress=False, dequantize_experts=True)
     assert reloaded.config == hand.config
-    saved = named_arrays(reloaded)
-    by_hand = named_arrays(hand)  # the same arrays as the hand-written checkpoint's: the same logits
-    assert saved.keys() == by_hand.keys()
-    for name, arr in saved.items():
-        np.testing.assert_array_equal(np.asarray(arr), np.asarray(by_hand[name]), err_msg=name)
+    assert_same_arrays(reloaded, hand)  # the hand-written checkpoint's arrays: the same logits
 
 
 @pytest.mark.slow  # tiny-k3's form of test_bf16_checkpoint_keeps_its_fp32_tensors (compiles tiny-k3 in bf16)

@@ -38,14 +38,21 @@ def compile_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("jax-cache")
 
 
-def run_two(make_cmd, tmp_path: Path, cache: Path, local_devices: int = 4) -> list[tuple[int, str, str]]:
-    """Start process 0 and 1 (`make_cmd(i, port)`), wait, and kill both on timeout or any failure;
-    returns (returncode, stdout, stderr) per process."""
-    port = free_port()
+def process_env(cache: Path, local_devices: int) -> dict[str, str]:
+    """The environment of one of the two processes: its simulated devices, the shared compilation cache,
+    and this repository importable."""
     env = {**os.environ, "XLA_FLAGS": subprocess_xla_flags(local_devices)}
     env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_two(make_cmd, tmp_path: Path, cache: Path, local_devices: int = 4) -> list[tuple[int, str, str]]:
+    """Start process 0 and 1 (`make_cmd(i, port)`), wait, and kill both on timeout or any failure;
+    returns (returncode, stdout, stderr) per process."""
+    port = free_port()
+    env = process_env(cache, local_devices)
     procs = []
     try:
         for i in range(2):
@@ -249,10 +256,7 @@ def start_two_servers(tmp_path: Path, cache: Path, http_port: int, shutdown_time
     import httpx
 
     port = free_port()
-    env = {**os.environ, "XLA_FLAGS": subprocess_xla_flags(4)}
-    env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = process_env(cache, 4)
     flags = [f"--{k.replace('_', '-').replace('max-slots', 'slots')}={v}" for k, v in ENGINE.items()]
     procs = []
     for i in range(2):

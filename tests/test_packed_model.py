@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import rel_err
 from flax import nnx
-from oracles import FullPass, assert_matches_full_pass
+from oracles import FullPass, assert_matches_full_pass, assert_same_arrays
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM, pure_fn
@@ -149,23 +149,13 @@ def test_orbax_saves_and_restores_packed_experts(k3, tmp_path):
     """An Orbax directory of packed experts restores packed, or with `dequantize_experts` dequantized after
     restoring: every array equals the Hugging Face checkpoint dequantized at load (the numpy table of
     `jaxhybrid.weights.mxfp4`), bit for bit."""
-    from jaxhybrid.weights.hf import named_arrays
-
     _, _, packed, dense = k3
     save_orbax(packed, tmp_path / "orbax")
     back = load_pretrained(tmp_path / "orbax")
-    assert back.packed_experts and back.config == packed.config
-    restored, saved = named_arrays(back), named_arrays(packed)
-    assert restored.keys() == saved.keys() and any(n.endswith(".experts.w1_packed") for n in saved)
-    for name, arr in restored.items():  # the same arrays and config: the same logits
-        assert arr.dtype == saved[name].dtype, name
-        np.testing.assert_array_equal(np.asarray(arr), np.asarray(saved[name]), err_msg=name)
-    got = named_arrays(load_pretrained(tmp_path / "orbax", dequantize_experts=True))
-    want = named_arrays(dense)
-    assert got.keys() == want.keys() and any(n.endswith(".experts.w1") for n in got)
-    for name, arr in got.items():
-        assert arr.dtype == want[name].dtype, name
-        np.testing.assert_array_equal(np.asarray(arr), np.asarray(want[name]), err_msg=name)
+    assert back.packed_experts and back.config == packed.config  # the same arrays too: the same logits
+    assert any(n.endswith(".experts.w1_packed") for n in assert_same_arrays(back, packed))
+    dequantized = load_pretrained(tmp_path / "orbax", dequantize_experts=True)
+    assert any(n.endswith(".experts.w1") for n in assert_same_arrays(dequantized, dense))
 
 
 def test_packed_load_refuses_nan_scales(k3, tmp_path):
