@@ -66,7 +66,7 @@ def create_sharded_model(
     computes only its own shards (no full copy anywhere; works across processes). Values equal
     `HybridLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype)` (same random streams). `expert_parallel`: see
     `_maybe_install` (default: on when the mesh has an expert axis that divides num_experts)."""
-    abstract = abstract_model(cfg, dtype, seed)
+    abstract = abstract_model(cfg, dtype)
     graphdef, _ = nnx.split(abstract)
     shardings = state_shardings(abstract, mesh, rules)
 

@@ -325,19 +325,19 @@ def tiny_k3_mx():
 
 def test_tiny_k3_released_layout_round_trip(tiny_k3_mx, tmp_path):
     """tiny-k3 (every K3 addition on: latent MoE, attention residuals, gates, padded A_log) in the released
-    layout with MXFP4 experts and a vision tower, written by hand and by save_hf: identical logits."""
+    layout with MXFP4 experts and a vision tower, written by hand and by save_hf: the model's own arrays and
+    config back (so its logits), bit for bit."""
     model, codes_of = tiny_k3_mx
-    fwd = nnx.jit(lambda m, t: m(t))
-    toks = jax.random.randint(jax.random.key(7), (2, 11), 0, model.config.vocab_size, jnp.int32)
-    want = np.asarray(fwd(model, toks))
     names = published_tensors(model)
     assert "model.layers.1.block_sparse_moe.routed_expert_down_proj.weight" in names
     assert names["model.layers.1.block_sparse_moe.experts.3.w2.weight"].shape == (64, 32)
     write_released(tmp_path / "hand", released_tensors(model, codes_of), model.config)
     report = {}
     hand = load_pretrained(tmp_path / "hand", progress=False, dequantize_experts=True, report=report)
-    assert report["skipped"] == len(VISION) and hand.config.expert_quant == "mxfp4"
-    np.testing.assert_array_equal(np.asarray(fwd(hand, toks)), want)
+    assert report["skipped"] == len(VISION)
+    # one config (expert_quant says only how the experts were stored) and the same arrays: the same logits
+    assert hand.config == model.config.replace(expert_quant="mxfp4")
+    assert_same_arrays(hand, model)
     save_hf(model, tmp_path / "saved", layout="k3-released", expert_quant="mxfp4", extra_tensors=VISION)
     ours, theirs = scan_checkpoint(tmp_path / "saved"), scan_checkpoint(tmp_path / "hand")
     assert {n: t.shape for n, t in ours.items()} == {n: t.shape for n, t in theirs.items()}

@@ -10,7 +10,7 @@ from numpy_reference import NumpyReference
 from oracles import randomize
 
 from jaxhybrid.config import from_dict, load_config
-from jaxhybrid.model import HybridLM, NotImplementedConfigError, pure_fn, set_moe_impl
+from jaxhybrid.model import HybridLM, NotImplementedConfigError, abstract_model, pure_fn, set_moe_impl
 
 TOL = 2e-5  # fp32 relative error, max|a-b| / max|b|, between evaluation orders (measured up to 1.3e-5)
 
@@ -113,6 +113,25 @@ def test_dropless_moe_equals_dense_reference_in_the_model():
     set_moe_impl(model, "dense")
     got = model(toks)
     assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize(
+    ("name", "quant"),
+    [("tiny", None), ("tiny-k3", None), ("tiny-k3", "mxfp4")],
+    ids=["tiny", "k3", "k3-mxfp4"],
+)
+def test_abstract_model_is_the_models_shapes_and_metadata(name, quant):
+    """abstract_model (drawing from one fixed key) has the structure, shapes, dtypes and sharding metadata of
+    the model built with nnx.Rngs, traced the same way."""
+    cfg = load_config(name).replace(expert_quant=quant)
+    want = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+    got = abstract_model(cfg, jnp.bfloat16)
+    assert nnx.graphdef(got) == nnx.graphdef(want)
+    got_vars, want_vars = nnx.to_flat_state(nnx.state(got)), nnx.to_flat_state(nnx.state(want))
+    assert [path for path, _ in got_vars] == [path for path, _ in want_vars]
+    for (path, g), (_, w) in zip(got_vars, want_vars, strict=True):
+        assert type(g) is type(w) and g.get_metadata() == w.get_metadata(), path
+        assert (g.get_value().shape, g.get_value().dtype) == (w.get_value().shape, w.get_value().dtype), path
 
 
 def test_unimplemented_config_is_refused():
