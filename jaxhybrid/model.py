@@ -166,18 +166,25 @@ def packed_experts(cfg: ModelConfig, dequantize_experts: bool = False) -> bool:
     return getattr(cfg, "expert_quant", None) == "mxfp4" and not dequantize_experts and cfg.num_moe_layers > 0
 
 
-class _ShapeOnlyRngs:
-    """What the layers draw initial values from in `abstract_model`: one fixed key and no counter. Only shapes
-    are traced there, and under a trace each draw from `nnx.Rngs` updates a counter through a path that walks
-    the whole trace so far, so its cost grows with depth squared (4 s for tiny-k3's 14 layers)."""
+class TraceRngs:
+    """The draws of `nnx.Rngs(seed)` (draw i is `fold_in(key(seed), i)`), counted in Python: for building a
+    model inside a trace (`eval_shape`, `jit`). Under a trace each draw from `nnx.Rngs` updates its counter
+    through a path that walks the whole trace so far, so building costs depth squared (tiny-k3: 4 s)."""
+
+    def __init__(self, seed: int):
+        self._key = jax.random.key(seed)
+        self._count = 0
 
     def params(self) -> jax.Array:
-        return jax.random.key(0)
+        key = jax.random.fold_in(self._key, self._count)
+        self._count += 1
+        return key
 
 
 def abstract_model(
     cfg: ModelConfig,
     dtype: Any = jnp.float32,
+    seed: int = 0,
     allow_unimplemented: bool = False,
     dequantize_experts: bool = False,
 ) -> HybridLM:
@@ -185,7 +192,7 @@ def abstract_model(
     return nnx.eval_shape(
         lambda: HybridLM(
             cfg,
-            rngs=_ShapeOnlyRngs(),  # type: ignore[arg-type]
+            rngs=TraceRngs(seed),  # type: ignore[arg-type]
             dtype=dtype,
             allow_unimplemented=allow_unimplemented,
             dequantize_experts=dequantize_experts,

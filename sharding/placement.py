@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxhybrid.cache import KDACache
 from jaxhybrid.config import ModelConfig
-from jaxhybrid.model import HybridLM, abstract_model, set_experts_fn
+from jaxhybrid.model import HybridLM, TraceRngs, abstract_model, set_experts_fn
 from sharding.checkpoint import restore_state
 from sharding.expert_parallel import make_expert_parallel_fn
 from sharding.rules import LogicalRules, cache_shardings, state_shardings
@@ -66,12 +66,12 @@ def create_sharded_model(
     computes only its own shards (no full copy anywhere; works across processes). Values equal
     `HybridLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype)` (same random streams). `expert_parallel`: see
     `_maybe_install` (default: on when the mesh has an expert axis that divides num_experts)."""
-    abstract = abstract_model(cfg, dtype)
+    abstract = abstract_model(cfg, dtype, seed)
     graphdef, _ = nnx.split(abstract)
     shardings = state_shardings(abstract, mesh, rules)
 
     def init() -> nnx.State:
-        return nnx.state(HybridLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
+        return nnx.state(HybridLM(cfg, rngs=TraceRngs(seed), dtype=dtype))  # type: ignore[arg-type]
 
     state = jax.jit(init, out_shardings=shardings)()
     model = nnx.merge(graphdef, state)

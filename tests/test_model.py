@@ -10,7 +10,14 @@ from numpy_reference import NumpyReference
 from oracles import randomize
 
 from jaxhybrid.config import from_dict, load_config
-from jaxhybrid.model import HybridLM, NotImplementedConfigError, abstract_model, pure_fn, set_moe_impl
+from jaxhybrid.model import (
+    HybridLM,
+    NotImplementedConfigError,
+    TraceRngs,
+    abstract_model,
+    pure_fn,
+    set_moe_impl,
+)
 
 TOL = 2e-5  # fp32 relative error, max|a-b| / max|b|, between evaluation orders (measured up to 1.3e-5)
 
@@ -121,7 +128,7 @@ def test_dropless_moe_equals_dense_reference_in_the_model():
     ids=["tiny", "k3", "k3-mxfp4"],
 )
 def test_abstract_model_is_the_models_shapes_and_metadata(name, quant):
-    """abstract_model (drawing from one fixed key) has the structure, shapes, dtypes and sharding metadata of
+    """abstract_model (drawing from TraceRngs) has the structure, shapes, dtypes and sharding metadata of
     the model built with nnx.Rngs, traced the same way."""
     cfg = load_config(name).replace(expert_quant=quant)
     want = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
@@ -132,6 +139,16 @@ def test_abstract_model_is_the_models_shapes_and_metadata(name, quant):
     for (path, g), (_, w) in zip(got_vars, want_vars, strict=True):
         assert type(g) is type(w) and g.get_metadata() == w.get_metadata(), path
         assert (g.get_value().shape, g.get_value().dtype) == (w.get_value().shape, w.get_value().dtype), path
+
+
+def test_trace_rngs_draw_what_nnx_rngs_draw():
+    """A model built from TraceRngs(seed) holds the arrays of one built from nnx.Rngs(seed), bit for bit."""
+    cfg = load_config("tiny")
+    want = nnx.to_flat_state(nnx.state(HybridLM(cfg, rngs=nnx.Rngs(3))))
+    got = nnx.to_flat_state(nnx.state(HybridLM(cfg, rngs=TraceRngs(3))))
+    assert [path for path, _ in got] == [path for path, _ in want]
+    for (path, g), (_, w) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g.get_value()), np.asarray(w.get_value()), err_msg=str(path))
 
 
 def test_unimplemented_config_is_refused():
