@@ -88,3 +88,26 @@ def _free_compiled_programs():
     forget_loaded()
     jax.clear_caches()
     gc.collect()
+
+
+# pytest-xdist hands out whole files (`--dist loadfile`) in collection order, so a heavy file collected last
+# (alphabetically: test_train.py, test_server.py) leaves one worker running it alone at the end. The heaviest
+# files are collected first (about a minute or more each in the default run), so the two workers end together.
+HEAVY_FIRST = (
+    "test_prefix_store.py",
+    "test_engine.py",
+    "test_model.py",
+    "test_bench.py",
+    "test_server.py",
+    "test_train.py",
+    "test_packed_model.py",
+    "test_sharded_model.py",
+    "test_k3_model.py",
+    "test_prefix_simulate.py",
+    "test_compile_cache.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))  # stable: the rest keep order
