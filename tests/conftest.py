@@ -90,9 +90,10 @@ def _free_compiled_programs():
     gc.collect()
 
 
-# pytest-xdist hands out whole files (`--dist loadfile`) in collection order, so a heavy file collected last
-# (alphabetically: test_train.py, test_server.py) leaves one worker running it alone at the end. The heaviest
-# files are collected first (about a minute or more each in the default run), so the two workers end together.
+# pytest-xdist hands out whole files (`--dist loadfile`) in collection order (`--no-loadscope-reorder`: by
+# default it orders them by their number of tests), so a heavy file handed out last leaves one worker running
+# it alone at the end. The files of half a minute or more in the default run are collected first, heaviest
+# first; the rest (each under half a minute) keep their order.
 HEAVY_FIRST = (
     "test_prefix_store.py",
     "test_engine.py",
@@ -105,6 +106,16 @@ HEAVY_FIRST = (
     "test_k3_model.py",
     "test_prefix_simulate.py",
     "test_compile_cache.py",
+    "test_cli_generate.py",
+    "test_prefix_disk.py",
+    "test_k3_tokenizer.py",
+    "test_prefix_adaptive.py",
+    "test_engine_faults.py",
+    "test_ops_kda.py",
+    "test_bench_quant.py",
+    "test_sharded_engine.py",
+    "test_weights.py",
+    "test_packed_memory.py",
 )
 
 
