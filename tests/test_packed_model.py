@@ -20,6 +20,7 @@ from serve.prefix.store import PrefixStoreConfig
 
 EXACT = 1e-6  # packed vs dequantized: the same weights, the same products (fp32 round-off only)
 LEN = 40
+SCAN_ORDER = 5e-5  # scanned vs unrolled layers (see test_scanned_layers_read_packed_experts_in_place)
 
 
 def k3_mxfp4():
@@ -197,6 +198,8 @@ def test_scanned_layers_read_packed_experts_in_place():
     toks = jnp.asarray(tokens(cfg, 2, seed=6)[:, :24])
     want, want_cache = cached(state, toks, model.init_cache(2, 32))
     got, got_cache = scanned(params, toks, model.init_cache(2, 32))
-    assert rel_err(got, want) < EXACT
+    # one loop body against unrolled layers: another evaluation order, so fp32 round-off of it (below 1e-6
+    # with XLA:CPU's fusion emitters, 1.9e-5 with the elemental emitters the tests compile with), not EXACT
+    assert rel_err(got, want) < SCAN_ORDER
     step = toks[:, :1]
-    assert rel_err(scanned(params, step, got_cache)[0], cached(state, step, want_cache)[0]) < EXACT
+    assert rel_err(scanned(params, step, got_cache)[0], cached(state, step, want_cache)[0]) < SCAN_ORDER
