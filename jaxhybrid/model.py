@@ -169,7 +169,7 @@ def packed_experts(cfg: ModelConfig, dequantize_experts: bool = False) -> bool:
 class TraceRngs:
     """The draws of `nnx.Rngs(seed)` (draw i is `fold_in(key(seed), i)`), counted in Python: for building a
     model inside a trace (`eval_shape`, `jit`). Under a trace each draw from `nnx.Rngs` updates its counter
-    through a path that walks the whole trace so far, so building costs depth squared (tiny-k3: 4 s)."""
+    through a path that walks the whole trace so far, so building costs depth squared."""
 
     def __init__(self, seed: int):
         self._key = jax.random.key(seed)

@@ -10,8 +10,8 @@ import tempfile
 # time is XLA:CPU compiling tiny models' programs, and LLVM's optimization is much of a compile: the tests
 # compile at level 0 (the same HLO, fp32 arithmetic without fast-math; only the machine code is slower), a
 # quarter less time, and with XLA:CPU's older elemental emitters instead of its MLIR fusion emitters (a
-# third less again: 24 min -> 16 min for the default run). JAXHYBRID_TEST_OPT_LEVEL=default runs them on the
-# programs `serve` compiles.
+# third less again at level 0; at the default level they cost more, so only the tests use them).
+# JAXHYBRID_TEST_OPT_LEVEL=default runs them on the programs `serve` compiles.
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _flags = [f"{DEVICE_COUNT_FLAG}=8"]
 _level = os.environ.get("JAXHYBRID_TEST_OPT_LEVEL", "0")

@@ -4,6 +4,8 @@ the float64 NumPy reference (tests/numpy_reference.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -38,9 +40,11 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def assert_matches_full_pass(full: FullPass, prompt, generated, logprobs=None, tol: float = LOGPROB_TOL):
+def assert_matches_full_pass(
+    full: Callable[[list[int]], np.ndarray], prompt, generated, logprobs=None, tol: float = LOGPROB_TOL
+):
     """Every greedy token is the argmax of the full pass over everything before it, and (when given) its
-    logprob equals that pass's log-softmax within `tol`."""
+    logprob equals that pass's log-softmax within `tol`. `full`: tokens -> logits [T, vocab] (a FullPass)."""
     seq = list(prompt) + list(generated)
     logits = full(seq[:-1])[len(prompt) - 1 :]
     assert list(logits.argmax(-1)) == list(generated)

@@ -18,7 +18,7 @@ import pytest
 from conftest import rel_err
 from flax import nnx
 from numpy_reference import NumpyReference, attn_res_mix, situ
-from oracles import LOGPROB_TOL, log_softmax, randomize
+from oracles import assert_matches_full_pass, randomize
 
 from jaxhybrid.config import load_config
 from jaxhybrid.layers.basic import gated_activation
@@ -277,11 +277,12 @@ def test_engine_greedy_on_tiny_k3_equals_the_full_pass(k3_model):
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, model.config.vocab_size, n).tolist() for n in (12, 14)]
     results = eng.generate(prompts, params)
+
+    def one_sequence(toks: list[int]) -> np.ndarray:
+        """The fixture's full pass (its one compiled shape, [2, FULL_LEN]) over `toks`: [len, vocab]."""
+        padded = np.zeros((2, FULL_LEN), np.int32)
+        padded[:, : len(toks)] = toks
+        return np.asarray(full(padded)[0, : len(toks)], np.float64)
+
     for prompt, res in zip(prompts, results, strict=True):
-        seq = prompt + res.token_ids
-        padded = np.zeros((1, FULL_LEN), np.int32)
-        padded[0, : len(seq)] = seq
-        logits = np.asarray(full(np.repeat(padded, 2, axis=0))[0, len(prompt) - 1 : len(seq) - 1], np.float64)
-        assert list(logits.argmax(-1)) == list(res.token_ids)
-        want = log_softmax(logits)[np.arange(len(res.token_ids)), res.token_ids]
-        np.testing.assert_allclose(res.logprobs, want, rtol=0, atol=LOGPROB_TOL)
+        assert_matches_full_pass(one_sequence, prompt, res.token_ids, res.logprobs)
