@@ -7,10 +7,12 @@ and then serves the bench.
 """
 
 import asyncio
+import dataclasses
 import json
 import math
 import threading
 import time
+from concurrent.futures import Future
 
 import httpx
 import numpy as np
@@ -33,7 +35,8 @@ from serve.bench.workload import Arrivals, WorkloadError, arrival_times, read_da
 from serve.cli import main
 from serve.engine.config import EngineConfig, EngineShape, ProgramShape
 from serve.engine.engine import Engine
-from serve.engine.warmup import Helpers, Warmup, WarmupLevel, WarmupState, warmup_plan
+from serve.engine.executables import Tier
+from serve.engine.warmup import Helpers, Quick, Warmup, WarmupLevel, WarmupState, warmup_plan
 from serve.http.app import create_app
 
 # --- latency summaries, arrivals, prompts -----------------------------------------------------------------
@@ -191,6 +194,51 @@ def test_warmup_steps_timeout_and_failure():
         pass
     assert w.state is WarmupState.FAILED and w.progress().compiled == 2
     assert Warmup(FakeEngine(), WarmupLevel.NONE, 1).state is WarmupState.DONE
+
+
+class FakeTieredEngine(FakeEngine):
+    """An engine with the tiered compile: model programs go to a background job the test finishes."""
+
+    def __init__(self):
+        super().__init__()
+        self.shape = dataclasses.replace(self.shape, tiered_compile=True)
+        self.jobs = []
+
+    def compile_program(self, program):
+        raise AssertionError("with the tiered compile model programs compile in the background")
+
+    def compile_in_background(self, program, tier=Tier.OPTIMIZED):
+        self.jobs.append((program, tier, Future()))
+        return self.jobs[-1][2]
+
+
+def test_tiered_warmup_compiles_the_first_decode_step_quick_in_the_background_helpers_meanwhile():
+    eng = FakeTieredEngine()
+    w = Warmup(eng, WarmupLevel.DECODE, timeout_s=100)
+    first = ProgramShape(1, 1, eng.shape.table_buckets[0])
+    assert w.items[:3] == [Quick(first), Helpers((1,), True), first]  # quick first, optimized after
+    assert w.step(wait_s=0) and eng.jobs == [(first, Tier.QUICK, eng.jobs[0][2])] and eng.done == []
+    assert w.step(wait_s=0) and eng.done == [Helpers((1,), True)]  # on this thread while the job runs
+    assert w.step(wait_s=0) and len(eng.jobs) == 1  # the next program waits for the one in flight
+    assert w.progress().compiled == 1
+    eng.jobs[0][2].set_result(True)
+    while w.pending:
+        w.step(wait_s=0)
+        if eng.jobs and not eng.jobs[-1][2].done():
+            eng.jobs[-1][2].set_result(len(eng.jobs) != 2)  # one a request compiled first
+    assert w.state is WarmupState.DONE and w.progress().compiled == len(w.items)
+    assert [(p, t) for p, t, _ in eng.jobs] == [(first, Tier.QUICK)] + [
+        (p, Tier.OPTIMIZED) for p in w.items if isinstance(p, ProgramShape)
+    ]
+    assert w.progress().last == "decode, 2 rows, a block table of 64 tokens"
+
+    failing = FakeTieredEngine()
+    w = Warmup(failing, WarmupLevel.DECODE, timeout_s=100)
+    w.step(wait_s=0), w.step(wait_s=0)  # the quick job, then the helpers meanwhile
+    failing.jobs[0][2].set_exception(RuntimeError("boom"))
+    while w.step(wait_s=0):
+        pass
+    assert w.state is WarmupState.FAILED and w.progress().compiled == 1  # the helpers
 
 
 # --- one in-process server, warmed behind a gate ------------------------------------------------------------

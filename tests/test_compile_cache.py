@@ -3,6 +3,7 @@ the compile cache's serialized executables without tracing the model (an entry t
 compiled again), giving what a fresh compile gives."""
 
 import collections
+import dataclasses
 import os
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def counting_runner(model, cache, monkeypatch):
     monkeypatch.setattr(runner_mod, "_run_fn", counting)
     monkeypatch.setattr(runner_mod, "_programs", PROGRAMS)
     monkeypatch.setattr(ExecutableCache, "from_jax_config", classmethod(lambda cls: cache))
-    monkeypatch.setattr(executables, "_LOADED", collections.OrderedDict())  # as in a new process: disk only
+    monkeypatch.setattr(executables, "_SLOTS", collections.OrderedDict())  # as in a new process: disk only
     jax.clear_caches()  # and none of the executables jit keeps in memory (some came from JAX's disk cache)
     return Runner(model, EngineShape.resolve(SMALL, model.config)), traces
 
@@ -146,3 +147,37 @@ def test_a_program_kept_after_jax_cache_gave_it_back_runs(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
     assert list((tmp_path / "executables").glob("*.pkl"))
     np.testing.assert_array_equal(np.load(tmp_path / "read.npy"), np.load(tmp_path / "jax.npy"))
+
+
+def test_tiered_compile_serves_the_full_pass_quick_first_then_optimized(model, monkeypatch):
+    """With the tiered compile a first request waits for the quick tier only: its short prompt runs through
+    the one-row decode program (compiled quick) while the prefill program compiles in the background, and
+    the decode step's optimized form replaces the quick one when ready. Oracle: the full causal pass, greedy
+    tokens and logprobs within LOGPROB_TOL, before and after the swap; every program ends optimized."""
+    from oracles import FullPass, assert_matches_full_pass
+
+    monkeypatch.setattr(executables, "_SLOTS", collections.OrderedDict())  # nothing compiled in this process
+    compiles = []
+    install = executables.ModelExecutables._install
+
+    def recording(self, slot, key, lowered, tier):
+        install(self, slot, key, lowered, tier)
+        compiles.append((lowered[0].args_info[0][3].shape, tier, True))
+
+    monkeypatch.setattr(executables.ModelExecutables, "_install", recording)
+    eng = Engine(model, dataclasses.replace(SMALL, tiered_compile=True))
+    full, greedy = FullPass(model), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9]
+    (first,) = eng.generate([prompt], greedy)
+    assert_matches_full_pass(full, prompt, first.token_ids, first.logprobs)
+    quick = ((1, 1), executables.Tier.QUICK, True)
+    assert quick in compiles  # the decode step, quick, ran the prompt
+    executables.BACKGROUND.submit(lambda: None).result(timeout=300)  # the background compiles are done
+    prefill, decode = ProgramShape(1, 16, DECODE.width), DECODE
+    assert ((1, 16), executables.Tier.OPTIMIZED, True) in compiles  # the prefill program, in the background
+    optimized = ((1, 1), executables.Tier.OPTIMIZED, True)  # the decode step's optimized form, after
+    assert compiles.index(optimized) > compiles.index(quick)
+    assert eng.runner.optimized_programs() == {prefill, decode}
+    for p in (prompt, list(range(20, 40))):  # the prefill program now; a prompt of two chunks
+        (out,) = eng.generate([p], greedy)
+        assert_matches_full_pass(full, p, out.token_ids, out.logprobs)

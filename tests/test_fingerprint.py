@@ -1,6 +1,7 @@
-"""The prefix store's model fingerprint covers every weight byte without copying weights to the host, and
-a store never serves another model's states. Oracles: models that differ in one element, by seed, dtype
-or config; the bytes the digest pass moves to the host; the digest recomputed by hand in NumPy."""
+"""The prefix store's model fingerprint covers every weight byte without copying large or sharded weights to
+the host, and a store never serves another model's states. Oracles: models that differ in one element, by
+seed, dtype or config; the bytes the digest pass moves to the host; the digest recomputed by hand in NumPy;
+the device pass for the small weights digested on the host."""
 
 import dataclasses
 
@@ -12,7 +13,8 @@ from flax import nnx
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from serve.prefix.fingerprint import _leaf_digest, model_fingerprint, weights_digest
+from serve.prefix import fingerprint
+from serve.prefix.fingerprint import _host_leaf_digest, _leaf_digest, model_fingerprint, weights_digest
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +92,21 @@ def test_a_sharded_model_has_the_fingerprint_of_the_unsharded_one(cfg):
     b = shard_model(tiny(cfg), mesh)
     assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(nnx.state(b)))
     assert model_fingerprint(b) == fp
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.uint8, jnp.bool_])
+def test_the_host_digest_of_a_small_weight_is_the_device_digest_bit_for_bit(dtype):
+    x = jax.random.normal(jax.random.key(1), (3, 257, 5), jnp.float32) * 100
+    x = (x > 0) if dtype == jnp.bool_ else x.astype(dtype)
+    assert np.array_equal(_host_leaf_digest(np.asarray(x)), np.asarray(_leaf_digest(x)))
+
+
+def test_a_model_digested_on_the_host_has_the_device_passs_fingerprint(cfg, monkeypatch):
+    model = tiny(cfg, dtype=jnp.bfloat16)
+    fp = model_fingerprint(model)
+    calls = []
+    monkeypatch.setattr(fingerprint, "_host_leaf_digest", lambda x: calls.append(x) or _host_leaf_digest(x))
+    assert model_fingerprint(model) == fp and calls  # the small weights went through the host path
+    monkeypatch.setattr(fingerprint, "HOST_DIGEST_BYTES", -1)  # every weight on the device
+    calls.clear()
+    assert model_fingerprint(model) == fp and not calls

@@ -494,7 +494,8 @@ def test_jaxhybrid_serve_with_no_arguments():
         # quiet by default: our own few lines (and one per warm-up program), no library INFO chatter
         lines = [line for line in out.splitlines() if line.strip()]
         assert all(" INFO " not in line or " jaxhybrid." in line for line in lines), out
-        assert len([line for line in lines if not re.search(r"warm-up \d+/\d+: ", line)]) <= 7, out
+        ours = [line for line in lines if not re.search(r"warm-up \d+/\d+: ", line)]
+        assert len(ours) <= 7, "\n".join(lines)
     finally:
         if proc.poll() is None:
             proc.kill()

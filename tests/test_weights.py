@@ -414,3 +414,27 @@ def test_load_onto_a_mesh(model, hf_dir, tmp_path, tokens, reference, logits_of,
     for name, arr in named_arrays(loaded).items():
         np.testing.assert_array_equal(np.asarray(arr), np.asarray(want[name]), err_msg=name)
     assert rel_err(logits_of(loaded, tokens), reference) < 1e-4
+
+
+def test_a_load_reads_the_orbax_metadata_once_and_again_after_it_changes(hf_dir, tmp_path, monkeypatch):
+    """The serving dtype and the arrays to restore both come from the stored metadata: one read per load
+    (each Orbax metadata read costs about 0.4 s), and a checkpoint rewritten in place is read anew."""
+    from jaxhybrid.weights import orbax_io
+
+    out = tmp_path / "orbax"
+    assert cli_main(["convert", str(hf_dir), str(out), "--no-progress"]) == 0
+    reads, checkpointer = [], orbax_io.checkpointer
+
+    def counting(*args, **kw):
+        ck = checkpointer(*args, **kw)
+        metadata = ck.metadata
+        ck.metadata = lambda *a, **k: reads.append(1) or metadata(*a, **k)
+        return ck
+
+    monkeypatch.setattr(orbax_io, "checkpointer", counting)
+    assert load_pretrained(out, progress=False).model.norm.weight[...].dtype == jnp.float32
+    assert len(reads) == 1
+    args = ["convert", str(hf_dir), str(out), "--dtype", "bfloat16", "--overwrite", "--no-progress"]
+    assert cli_main(args) == 0
+    assert load_pretrained(out, progress=False).model.embed_tokens.weight[...].dtype == jnp.bfloat16
+    assert len(reads) == 2

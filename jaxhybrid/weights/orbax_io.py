@@ -10,6 +10,7 @@ array read whole.
 
 from __future__ import annotations
 
+import functools
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -73,8 +74,20 @@ def checkpointer(
 
 
 def stored_arrays(directory: str | Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Our name -> (shape, dtype) of every array in an Orbax checkpoint directory (metadata only)."""
+    """Our name -> (shape, dtype) of every array in an Orbax checkpoint directory (metadata only). A load
+    asks for it more than once (the dtype to serve in, then the arrays to read): read once per version of
+    the metadata file."""
     params = (Path(directory) / PARAMS_DIR).resolve()  # Orbax finds no metadata under a relative path
+    try:
+        stat = (params / "_METADATA").stat()
+        version = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+    except OSError:  # no metadata file (yet): read, and let Orbax say what is wrong
+        return _stored_arrays.__wrapped__(params, None)
+    return dict(_stored_arrays(params, version))
+
+
+@functools.lru_cache(maxsize=8)
+def _stored_arrays(params: Path, version: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     ck = checkpointer()
     try:
         meta = ck.metadata(params)

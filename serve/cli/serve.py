@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -195,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer is None:
             log.warning("no tokenizer for this model: only token-id prompts on /v1/completions will work")
         cfg = engine_config(args)
+        if not multi:  # several processes run each program in lockstep: one tier, compiled where first needed
+            cfg = dataclasses.replace(cfg, tiered_compile=True)
         if multi:
             from serve.engine.replicated import check_engine_config
 

@@ -60,6 +60,11 @@ class EngineConfig:
     # "auto" (every program of a model with at least AUTO_SCAN_MIN_GROUPS groups, none otherwise), "off",
     # "prefill" (prefill programs; decode unrolled) or "all". See `scan_mode`.
     scan_layers: str = "auto"
+    # A program a step needs and nobody compiled yet: compile it quickly (XLA's lowest optimization level)
+    # and its optimized form in the background, which replaces it; a short prompt chunk whose prefill program
+    # is not ready runs through the one-row decode program meanwhile. The server turns it on (a first request
+    # waits seconds, not tens of seconds); off, every program is compiled optimized where it is first needed.
+    tiered_compile: bool = False
     prefix: PrefixStoreConfig | None = dataclasses.field(default_factory=PrefixStoreConfig)
 
     def validate(self) -> None:
@@ -141,6 +146,7 @@ class EngineShape:
     prefill_rows: int = 1  # rows of a packed prefill call (EngineConfig.prefill_rows, at most the slots)
     pack_lengths: tuple[int, ...] = ()  # its lengths (PACK_LENGTHS up to the prefill chunk)
     scan_layers: str = "auto"  # which programs scan the repeated layer groups (`scan_mode`)
+    tiered_compile: bool = False  # EngineConfig.tiered_compile
 
     def decode_rows(self, running: int) -> int:
         return next(b for b in self.decode_buckets if b >= running)
@@ -226,4 +232,5 @@ class EngineShape:
             prefill_rows=min(config.prefill_rows, config.max_slots),
             pack_lengths=tuple(sorted({min(n, config.prefill_chunk) for n in PACK_LENGTHS})),
             scan_layers=config.scan_layers,
+            tiered_compile=config.tiered_compile,
         )

@@ -15,6 +15,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import jax
@@ -23,6 +24,7 @@ import numpy as np
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import HybridLM, held_bytes
 from serve.engine.config import EngineConfig, EngineShape, ProgramShape
+from serve.engine.executables import Tier
 from serve.engine.pools import EnginePools, aligned_prefix
 from serve.engine.requests import (
     FinishReason,
@@ -393,6 +395,11 @@ class Engine(BatchAPI):
         """Compile one model program ahead of its first use (and, while no request is in the engine, run it
         once on rows that touch only idle slots and the scratch block); False if it already was compiled."""
         return self.pools.compile_program(program, run_once=not self.has_unfinished())
+
+    def compile_in_background(self, program: ProgramShape, tier: Tier = Tier.OPTIMIZED) -> Future:
+        """Compile one model program at `tier` on the background compile thread while steps go on (a step
+        that needs it meanwhile waits for that compile); the future's result is False if it already was."""
+        return self.runner.compile_in_background(program, tier)
 
     def compile_helpers(self, rows: tuple[int, ...] | None = None, slot_programs: bool = True) -> None:
         """Compile the small programs every request meets (sampling for batches of `rows`, default every

@@ -15,14 +15,20 @@ directory must be the user's own: an entry is a pickle of machine code, loaded a
 
 from __future__ import annotations
 
+import atexit
 import collections
+import concurrent.futures
 import contextlib
+import dataclasses
+import enum
 import functools
 import hashlib
 import logging
 import os
 import pickle
+import queue
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -155,59 +161,257 @@ class ExecutableCache:
         self._warned = True
 
 
+QUICK_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
+class Tier(enum.Enum):
+    """How hard XLA optimizes a program. QUICK compiles a model program in about half the time (XLA:CPU at
+    level 0, elemental emitters) and runs it slower: what a request waits for while no optimized program
+    exists yet; the optimized one is compiled in the background and replaces it."""
+
+    QUICK = "quick"
+    OPTIMIZED = "optimized"
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    """One program (model program + rows' write) of one key, shared by the runners of this process: the best
+    compiled so far (None: none yet), whether that is the quick tier, and the lock held while compiling (a
+    second caller waits for the compile in progress instead of repeating it)."""
+
+    best: tuple[Any, Any] | None = None
+    quick: bool = False
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
 class ModelExecutables:
     """A runner's model programs, compiled once per `ProgramShape`: the model program (`run` or its
-    scanned form) and the write of its rows' states (`write_rows`), read from `cache` when it holds them,
-    else compiled (and kept there). `structure`: the model's static graph, in words (part of the key)."""
+    scanned form) and the write of its rows' states (`write_rows`). Shared by key with every runner of this
+    process (engines built one after another, a start-up compile ahead of the engine), read from `cache`
+    when it holds them, else compiled (and kept there). `structure`: the model's static graph, in words
+    (part of the key). With `tiered`, a program that is missing when a step needs it is compiled at the
+    quick tier and its optimized form in the background (`background`), which replaces it when done."""
 
-    def __init__(self, write_rows: Any, structure: Callable[[], str], cache: ExecutableCache):
-        self.write_rows, self.cache = write_rows, cache
+    def __init__(
+        self,
+        write_rows: Any,
+        structure: Callable[[], str],
+        cache: ExecutableCache,
+        tiered: bool = False,
+    ):
+        self.write_rows, self.cache, self.tiered = write_rows, cache, tiered
         self._structure, self._structure_text = structure, ""
-        self._compiled: dict[Any, tuple[Any, Any]] = {}
+        self._slots: dict[Any, _Slot] = {}
 
     def shapes(self) -> frozenset:
-        """The program shapes compiled or loaded so far."""
-        return frozenset(self._compiled)
+        """The program shapes compiled or loaded so far (at either tier)."""
+        return frozenset(p for p, slot in self._slots.items() if slot.best is not None)
+
+    def optimized(self, program: Any) -> bool:
+        """Whether `program`'s optimized form is ready."""
+        slot = self._slots.get(program)
+        return slot is not None and slot.best is not None and not slot.quick
+
+    def ready(self, program: Any) -> bool:
+        """Whether a step can run `program` without waiting for a compile."""
+        slot = self._slots.get(program)
+        return slot is not None and slot.best is not None
 
     def get(self, program: Any, name: str, run: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
-        """(model program, rows' write) for `program`'s shape: `run` (a jitted function named `name`) is
-        traced only when neither this runner nor the cache has it. `args`: `run`'s arguments (params, KDA
-        pools, MLA pools, tokens, slot ids, block tables, start, valid), only looked at for their shapes."""
-        if program in self._compiled:
-            return self._compiled[program]
-        key, loaded = "", None
-        if self.cache.enabled:
-            self._structure_text = self._structure_text or self._structure()
-            key = self.cache.key(name, self._structure_text, args)
-            loaded = _LOADED.get(key) or self.cache.load(key)
-        if loaded is not None and len(loaded) == 2:
-            log.debug("compiled program %s read from %s", program, self.cache.directory)
-            self._compiled[program] = _remember(key, (loaded[0], loaded[1]))
-            return self._compiled[program]
+        """(model program, rows' write) for `program`'s shape, at whatever tier is ready: `run` (a jitted
+        function named `name`) is traced only when neither this process nor the cache has it. `args`: `run`'s
+        arguments (params, KDA pools, MLA pools, tokens, slot ids, block tables, start, valid), only looked
+        at for their shapes. A compile in progress on another thread is waited for."""
+        slot = self._slots.get(program)
+        if slot is not None and slot.best is not None:
+            return slot.best
+        slot = self._slot(program, name, args)
+        key = self._key(name, args)
+        with slot.lock:
+            if slot.best is None and not self._load(slot, key):
+                lowered = self._lower(run, args)
+                self._install(slot, key, lowered, Tier.QUICK if self.tiered else Tier.OPTIMIZED)
+                if slot.quick:  # the optimized form from the same trace, in the background
+                    self._submit(slot, key, lowered, Tier.OPTIMIZED)
+        return slot.best
+
+    def compile(
+        self, program: Any, name: str, run: Any, args: tuple[Any, ...], tier: Tier, background: bool = False
+    ) -> bool | concurrent.futures.Future:
+        """Make `program` ready at `tier` or better; False if it already was (nothing compiled). With
+        `background` the trace runs here and XLA's compile on the background thread: the job's future."""
+        slot = self._slot(program, name, args)
+        if self._ready_at(slot, tier):
+            return False
+        key = self._key(name, args)
+        if not slot.lock.acquire(blocking=not background):  # compiling elsewhere: wait there, not here
+            return BACKGROUND.submit(lambda: self._after_compile(slot))
+        try:
+            if self._ready_at(slot, tier):
+                return False
+            if self._load(slot, key):
+                return True
+            lowered = self._lower(run, args)
+            if not background:
+                self._install(slot, key, lowered, tier)
+                return True
+        finally:
+            slot.lock.release()
+        return self._submit(slot, key, lowered, tier)
+
+    @staticmethod
+    def _after_compile(slot: _Slot) -> bool:
+        """Wait for the compile in progress in `slot` (whoever needs a better tier submitted it): False."""
+        with slot.lock:
+            return False
+
+    @staticmethod
+    def _ready_at(slot: _Slot, tier: Tier) -> bool:
+        return slot.best is not None and (tier is Tier.QUICK or not slot.quick)
+
+    def _slot(self, program: Any, name: str, args: tuple[Any, ...]) -> _Slot:
+        slot = self._slots.get(program)
+        if slot is None:
+            slot = self._slots[program] = _shared_slot(self._key(name, args))
+        return slot
+
+    def _key(self, name: str, args: tuple[Any, ...]) -> str:
+        self._structure_text = self._structure_text or self._structure()
+        return self.cache.key(name, self._structure_text, args)
+
+    def _load(self, slot: _Slot, key: str) -> bool:
+        """Read the optimized programs from the cache into `slot`; False when it lacks them."""
+        loaded = self.cache.load(key) if self.cache.enabled else None
+        if loaded is None or len(loaded) != 2:
+            return False
+        log.debug("compiled program read from %s", self.cache.directory)
+        slot.best, slot.quick = (loaded[0], loaded[1]), False
+        return True
+
+    def _lower(self, run: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+        """The traced (lowered) model program, ready for XLA at any tier, and the rows' write's arguments.
+        Only the thread that calls the engine traces the model: Flax's graph merge inside a trace is not safe
+        on two threads at once."""
+        return run.lower(*args), (args[1], args[4])
+
+    def _install(self, slot: _Slot, key: str, lowered: tuple[Any, tuple[Any, ...]], tier: Tier) -> None:
+        """Compile `lowered` at `tier` into `slot` (the caller holds its lock), with the rows' write for the
+        states as the compiled program leaves them; optimized ones are kept in the cache."""
+        options = QUICK_OPTIONS if tier is Tier.QUICK else None
+        run, (pools, slots) = lowered
         with fresh_compile() if self.cache.enabled else contextlib.nullcontext():
-            compiled_run = run.lower(*args).compile()
+            compiled_run = run.compile(compiler_options=options)
             _, rows, _ = compiled_run.out_info
-            compiled_write = self.write_rows.lower(args[1], args[4], rows).compile()
-        self._compiled[program] = (compiled_run, compiled_write)
-        if self.cache.enabled:
-            self.cache.save(key, _remember(key, self._compiled[program]))
-        return self._compiled[program]
+            write = self.write_rows.lower(pools, slots, rows).compile(compiler_options=options)
+        slot.best, slot.quick = (compiled_run, write), tier is Tier.QUICK
+        if tier is Tier.OPTIMIZED:
+            self.cache.save(key, slot.best)
+
+    def _submit(
+        self, slot: _Slot, key: str, lowered: tuple[Any, Any], tier: Tier
+    ) -> concurrent.futures.Future:
+        def job() -> bool:
+            with slot.lock:
+                if self._ready_at(slot, tier):
+                    return False
+                self._install(slot, key, lowered, tier)
+                return True
+
+        future = BACKGROUND.submit(job)
+        future.add_done_callback(log_failure)
+        return future
 
 
-# The programs this process read or kept, by key: another runner of the same model and shape (engines
-# built one after another) takes them from here, as jit's own caches would give it, not from the disk.
-_LOADED: collections.OrderedDict[str, tuple[Any, Any]] = collections.OrderedDict()
-_LOADED_MAX = 64
+def spec(x: Any) -> Any:
+    """An argument as its shapes (a committed array keeps its placement; an uncommitted one goes where the
+    program puts it)."""
+
+    def leaf(a: Any) -> Any:
+        sharding = getattr(a, "sharding", None) if getattr(a, "committed", True) else None
+        weak = getattr(a, "weak_type", False)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding, weak_type=weak)
+
+    return jax.tree_util.tree_map(leaf, x)
 
 
-def _remember(key: str, programs: tuple[Any, Any]) -> tuple[Any, Any]:
-    _LOADED[key] = programs
-    _LOADED.move_to_end(key)
-    while len(_LOADED) > _LOADED_MAX:
-        _LOADED.popitem(last=False)
-    return programs
+# The programs of this process by key: another runner of the same model and shape (engines built one after
+# another, the serve command's compile ahead of its engine) takes them from here, not from the disk.
+_SLOTS: collections.OrderedDict[str, _Slot] = collections.OrderedDict()
+_SLOTS_MAX = 64
+_SLOTS_LOCK = threading.Lock()
+
+
+def _shared_slot(key: str) -> _Slot:
+    with _SLOTS_LOCK:
+        slot = _SLOTS.get(key)
+        if slot is None:
+            slot = _SLOTS[key] = _Slot()
+        _SLOTS.move_to_end(key)
+        while len(_SLOTS) > _SLOTS_MAX:
+            _SLOTS.popitem(last=False)
+        return slot
 
 
 def forget_loaded() -> None:
     """Drop the programs kept in this process (with `jax.clear_caches`, to free their memory)."""
-    _LOADED.clear()
+    with _SLOTS_LOCK:
+        _SLOTS.clear()
+
+
+class Background:
+    """One thread that compiles programs in order while steps run (XLA releases the GIL while it compiles).
+    `submit` returns the job's future. At exit (`stop`, registered with atexit) the jobs not started are
+    cancelled and the one in progress is waited for: a thread still inside XLA when the interpreter
+    finalizes aborts the process."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Any] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def submit(self, job: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._stopped:
+                future.cancel()
+                return future
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="jaxhybrid-compile", daemon=True)
+                self._thread.start()
+                atexit.register(self.stop)
+            self._jobs.put((job, future))
+        return future
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel the jobs not started and wait for the one in progress."""
+        with self._lock:
+            self._stopped, thread = True, self._thread
+            self._jobs.put(None)
+        if thread is not None:
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, future = item
+            if self._stopped:
+                future.cancel()
+                continue
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(job())
+            except Exception as exc:
+                future.set_exception(exc)
+        while not self._jobs.empty():  # submitted after the stop: never started
+            item = self._jobs.get()
+            if item is not None:
+                item[1].cancel()
+
+
+BACKGROUND = Background()
+
+
+def log_failure(job: concurrent.futures.Future) -> None:
+    if not job.cancelled() and job.exception() is not None:
+        log.warning("compiling a program in the background failed: %s", job.exception())

@@ -22,10 +22,17 @@ from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, MLAView, PagedMLACache, kda
 from jaxhybrid.layers.mla import read_paged, write_paged
 from jaxhybrid.model import HybridLM
 from jaxhybrid.scan import ScanDefs, forward_scanned, scan_layout, split_for_scan
+from serve.engine import copies
+from serve.engine.ahead import AheadOfTime
 from serve.engine.config import EngineShape, ProgramShape, scan_mode
-from serve.engine.executables import ExecutableCache, ModelExecutables
+from serve.engine.executables import ExecutableCache, ModelExecutables, Tier, spec
 from serve.engine.requests import Request
 from serve.engine.sampling import batch_arrays, sample
+
+# The longest prompt chunk that runs through the decode program while its prefill program compiles
+# (`EngineConfig.tiered_compile`): one decode step per token is milliseconds for a model a CPU serves, against
+# seconds of compiling.
+STEP_PREFILL_MAX = 16
 
 
 @dataclasses.dataclass
@@ -161,50 +168,6 @@ def _programs(
     )
 
 
-@jax.jit
-def _take(pools: tuple[Any, ...], slot: jax.Array, block: jax.Array) -> tuple[Any, Any]:
-    """Copies of one slot's KDA states and one block's latent KV (a checkpoint's content)."""
-    states = tuple((p.conv[slot], p.state[slot]) for p in pools if isinstance(p, KDACache))
-    kv = tuple(p[block] for p in pools if not isinstance(p, KDACache))
-    return states, kv
-
-
-@jax.jit
-def _gather(pools: tuple[Any, ...], blocks: jax.Array) -> tuple[Any, ...]:
-    """Copies of the latent KV of `blocks` [n], per MLA layer [n, block_size, latent] (a disk entry)."""
-    return tuple(p[blocks] for p in pools if not isinstance(p, KDACache))
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _put_blocks(pools: tuple[Any, ...], blocks: jax.Array, kv: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Write per MLA layer [n, block_size, latent] KV into `blocks` [n] (a prefix loaded from disk)."""
-    kv_it = iter(kv)
-    return tuple(p if isinstance(p, KDACache) else p.at[blocks].set(next(kv_it)) for p in pools)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _put(
-    pools: tuple[Any, ...], slot: jax.Array, states: tuple[Any, ...], block: jax.Array, kv: tuple[Any, ...]
-) -> tuple[Any, ...]:
-    """Restore a checkpoint: its states into `slot`, its partial block's KV into `block`."""
-    states_it, kv_it, out = iter(states), iter(kv), []
-    for p in pools:
-        if isinstance(p, KDACache):
-            conv, state = next(states_it)
-            out.append(KDACache(conv=p.conv.at[slot].set(conv), state=p.state.at[slot].set(state)))
-        else:
-            out.append(p.at[block].set(next(kv_it)))
-    return tuple(out)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _zero_slot(pools: tuple[Any, ...], slot: jax.Array) -> tuple[Any, ...]:
-    return tuple(
-        KDACache(conv=p.conv.at[slot].set(0), state=p.state.at[slot].set(0)) if isinstance(p, KDACache) else p
-        for p in pools
-    )
-
-
 def empty_pools(cfg: Any, shape: EngineShape) -> tuple[Any, ...]:
     """The engine's pools, zero, unplaced: per layer a `KDACache` [slots, ...] or an MLA latent pool
     [num_blocks, block_size, latent] (under `jax.eval_shape`: what the engine allocates, for planning)."""
@@ -216,7 +179,7 @@ def empty_pools(cfg: Any, shape: EngineShape) -> tuple[Any, ...]:
     )
 
 
-class Runner:
+class Runner(AheadOfTime):
     """Pools + programs for one model and one EngineShape (on `mesh` when given: the pools are laid out by
     `sharding.placement.pool_shardings` and the programs keep them there)."""
 
@@ -240,11 +203,16 @@ class Runner:
             )
         self.programs = _programs(graphdef, cfg.layer_types, self.pool_shardings, scan_defs)
         self.pools = self._new_pools()
+        self._pool_specs = spec(self.pools)  # what a compile needs of the pools, on any thread
+        self._compiling: set[ProgramShape] = set()  # programs handed to the background compile
         self._restore_shardings: list[tuple[Any, Any]] | None = None
         # the compiled model programs by shape, read from the compile cache's executables when it has them
         structure = lambda: repr((graphdef, scan_defs, cfg.layer_types))  # noqa: E731
         self._executables = ModelExecutables(
-            self.programs.write_rows, structure, ExecutableCache.from_jax_config()
+            self.programs.write_rows,
+            structure,
+            ExecutableCache.from_jax_config(),
+            tiered=shape.tiered_compile,
         )
 
     def _new_pools(self) -> tuple[Any, ...]:
@@ -255,7 +223,7 @@ class Runner:
     # --- what the scheduler planned ------------------------------------------------------------------
     def reset_slot(self, slot: int) -> None:
         """Zero a slot's KDA state so a newly admitted request starts from the empty state."""
-        self.pools = _zero_slot(self.pools, jnp.int32(slot))
+        self.pools = copies.zero_slot(self.pools, jnp.int32(slot))
 
     def restore(self, r: Restore) -> None:
         cfg, shape = self.model_config, self.shape
@@ -266,7 +234,7 @@ class Runner:
             ids[:n] = r.fill_blocks
             rows = jnp.pad(jnp.asarray(r.fill_kv), [(0, 0), (0, width - n)] + [(0, 0)] * (r.fill_kv.ndim - 2))
             kv_rows = tuple(rows[i] for i in range(rows.shape[0]))
-            self.pools = _put_blocks(self.pools, jnp.asarray(ids), kv_rows)
+            self.pools = copies.put_blocks(self.pools, jnp.asarray(ids), kv_rows)
         kv = r.tail_kv
         if kv is None:
             kv = tuple(
@@ -276,7 +244,7 @@ class Runner:
         is_host = lambda x: isinstance(x, HostShards)  # noqa: E731
         states = jax.tree_util.tree_map(_to_device, r.states, is_leaf=is_host)
         kv = jax.tree_util.tree_map(_to_device, kv, is_leaf=is_host)
-        self.pools = _put(self.pools, jnp.int32(r.slot), states, jnp.int32(r.tail_block), kv)
+        self.pools = copies.put(self.pools, jnp.int32(r.slot), states, jnp.int32(r.tail_block), kv)
 
     def run_program(
         self,
@@ -300,35 +268,6 @@ class Runner:
         self.pools = tuple(next(kda_it) if kind == "kda" else next(mla_it) for kind in kinds)
         return logits
 
-    # --- compiling ahead of use (the server's warm-up) -------------------------------------------------
-    def compiled_programs(self) -> frozenset[ProgramShape]:
-        """The model-program shapes this runner has run or compiled (calling one compiles nothing)."""
-        return self._executables.shapes()
-
-    def compile_program(self, program: ProgramShape, run_once: bool = False) -> bool:
-        """Compile the model program of `program`'s shape ahead of its first use; False if it already was.
-
-        Without `run_once` nothing runs (the pools are only looked at for their shapes). With it (only while
-        no request holds a slot) the program also runs once, on rows with no real token whose block tables
-        point at the scratch block: XLA:CPU's first run of a program costs more than later ones (about
-        0.15 s for the shipped model), and the first request should not pay that either."""
-        if program in self._executables.shapes():
-            return False
-        rows = program.rows
-        args = (
-            np.zeros((rows, program.length), np.int32),
-            np.arange(rows, dtype=np.int32),  # distinct slots, as a decode step's padding rows take
-            np.full((rows, program.width), SCRATCH_BLOCK, np.int32),
-            np.zeros((rows,), np.int32),
-            np.zeros((rows,), np.int32),  # no real token in any row
-        )
-        if run_once:
-            jax.block_until_ready(self.run_program(*args))
-        else:
-            inputs = (*self._program(program.length), *self._split_pools(), *(jnp.asarray(a) for a in args))
-            self._compiled_program(program, inputs)
-        return True
-
     def _compiled_program(self, program: ProgramShape, inputs: tuple[Any, ...]) -> tuple[Any, Any]:
         """(model program, rows' write) compiled for `program`; `inputs`: the jitted model function, then
         its arguments."""
@@ -336,49 +275,22 @@ class Runner:
         name = "run_scanned" if run is self.programs.run_scanned else "run"
         return self._executables.get(program, name, run, tuple(args))
 
-    def compile_helpers(
-        self, sample_rows: tuple[int, ...], run_once: bool = False, slot_programs: bool = True
-    ) -> None:
-        """Compile the small programs around the model program: sampling for each batch of `sample_rows`,
-        logits slicing, and with `slot_programs` a checkpoint's copy, a slot reset and a restore (the last two
-        also run on slot 0 with `run_once`, only while no request holds a slot)."""
-        vocab = self.model_config.vocab_size
-        for rows in sample_rows:
-            logits = self._run_like_logits(rows, vocab)
-            self.sample(logits, [None] * rows)
-            # a prompt-end checkpoint keeps logits[0]; a full hit samples [None] of that
-            jax.block_until_ready(logits[0][None])
-        if not slot_programs:
-            return
-        slot, scratch = jnp.int32(0), jnp.int32(SCRATCH_BLOCK)
-        states, kv = self.take(0, SCRATCH_BLOCK)
-        if run_once:
-            self.pools = _put(_zero_slot(self.pools, slot), slot, states, scratch, kv)
-            jax.block_until_ready(self.pools)
-        else:
-            _zero_slot.lower(self.pools, slot).compile()
-            _put.lower(self.pools, slot, states, scratch, kv).compile()
-
-    def _run_like_logits(self, rows: int, vocab: int) -> jax.Array:
-        """Zero logits [rows, vocab] placed as the model program leaves them (replicated on a mesh)."""
-        logits = jnp.zeros((rows, vocab), jnp.float32)
-        if self.pool_shardings is None:
-            return jax.device_put(logits, jax.devices()[0])
-        mesh = jax.tree.leaves(self.pool_shardings)[0].mesh
-        return jax.device_put(logits, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-
     def _program(self, length: int) -> tuple[Any, Any]:
         """(jitted model function, its parameters) for chunks of `length` tokens: scanned over the layer
         groups when the engine's `scan_layers` says so for this length, else unrolled."""
         scanned = self.scan_params is not None and (self.scan_mode == "all" or length > 1)
         return (self.programs.run_scanned, self.scan_params) if scanned else (self.programs.run, self.params)
 
-    def _split_pools(self) -> tuple[tuple[KDACache, ...], tuple[jax.Array, ...]]:
-        """(KDA state pools, MLA latent pools), each in layer order: what `run` reads and donates."""
-        kinds = self.model_config.layer_types
-        kda = tuple(p for kind, p in zip(kinds, self.pools, strict=True) if kind == "kda")
-        mla = tuple(p for kind, p in zip(kinds, self.pools, strict=True) if kind != "kda")
+    def _split_pools(self, pools: tuple[Any, ...] | None = None) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """(KDA state pools, MLA latent pools) of `pools` (default: the engine's), each in layer order: what
+        `run` reads and donates."""
+        kinds, pools = self.model_config.layer_types, self.pools if pools is None else pools
+        kda = tuple(p for kind, p in zip(kinds, pools, strict=True) if kind == "kda")
+        mla = tuple(p for kind, p in zip(kinds, pools, strict=True) if kind != "kda")
         return kda, mla
+
+    def _split_specs(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        return self._split_pools(self._pool_specs)
 
     def _table(self, req: Request, width: int) -> np.ndarray:
         row = np.full((width,), SCRATCH_BLOCK, np.int32)
@@ -402,6 +314,9 @@ class Runner:
         last token."""
         if len(reqs) == 1:
             program = ProgramShape(1, self.shape.bucket(ns[0]), self.shape.table_width(len(reqs[0].blocks)))
+            tiered = self.shape.tiered_compile and ns[0] <= STEP_PREFILL_MAX
+            if tiered and not self._executables.ready(program):
+                return self._prefill_by_steps(reqs[0], ns[0], program)
         else:
             if len(reqs) > self.shape.prefill_rows or not all(
                 self.shape.packs(n, len(r.blocks)) for r, n in zip(reqs, ns, strict=True)
@@ -409,6 +324,19 @@ class Runner:
                 raise ValueError(f"these {len(reqs)} prefill chunks cannot share a call")
             program = self.shape.packed(max(ns))
         return self._run_rows(reqs, ns, program)
+
+    def _prefill_by_steps(self, req: Request, n: int, program: ProgramShape) -> jax.Array:
+        """A short chunk whose prefill program is not ready: its `n` tokens one at a time through the one-row
+        decode program (the same states and KV, within round-off), while `program` compiles in the
+        background. The logits [1, V] after its last token."""
+        if program not in self._compiling:
+            self._compiling.add(program)
+            self.compile_in_background(program, Tier.OPTIMIZED)
+        table, slot, one = self._table(req, program.width)[None], np.asarray([req.slot]), np.ones(1, np.int32)
+        for position in range(req.num_computed, req.num_computed + n):
+            token = np.asarray([[req.tokens[position]]], np.int32)
+            logits = self.run_program(token, slot, table, np.asarray([position]), one)
+        return logits
 
     def _run_rows(self, reqs: list[Request], ns: list[int], program: ProgramShape) -> jax.Array:
         """Run `program` with row i holding the next `ns[i]` tokens of `reqs[i]`. Padding rows take distinct
@@ -437,13 +365,13 @@ class Runner:
     # --- copies the prefix store keeps (its CheckpointSource) ---------------------------------------
     def take(self, slot: int, block: int) -> tuple[Any, Any]:
         """(KDA states of `slot`, latent KV of `block`) as new device arrays."""
-        return _take(self.pools, jnp.int32(slot), jnp.int32(block))
+        return copies.take(self.pools, jnp.int32(slot), jnp.int32(block))
 
     def gather(self, blocks: list[int]) -> tuple[Any, ...]:
         """Per MLA layer the KV of `blocks` (rows beyond len(blocks) are padding up to a table width)."""
         ids = np.full((self.shape.table_width(len(blocks)),), SCRATCH_BLOCK, np.int32)
         ids[: len(blocks)] = blocks
-        return _gather(self.pools, jnp.asarray(ids))
+        return copies.gather(self.pools, jnp.asarray(ids))
 
     def gathered_bytes(self, blocks: int) -> int:
         """Device bytes one `gather` of `blocks` blocks holds (with its padding)."""

@@ -1,14 +1,17 @@
 """Warm start: compile an engine's programs before the first request needs them.
 
 Without it the first request that meets a program shape (a prefill bucket, a decode batch, a block-table
-width) pays its compilation, seconds each. `Warmup` compiles them one at a time, on the thread that owns
-the engine, between its steps, in the order a first request meets them (`warmup_plan`): the helpers of one
-row and the one-row programs of short contexts first, so that a request sent as soon as the server answers
-finds them compiled or in progress. Nothing it does changes a request's state: each
-program is compiled ahead of time and, while no request is in the engine, run once on rows with no real
-token (idle slots, the scratch block) so that its first real run is not slower either. Requests may be
-served while it goes on; a program a request needs before its turn is compiled by that request as before,
-and skipped here.
+width) pays its compilation, seconds each. `Warmup` compiles them one at a time in the order a first
+request meets them (`warmup_plan`): the helpers of one row and the one-row programs of short contexts
+first, so that a request sent as soon as the server answers finds them compiled or in progress. Nothing it
+does changes a request's state. With the engine's tiered compile (`EngineConfig.tiered_compile`, the
+server's) model programs compile on the background compile thread while the engine serves, and the plan
+starts with the one-row decode step at the quick tier (a first request's program, ready in about half the
+time); the helpers compile on the engine's thread meanwhile. Without it each program compiles on the
+engine's thread between steps and, while no request is in the engine, runs once on rows with no real
+token (idle slots, the scratch block) so that its first real run is not slower either. A program a
+request needs before its turn is compiled by that request (or waited for, when it is compiling), and
+skipped here.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import enum
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from typing import Protocol
 
 from serve.engine.config import EngineShape, ProgramShape
+from serve.engine.executables import Tier
 
 log = logging.getLogger("jaxhybrid.warmup")
 
@@ -54,13 +59,22 @@ class Helpers:
         return f"helpers ({what}) for {'/'.join(map(str, self.rows))} row{'' if self.rows == (1,) else 's'}"
 
 
-WarmupItem = Helpers | ProgramShape
+@dataclasses.dataclass(frozen=True)
+class Quick:
+    """A model program at the quick tier (`Tier.QUICK`): what a first request needs, sooner."""
+
+    program: ProgramShape
+
+
+WarmupItem = Helpers | ProgramShape | Quick
 
 
 def describe(item: WarmupItem, block_size: int) -> str:
     """One warm-up item in words, for the log."""
     if isinstance(item, Helpers):
         return item.describe()
+    if isinstance(item, Quick):
+        return describe(item.program, block_size) + " (quick tier)"
     context = f"a block table of {item.width * block_size} tokens"
     if item.is_decode:
         return f"decode, {item.rows} row{'s' if item.rows > 1 else ''}, {context}"
@@ -99,6 +113,8 @@ class Compilable(Protocol):
 
     def compile_program(self, program: ProgramShape) -> bool: ...
 
+    def compile_in_background(self, program: ProgramShape, tier: Tier = Tier.OPTIMIZED) -> Future: ...
+
 
 def first_request_key(program: ProgramShape) -> tuple[bool, int, int, int]:
     """The warm-up order of model programs: what one request meets first, first. One-row programs (a lone
@@ -111,7 +127,8 @@ def first_request_key(program: ProgramShape) -> tuple[bool, int, int, int]:
 
 def warmup_plan(shape: EngineShape, level: WarmupLevel) -> list[WarmupItem]:
     """What `level` compiles, in order (`first_request_key`): the helpers of one row, the one-row model
-    programs, the helpers of the other batch sizes, the batched model programs."""
+    programs, the helpers of the other batch sizes, the batched model programs; with the tiered compile
+    (`EngineShape.tiered_compile`) the one-row decode step of the narrowest table at the quick tier first."""
     if level is WarmupLevel.NONE:
         return []
     programs = shape.decode_programs()
@@ -121,6 +138,8 @@ def warmup_plan(shape: EngineShape, level: WarmupLevel) -> list[WarmupItem]:
     single = [p for p in programs if p.rows == 1]
     batched_rows = tuple(r for r in shape.decode_buckets if r > 1)
     plan: list[WarmupItem] = [Helpers((1,), slot_programs=True), *single]
+    if shape.tiered_compile:
+        plan.insert(0, Quick(ProgramShape(1, 1, shape.table_buckets[0])))
     if batched_rows:
         plan.append(Helpers(batched_rows, slot_programs=False))
     return plan + [p for p in programs if p.rows > 1]
@@ -141,7 +160,8 @@ class Warmup:
             raise ValueError(f"the warm-up timeout must be > 0 seconds, got {timeout_s}")
         self.engine, self.level, self.timeout_s, self.clock = engine, level, timeout_s, clock
         self.items = warmup_plan(engine.shape, level)
-        self._done = 0
+        self._done = self._next = 0
+        self._job: tuple[WarmupItem, Future, float] | None = None  # the item on the background thread
         self._last: str | None = None
         self._started: float | None = None
         self._elapsed = 0.0
@@ -157,8 +177,10 @@ class Warmup:
             elapsed = self.clock() - self._started
         return WarmupProgress(self.level, self.state, self._done, len(self.items), elapsed, self._last)
 
-    def step(self) -> bool:
-        """Compile the next program (skipping those already compiled); False once nothing is left to do."""
+    def step(self, wait_s: float = 0.05) -> bool:
+        """Advance the warm-up (skipping what is already compiled); False once nothing is left to do. On the
+        background thread a model program compiles while this returns: a call waits at most `wait_s` for
+        it, running the helpers on this thread meanwhile when they come next."""
         if not self.pending:
             return False
         now = self.clock()
@@ -173,17 +195,39 @@ class Warmup:
             )
         elif now - self._started > self.timeout_s:
             return self._finish(WarmupState.TIMED_OUT)
-        item = self.items[self._done]
-        t0 = self.clock()
         try:
-            if isinstance(item, Helpers):
-                self.engine.compile_helpers(item.rows, item.slot_programs)
-                fresh = True
-            else:
-                fresh = self.engine.compile_program(item)
+            if self._job is not None and self._job[1].done():
+                item, job, t0 = self._job
+                self._job = None
+                self._count(item, job.result(), t0)
+            elif self._next < len(self.items):
+                item = self.items[self._next]
+                background = self.engine.shape.tiered_compile and not isinstance(item, Helpers)
+                if background and self._job is None:
+                    tier = Tier.QUICK if isinstance(item, Quick) else Tier.OPTIMIZED
+                    program = item.program if isinstance(item, Quick) else item
+                    self._job = (item, self.engine.compile_in_background(program, tier), self.clock())
+                    self._next += 1
+                elif not background:
+                    self._next += 1
+                    t0 = self.clock()
+                    if isinstance(item, Helpers):
+                        self.engine.compile_helpers(item.rows, item.slot_programs)
+                        self._count(item, True, t0)
+                    else:
+                        self._count(item, self.engine.compile_program(item), t0)
+                else:
+                    wait([self._job[1]], timeout=wait_s)
+            elif self._job is not None:
+                wait([self._job[1]], timeout=wait_s)
         except Exception:  # a program that cannot compile now fails its first request instead, as before
             log.exception("warm-up: compiling an engine program failed; the rest compile on first use")
             return self._finish(WarmupState.FAILED)
+        if self._done == len(self.items):
+            return self._finish(WarmupState.DONE)
+        return True
+
+    def _count(self, item: WarmupItem, fresh: bool, t0: float) -> None:
         self._done += 1
         self._last = describe(item, self.engine.shape.block_size)
         log.info(
@@ -194,9 +238,6 @@ class Warmup:
             "compiled" if fresh else "already compiled (a request met it first)",
             self.clock() - t0,
         )
-        if self._done == len(self.items):
-            return self._finish(WarmupState.DONE)
-        return True
 
     def stop(self) -> None:
         """The server is shutting down: leave the rest."""

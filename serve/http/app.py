@@ -415,8 +415,8 @@ def create_app(
     new ones get 429 (None: unlimited). `default_max_tokens`: chat completions without max_tokens generate
     up to this many (or what the context leaves). `max_connections`: HTTP requests in progress at once
     (streams included); one more gets 503 (None: unlimited). `stall_timeout`: seconds an engine step may
-    run before /health reports the engine stalled. `warmup`: compiled on the engine thread while it has no
-    request to serve; /health answers 200 with status "warming" until it ends, then "ok"."""
+    run before /health reports the engine stalled. `warmup`: stepped on the engine thread while it has no
+    request to serve (`Warmup`); /health answers 200 with status "warming" until it ends, then "ok"."""
     server = Server(
         engine,
         tokenizer,

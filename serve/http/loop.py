@@ -194,8 +194,9 @@ class EngineLoop:
     engine is down: every request gets an error and `/health` answers 503. A step running longer than
     `stall_timeout` seconds makes `/health` answer 503 ("stalled") until it returns.
 
-    `warmup`: compiled one program at a time whenever no request is in the engine (a request waits at most
-    for the one compile in progress); its progress is `warmup_progress()`."""
+    `warmup`: stepped whenever no request is in the engine (`Warmup.step`: with the engine's tiered compile
+    its model programs compile on the background thread, so a request waits at most for what it needs);
+    its progress is `warmup_progress()`."""
 
     def __init__(
         self,

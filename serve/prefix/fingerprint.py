@@ -1,14 +1,16 @@
 """The model fingerprint that keys the prefix store: cached states are valid only for the exact weights,
 config and cache format that computed them.
 
-Every weight byte counts, and no weight is copied to the host: one jitted pass reduces each parameter to
-two 32-bit words on the device (a sum of its 32-bit words, each times an odd multiplier derived from its
-position, modulo 2^32, in two independent lanes) and only those words reach the host. Changing any word
-changes its lane-1 term (odd multipliers are invertible modulo 2^32), so a fine-tune that edits one middle
-row gets another fingerprint; several changes cancel in both lanes with probability about 2^-64. On a mesh
-the pass runs sharded on the devices that hold the weights, on every process alike. The fingerprint also
-covers the config, every parameter's name, shape and dtype, and FORMAT (bumped when the cached data's
-meaning changes).
+Every weight byte counts: each parameter is reduced to two 32-bit words (a sum of its 32-bit words, each
+times an odd multiplier derived from its position, modulo 2^32, in two independent lanes). A large or
+sharded parameter is reduced on the device by one jitted pass, and only those words reach the host; a small
+one on one device (at most `HOST_DIGEST_BYTES`) is copied and reduced with NumPy to the same words, since a
+program per shape would cost a compile for a few microseconds of work. Changing any word changes its lane-1
+term (odd multipliers are invertible modulo 2^32), so a fine-tune that edits one middle row gets another
+fingerprint; several changes cancel in both lanes with probability about 2^-64. On a mesh the pass runs
+sharded on the devices that hold the weights, on every process alike. The fingerprint also covers the
+config, every parameter's name, shape and dtype, and FORMAT (bumped when the cached data's meaning
+changes).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 FORMAT = "jaxhybrid-prefix-v2"
+HOST_DIGEST_BYTES = 4 << 20
 
 
 def _mix(i: jax.Array, a: int, b: int) -> jax.Array:
@@ -52,6 +55,36 @@ def _leaf_digest(x: jax.Array) -> jax.Array:
     return jnp.stack([lane1, lane2])
 
 
+def _host_mix(i: np.ndarray, a: int, b: int) -> np.ndarray:
+    """`_mix` in NumPy (uint32 arithmetic wraps modulo 2^32 as on the device)."""
+    x = i * np.uint32(a) + np.uint32(b)
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    return x | np.uint32(1)
+
+
+def _host_leaf_digest(x: np.ndarray) -> np.ndarray:
+    """`_leaf_digest` of a host array, bit for bit."""
+    x = np.ascontiguousarray(x).reshape(-1)
+    if x.dtype == np.bool_:
+        w = x.astype(np.uint32)
+    else:
+        w = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).astype(np.uint32)
+    i = np.arange(w.shape[0], dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        lane1 = np.sum(w * _host_mix(i, 0x9E3779B1, 0x85EBCA77), dtype=np.uint32)
+        lane2 = np.sum((w ^ np.uint32(0xA5A5A5A5)) * _host_mix(i, 0xC2B2AE3D, 0x27D4EB2F), dtype=np.uint32)
+    return np.array([lane1, lane2], np.uint32)
+
+
+def _digest(x: jax.Array) -> np.ndarray:
+    """[2] uint32 of one parameter: on the host when it is small and on this process's one device."""
+    if x.nbytes <= HOST_DIGEST_BYTES and len(x.sharding.device_set) == 1 and x.is_fully_addressable:
+        return _host_leaf_digest(np.asarray(x))
+    return np.asarray(jax.block_until_ready(_leaf_digest(x)))
+
+
 def weights_digest(model: nnx.Module) -> tuple[list[str], np.ndarray]:
     """(parameter names with shape and dtype, their [n, 2] uint32 device digests) of every weight."""
     flat = nnx.to_flat_state(nnx.state(model))
@@ -64,7 +97,7 @@ def weights_digest(model: nnx.Module) -> tuple[list[str], np.ndarray]:
         leaves.append(value)
     # One leaf at a time, each finished before the next: with several processes independent programs in
     # flight could run their cross-process reductions in different orders on different processes.
-    digests = [np.asarray(jax.block_until_ready(_leaf_digest(x))) for x in leaves]  # 8 bytes each
+    digests = [_digest(x) for x in leaves]
     return names, np.stack(digests) if digests else np.zeros((0, 2), np.uint32)
 
 
