@@ -181,3 +181,16 @@ def test_tiered_compile_serves_the_full_pass_quick_first_then_optimized(model, m
     for p in (prompt, list(range(20, 40))):  # the prefill program now; a prompt of two chunks
         (out,) = eng.generate([p], greedy)
         assert_matches_full_pass(full, p, out.token_ids, out.logprobs)
+
+
+def test_a_background_compile_of_a_program_compiling_elsewhere_waits_there_not_on_the_callers_thread():
+    """The warm-up asks for a program that a request's step is compiling: the caller (the engine's thread)
+    gets a future at once instead of blocking on the compile in progress; it ends, False, when that one
+    does."""
+    ex = executables.ModelExecutables(None, lambda: "structure", ExecutableCache(None), tiered=True)
+    args = (jnp.zeros((2,), jnp.float32),)
+    slot = ex._slot(DECODE, "run", args)
+    with slot.lock:  # a compile in progress on another thread
+        job = ex.compile(DECODE, "run", None, args, executables.Tier.OPTIMIZED, background=True)
+        assert not job.done()
+    assert job.result(timeout=60) is False
