@@ -160,8 +160,8 @@ def test_tiered_compile_serves_the_full_pass_quick_first_then_optimized(model, m
     compiles = []
     install = executables.ModelExecutables._install
 
-    def recording(self, slot, key, lowered, tier):
-        install(self, slot, key, lowered, tier)
+    def recording(self, slot, lowered, tier):
+        install(self, slot, lowered, tier)
         compiles.append((lowered[0].args_info[0][3].shape, tier, True))
 
     monkeypatch.setattr(executables.ModelExecutables, "_install", recording)

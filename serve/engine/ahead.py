@@ -60,12 +60,7 @@ class AheadOfTime:
     def compile_in_background(self, program: ProgramShape, tier: Tier) -> concurrent.futures.Future:
         """Trace `program` here and compile it at `tier` on the background compile thread: a future of
         `compile_program`'s bool (done at once when nothing was left to compile)."""
-        job = self._executables.compile(program, *self._ahead_args(program), tier, background=True)
-        if isinstance(job, concurrent.futures.Future):
-            return job
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result(job)
-        return done
+        return self._executables.compile(program, *self._ahead_args(program), tier, background=True)
 
     def _ahead_args(self, program: ProgramShape) -> tuple[str, Any, tuple[Any, ...]]:
         """(name, jitted model function, its arguments as shapes) of `program`."""
@@ -74,8 +69,7 @@ class AheadOfTime:
         kda, mla = self._split_specs()
         ints = [(rows, program.length), (rows,), (rows, program.width), (rows,), (rows,)]
         args = tuple(jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ints)
-        name = "run_scanned" if run is self.programs.run_scanned else "run"
-        return name, run, (params, kda, mla, *args)
+        return self._program_name(run), run, (params, kda, mla, *args)
 
     def compile_helpers(
         self, sample_rows: tuple[int, ...], run_once: bool = False, slot_programs: bool = True

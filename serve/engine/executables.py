@@ -67,9 +67,13 @@ def input_spec(args: tuple[Any, ...]) -> str:
     leaves, tree = jax.tree_util.tree_flatten(args)
     parts = [str(tree)]
     for x in leaves:
-        sharding = getattr(x, "sharding", None) if getattr(x, "committed", True) else None
-        parts.append(f"{x.shape}:{x.dtype}:{getattr(x, 'weak_type', False)}:{sharding}")
+        parts.append(f"{x.shape}:{x.dtype}:{getattr(x, 'weak_type', False)}:{_placement(x)}")
     return "\n".join(parts)
+
+
+def _placement(x: Any) -> Any:
+    """Where a compiled program takes argument `x` from: its sharding (None for an uncommitted array)."""
+    return getattr(x, "sharding", None) if getattr(x, "committed", True) else None
 
 
 def _device_ids(compiled: Any) -> list[int]:
@@ -175,10 +179,11 @@ class Tier(enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class _Slot:
-    """One program (model program + rows' write) of one key, shared by the runners of this process: the best
-    compiled so far (None: none yet), whether that is the quick tier, and the lock held while compiling (a
-    second caller waits for the compile in progress instead of repeating it)."""
+    """One program (model program + rows' write) of one key, shared by the runners of this process: its key
+    (in the cache too), the best compiled so far (None: none yet), whether that is the quick tier, and the
+    lock held while compiling (a second caller waits for the compile in progress instead of repeating it)."""
 
+    key: str
     best: tuple[Any, Any] | None = None
     quick: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -187,7 +192,7 @@ class _Slot:
 class ModelExecutables:
     """A runner's model programs, compiled once per `ProgramShape`: the model program (`run` or its
     scanned form) and the write of its rows' states (`write_rows`). Shared by key with every runner of this
-    process (engines built one after another, a start-up compile ahead of the engine), read from `cache`
+    process (engines built one after another), read from `cache`
     when it holds them, else compiled (and kept there). `structure`: the model's static graph, in words
     (part of the key). With `tiered`, a program that is missing when a step needs it is compiled at the
     quick tier and its optimized form in the background (`background`), which replaces it when done."""
@@ -226,38 +231,42 @@ class ModelExecutables:
         if slot is not None and slot.best is not None:
             return slot.best
         slot = self._slot(program, name, args)
-        key = self._key(name, args)
         with slot.lock:
-            if slot.best is None and not self._load(slot, key):
+            if slot.best is None and not self._load(slot):
                 lowered = self._lower(run, args)
-                self._install(slot, key, lowered, Tier.QUICK if self.tiered else Tier.OPTIMIZED)
+                self._install(slot, lowered, Tier.QUICK if self.tiered else Tier.OPTIMIZED)
                 if slot.quick:  # the optimized form from the same trace, in the background
-                    self._submit(slot, key, lowered, Tier.OPTIMIZED)
+                    self._submit(slot, lowered, Tier.OPTIMIZED)
         return slot.best
 
     def compile(
         self, program: Any, name: str, run: Any, args: tuple[Any, ...], tier: Tier, background: bool = False
     ) -> bool | concurrent.futures.Future:
         """Make `program` ready at `tier` or better; False if it already was (nothing compiled). With
-        `background` the trace runs here and XLA's compile on the background thread: the job's future."""
+        `background` the trace runs here and XLA's compile on the background thread: the result is then
+        the job's future (done at once when nothing was left to compile)."""
         slot = self._slot(program, name, args)
         if self._ready_at(slot, tier):
-            return False
-        key = self._key(name, args)
+            return _done(False) if background else False
         if not slot.lock.acquire(blocking=not background):  # compiling elsewhere: wait there, not here
             return BACKGROUND.submit(lambda: self._after_compile(slot))
         try:
             if self._ready_at(slot, tier):
-                return False
-            if self._load(slot, key):
-                return True
-            lowered = self._lower(run, args)
-            if not background:
-                self._install(slot, key, lowered, tier)
-                return True
+                fresh: bool | None = False
+            elif self._load(slot):
+                fresh = True
+            else:
+                lowered = self._lower(run, args)
+                if background:
+                    fresh = None  # compiled on the background thread, below
+                else:
+                    self._install(slot, lowered, tier)
+                    fresh = True
         finally:
             slot.lock.release()
-        return self._submit(slot, key, lowered, tier)
+        if fresh is None:
+            return self._submit(slot, lowered, tier)
+        return _done(fresh) if background else fresh
 
     @staticmethod
     def _after_compile(slot: _Slot) -> bool:
@@ -270,18 +279,17 @@ class ModelExecutables:
         return slot.best is not None and (tier is Tier.QUICK or not slot.quick)
 
     def _slot(self, program: Any, name: str, args: tuple[Any, ...]) -> _Slot:
+        """`program`'s slot, keyed (once) by its name, the model's structure and `args`' shapes."""
         slot = self._slots.get(program)
         if slot is None:
-            slot = self._slots[program] = _shared_slot(self._key(name, args))
+            self._structure_text = self._structure_text or self._structure()
+            key = self.cache.key(name, self._structure_text, args)
+            slot = self._slots[program] = _shared_slot(key)
         return slot
 
-    def _key(self, name: str, args: tuple[Any, ...]) -> str:
-        self._structure_text = self._structure_text or self._structure()
-        return self.cache.key(name, self._structure_text, args)
-
-    def _load(self, slot: _Slot, key: str) -> bool:
+    def _load(self, slot: _Slot) -> bool:
         """Read the optimized programs from the cache into `slot`; False when it lacks them."""
-        loaded = self.cache.load(key) if self.cache.enabled else None
+        loaded = self.cache.load(slot.key) if self.cache.enabled else None
         if loaded is None or len(loaded) != 2:
             return False
         log.debug("compiled program read from %s", self.cache.directory)
@@ -294,7 +302,7 @@ class ModelExecutables:
         on two threads at once."""
         return run.lower(*args), (args[1], args[4])
 
-    def _install(self, slot: _Slot, key: str, lowered: tuple[Any, tuple[Any, ...]], tier: Tier) -> None:
+    def _install(self, slot: _Slot, lowered: tuple[Any, tuple[Any, ...]], tier: Tier) -> None:
         """Compile `lowered` at `tier` into `slot` (the caller holds its lock), with the rows' write for the
         states as the compiled program leaves them; optimized ones are kept in the cache."""
         options = QUICK_OPTIONS if tier is Tier.QUICK else None
@@ -305,20 +313,20 @@ class ModelExecutables:
             write = self.write_rows.lower(pools, slots, rows).compile(compiler_options=options)
         slot.best, slot.quick = (compiled_run, write), tier is Tier.QUICK
         if tier is Tier.OPTIMIZED:
-            self.cache.save(key, slot.best)
+            self.cache.save(slot.key, slot.best)
 
-    def _submit(
-        self, slot: _Slot, key: str, lowered: tuple[Any, Any], tier: Tier
-    ) -> concurrent.futures.Future:
+    def _submit(self, slot: _Slot, lowered: tuple[Any, Any], tier: Tier) -> concurrent.futures.Future:
+        """Compile `lowered` at `tier` into `slot` on the background thread (unless it is ready by then)."""
+
         def job() -> bool:
             with slot.lock:
                 if self._ready_at(slot, tier):
                     return False
-                self._install(slot, key, lowered, tier)
+                self._install(slot, lowered, tier)
                 return True
 
         future = BACKGROUND.submit(job)
-        future.add_done_callback(log_failure)
+        future.add_done_callback(_log_failure)
         return future
 
 
@@ -327,15 +335,14 @@ def spec(x: Any) -> Any:
     program puts it)."""
 
     def leaf(a: Any) -> Any:
-        sharding = getattr(a, "sharding", None) if getattr(a, "committed", True) else None
         weak = getattr(a, "weak_type", False)
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding, weak_type=weak)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_placement(a), weak_type=weak)
 
     return jax.tree_util.tree_map(leaf, x)
 
 
 # The programs of this process by key: another runner of the same model and shape (engines built one after
-# another, the serve command's compile ahead of its engine) takes them from here, not from the disk.
+# another) takes them from here, not from the disk.
 _SLOTS: collections.OrderedDict[str, _Slot] = collections.OrderedDict()
 _SLOTS_MAX = 64
 _SLOTS_LOCK = threading.Lock()
@@ -345,7 +352,7 @@ def _shared_slot(key: str) -> _Slot:
     with _SLOTS_LOCK:
         slot = _SLOTS.get(key)
         if slot is None:
-            slot = _SLOTS[key] = _Slot()
+            slot = _SLOTS[key] = _Slot(key)
         _SLOTS.move_to_end(key)
         while len(_SLOTS) > _SLOTS_MAX:
             _SLOTS.popitem(last=False)
@@ -412,6 +419,12 @@ class Background:
 BACKGROUND = Background()
 
 
-def log_failure(job: concurrent.futures.Future) -> None:
+def _done(result: Any) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(result)
+    return future
+
+
+def _log_failure(job: concurrent.futures.Future) -> None:
     if not job.cancelled() and job.exception() is not None:
         log.warning("compiling a program in the background failed: %s", job.exception())

@@ -272,8 +272,11 @@ class Runner(AheadOfTime):
         """(model program, rows' write) compiled for `program`; `inputs`: the jitted model function, then
         its arguments."""
         run, *args = inputs
-        name = "run_scanned" if run is self.programs.run_scanned else "run"
-        return self._executables.get(program, name, run, tuple(args))
+        return self._executables.get(program, self._program_name(run), run, tuple(args))
+
+    def _program_name(self, run: Any) -> str:
+        """The name of jitted model function `run` (part of its programs' key)."""
+        return "run_scanned" if run is self.programs.run_scanned else "run"
 
     def _program(self, length: int) -> tuple[Any, Any]:
         """(jitted model function, its parameters) for chunks of `length` tokens: scanned over the layer

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,13 +29,22 @@ FORMAT = "jaxhybrid-prefix-v2"
 HOST_DIGEST_BYTES = 4 << 20
 
 
-def _mix(i: jax.Array, a: int, b: int) -> jax.Array:
-    """A per-position odd 32-bit multiplier (an integer hash of the index)."""
-    x = i * jnp.uint32(a) + jnp.uint32(b)
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    return x | jnp.uint32(1)
+def _mix(i: Any, a: int, b: int) -> Any:
+    """A per-position odd 32-bit multiplier (an integer hash of the index), of a uint32 jax or NumPy array
+    (uint32 arithmetic wraps modulo 2^32 in both)."""
+    x = i * np.uint32(a) + np.uint32(b)
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    return x | np.uint32(1)
+
+
+def _lanes(w: Any, xp: Any) -> tuple[Any, Any]:
+    """The two lanes of flat uint32 words `w`, with `xp` (jax.numpy on the device, numpy on the host)."""
+    i = xp.arange(w.shape[0], dtype=xp.uint32)
+    lane1 = xp.sum(w * _mix(i, 0x9E3779B1, 0x85EBCA77), dtype=xp.uint32)
+    lane2 = xp.sum((w ^ np.uint32(0xA5A5A5A5)) * _mix(i, 0xC2B2AE3D, 0x27D4EB2F), dtype=xp.uint32)
+    return lane1, lane2
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -48,20 +58,7 @@ def _words(x: jax.Array) -> jax.Array:
 @jax.jit
 def _leaf_digest(x: jax.Array) -> jax.Array:
     """[2] uint32: the two lanes of one parameter (one program per shape and dtype)."""
-    w = _words(x)
-    i = jnp.arange(w.shape[0], dtype=jnp.uint32)
-    lane1 = jnp.sum(w * _mix(i, 0x9E3779B1, 0x85EBCA77), dtype=jnp.uint32)
-    lane2 = jnp.sum((w ^ jnp.uint32(0xA5A5A5A5)) * _mix(i, 0xC2B2AE3D, 0x27D4EB2F), dtype=jnp.uint32)
-    return jnp.stack([lane1, lane2])
-
-
-def _host_mix(i: np.ndarray, a: int, b: int) -> np.ndarray:
-    """`_mix` in NumPy (uint32 arithmetic wraps modulo 2^32 as on the device)."""
-    x = i * np.uint32(a) + np.uint32(b)
-    x ^= x >> np.uint32(16)
-    x *= np.uint32(0x7FEB352D)
-    x ^= x >> np.uint32(15)
-    return x | np.uint32(1)
+    return jnp.stack(_lanes(_words(x), jnp))
 
 
 def _host_leaf_digest(x: np.ndarray) -> np.ndarray:
@@ -71,11 +68,8 @@ def _host_leaf_digest(x: np.ndarray) -> np.ndarray:
         w = x.astype(np.uint32)
     else:
         w = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).astype(np.uint32)
-    i = np.arange(w.shape[0], dtype=np.uint32)
     with np.errstate(over="ignore"):
-        lane1 = np.sum(w * _host_mix(i, 0x9E3779B1, 0x85EBCA77), dtype=np.uint32)
-        lane2 = np.sum((w ^ np.uint32(0xA5A5A5A5)) * _host_mix(i, 0xC2B2AE3D, 0x27D4EB2F), dtype=np.uint32)
-    return np.array([lane1, lane2], np.uint32)
+        return np.array(_lanes(w, np), np.uint32)
 
 
 def _digest(x: jax.Array) -> np.ndarray:
