@@ -132,6 +132,15 @@ class HybridLM(nnx.Module):
         h, new_cache, _ = self.model.run_layers(self.model.embed_tokens(tokens), cache, lengths)
         return self.logits(h), new_cache
 
+    def to_int8(self) -> None:
+        """Weight-only int8 (`jaxhybrid.ops.int8`), in place, for every linear layer (lm_head included) and
+        every dense expert stack; the embedding, norms, router, convolutions and MXFP4 experts stay."""
+        from jaxhybrid.layers.moe import Experts
+
+        modules = [m for _, m in nnx.iter_graph(self) if isinstance(m, Linear | Experts)]
+        for m in modules:
+            m.to_int8()
+
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> tuple[LayerCache, ...]:
         return init_cache(self.config, batch, max_len, dtype or self.model.embed_tokens.weight[...].dtype)
 

@@ -31,6 +31,18 @@ def add_dequantize_experts_arg(p: Any) -> None:
     )
 
 
+def add_weight_dtype_arg(p: Any) -> None:
+    """`--weight-dtype`, for the commands that serve or benchmark a model on one device (`load_model` reads
+    it)."""
+    p.add_argument(
+        "--weight-dtype",
+        choices=["int8"],
+        help="hold the linear layers' and dense experts' weights as int8 with a float32 scale per output "
+        "channel (weight-only: activations and the KV cache keep --dtype; on the CPU a kernel reads the "
+        "codes directly); one device only",
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class DtypeChoice:
     """The weights (and KV-cache) dtype a command uses, and why."""
@@ -105,8 +117,13 @@ def _build(args: argparse.Namespace, cfg: Any) -> Any:
         from jaxhybrid.weights import load_pretrained
 
         # a bar on a terminal, log lines otherwise, once the load takes a few seconds
-        return load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=None, dequantize_experts=dq)
-    return HybridLM(cfg, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype), dequantize_experts=dq)
+        model = load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=None, dequantize_experts=dq)
+    else:
+        model = HybridLM(cfg, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype), dequantize_experts=dq)
+    if getattr(args, "weight_dtype", None) == "int8":
+        model.to_int8()
+        log.info("weights: int8 codes with a float32 scale per output channel")
+    return model
 
 
 def make_mesh(spec: str | None) -> Any:
@@ -125,6 +142,8 @@ def load_on_mesh(args: argparse.Namespace, multi: bool) -> tuple[Any, Any]:
     shardings (each process reads only its own devices' shards); `--config` random weights are created on
     one device and then sharded. Several processes (`multi`) need a mesh over the devices of all of them."""
     mesh = make_mesh(args.mesh)
+    if mesh is not None and getattr(args, "weight_dtype", None) == "int8":
+        raise UsageError("--weight-dtype int8 runs on one device; drop --mesh")
     if multi and mesh is None:
         raise UsageError(
             "several processes need --mesh over the devices of all of them "

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxhybrid.ops import int8
 from jaxhybrid.ops.moe import (
     moe_experts_blocked,
     moe_experts_dense,
@@ -140,5 +141,8 @@ def test_mixed_packed_and_dense_weights_are_refused() -> None:
     rng = np.random.default_rng(0)
     x, ids, weights = inputs(rng, 2)
     w1, w2, w3 = packed_weights(rng)
-    with pytest.raises(ValueError, match="all MXFP4 or all dense"):
+    with pytest.raises(ValueError, match="all MXFP4, all int8 or all dense"):
         moe_experts_dense(x, w1, jnp.zeros(w2.shape), w3, weights, jnp.asarray(ids))
+    q1, q2, q3 = (int8.quantize(jnp.zeros(w.shape)) for w in (w1, w2, w3))
+    with pytest.raises(ValueError, match="all MXFP4, all int8 or all dense"):
+        moe_experts_dense(x, q1, w2, q3, weights, jnp.asarray(ids))

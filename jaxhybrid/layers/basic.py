@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxhybrid.config import ModelConfig
+from jaxhybrid.ops import int8
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 from jaxhybrid.ops.norms import gated_rms_norm, rms_norm
 
@@ -44,7 +45,10 @@ def buffer(value: jax.Array, axes: Axes) -> Buffer:
 
 
 class Linear(nnx.Module):
-    """`y = x @ weight.T` with weight [out, in], no bias. `axes`: logical names of (out, in)."""
+    """`y = x @ weight.T` with weight [out, in], no bias. `axes`: logical names of (out, in).
+
+    After `to_int8()` the weight is int8 codes with a float32 `weight_scale` [out] (weight-only int8,
+    `jaxhybrid.ops.int8`); `dense_weight()` gives the float weight either way."""
 
     def __init__(
         self,
@@ -58,7 +62,27 @@ class Linear(nnx.Module):
         self.weight = param(linear_init(rngs.params(), (out_features, in_features), dtype), axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.is_int8:
+            return int8.matmul(x, int8.Int8(self.weight[...], self.weight_scale[...])).astype(x.dtype)
         return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
+
+    @property
+    def is_int8(self) -> bool:
+        return self.weight[...].dtype == jnp.int8
+
+    def dense_weight(self, dtype: jnp.dtype) -> jax.Array:
+        if self.is_int8:
+            return int8.dequantize(int8.Int8(self.weight[...], self.weight_scale[...]), dtype)
+        return self.weight[...].astype(dtype)
+
+    def to_int8(self) -> None:
+        """Hold the weight as int8 codes and per-output-channel scales (in place)."""
+        if self.is_int8:
+            return
+        axes = self.weight.get_metadata()["out_sharding"]
+        q = int8.quantize(self.weight[...])
+        self.weight = param(q.q, axes)
+        self.weight_scale = param(q.scale, axes[:1])
 
 
 class Embedding(nnx.Module):

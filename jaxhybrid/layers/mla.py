@@ -123,7 +123,7 @@ class MultiHeadLatentAttention(nnx.Module):
         o = fn(
             q,
             kv,
-            self.kv_b_proj.weight[...].astype(q.dtype),
+            self.kv_b_proj.dense_weight(q.dtype),
             mask,
             nope_dim=self.nope,
             v_dim=self.v_dim,

@@ -20,6 +20,8 @@ from flax import nnx
 
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import Linear, RMSNorm, SwiGLU, buffer, gated_activation, linear_init, param
+from jaxhybrid.ops import int8
+from jaxhybrid.ops.int8 import Int8
 from jaxhybrid.ops.moe import moe_experts_dense, moe_experts_dropless, route
 from jaxhybrid.ops.mxfp4 import GROUP, MXFP4, ExpertWeight, quantize
 
@@ -89,7 +91,12 @@ class Experts(nnx.Module):
 
     def weights(self, dtype: jnp.dtype | None) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
         """(w1, w2, w3) for the expert ops: dense ones cast to `dtype` (None: as stored); packed ones as
-        `MXFP4`, untouched (the ops dequantize only the experts they read, never a whole-layer copy)."""
+        `MXFP4` and int8 ones as `Int8`, untouched (the ops dequantize only the experts they read, never a
+        whole-layer copy)."""
+        if self.is_int8:
+            return tuple(  # type: ignore[return-value]
+                Int8(getattr(self, n)[...], getattr(self, f"{n}_scale")[...]) for n in ("w1", "w2", "w3")
+            )
         if self.packed:
             return tuple(  # type: ignore[return-value]
                 MXFP4(getattr(self, f"{n}_packed")[...], getattr(self, f"{n}_scale")[...])
@@ -97,6 +104,21 @@ class Experts(nnx.Module):
             )
         ws = self.w1[...], self.w2[...], self.w3[...]
         return ws if dtype is None else tuple(w.astype(dtype) for w in ws)  # type: ignore[return-value]
+
+    @property
+    def is_int8(self) -> bool:
+        return not self.packed and self.w1[...].dtype == jnp.int8
+
+    def to_int8(self) -> None:
+        """Hold dense experts as int8 codes with a float32 scale per expert and output channel (in place);
+        MXFP4-packed experts stay packed."""
+        if self.packed or self.is_int8:
+            return
+        for name in ("w1", "w2", "w3"):
+            axes = getattr(self, name).get_metadata()["out_sharding"]
+            q = int8.quantize(getattr(self, name)[...])
+            setattr(self, name, param(q.q, axes))
+            setattr(self, f"{name}_scale", param(q.scale, axes[:2]))
 
 
 class MoE(nnx.Module):

@@ -28,8 +28,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import mxfp4
+from jaxhybrid.ops import int8, mxfp4
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
+from jaxhybrid.ops.int8 import Int8
 from jaxhybrid.ops.mxfp4 import ExpertWeight, as_dense, expert_slice, is_packed
 
 __all__ = [
@@ -136,8 +137,8 @@ def check_expert_shapes(x: jax.Array, w1: ExpertWeight, w2: ExpertWeight, w3: Ex
             f"expected x [N, D], w1/w3 [E, F, D], w2 [E, D, F]; got x {x.shape}, w1 {w1.shape}, "
             f"w3 {w3.shape}, w2 {w2.shape}"
         )
-    if len({is_packed(w) for w in (w1, w2, w3)}) > 1:
-        raise ValueError("w1, w2 and w3 must be all MXFP4 or all dense")
+    if len({type(w) for w in (w1, w2, w3)}) > 1:
+        raise ValueError("w1, w2 and w3 must be all MXFP4, all int8 or all dense")
 
 
 def used_experts(
@@ -385,7 +386,7 @@ def moe_experts_skipping(
     check_expert_shapes(x, w1, w2, w3)
     if valid is None:
         valid = jnp.ones(expert_ids.shape[:1], bool)
-    if is_packed(w1):  # inference only: no derivative through uint8 codes
+    if is_packed(w1) or isinstance(w1, Int8):  # inference only: no derivative through integer codes
         return _skipping_forward(x, w1, w2, w3, weights, expert_ids, valid.reshape(-1), act)
     return _skipping(x, w1, w2, w3, weights, expert_ids, valid.reshape(-1), act)
 
@@ -428,6 +429,8 @@ def _skipping_forward(
     groups ([G, E, ...]) and the loop reads expert (group, e) in place."""
     num_tokens, k = expert_ids.shape
     num_experts, _, dim = w1.shape[-3:]
+    if isinstance(w1, Int8) and num_tokens * k <= INT8_PAIRS:
+        return _int8_pairs(x, w1, w2, w3, weights, expert_ids, valid, act, group)
 
     def pick(w: ExpertWeight, e: jax.Array) -> jax.Array:
         """Expert e (of `group`) read in place; a packed one dequantized here, one expert at a time."""
@@ -460,8 +463,17 @@ def _skipping_forward(
         hidden = gated_act(gate, up, act).astype(b.dtype)
         return jnp.dot(hidden, b.T, preferred_element_type=jnp.float32)
 
+    def int8_rows(e: jax.Array, r: jax.Array) -> jax.Array:
+        """[m, D] -> [m, D] through int8 expert e, read in place (`int8.matmul`: the CPU kernel)."""
+        at = e if group is None else (group, e)
+        r = r.astype(jnp.float32)
+        gate, up = (int8.matmul(r, w, at) for w in (w1, w3))
+        return int8.matmul(gated_act(gate, up, act), w2, at)
+
     hidden_dtype = _f32_operands(x[:0])[0].dtype  # the dtype `rows` gives its hidden activations
     expert_rows = one_row if m == 1 and is_packed(w1) else rows
+    if isinstance(w1, Int8):
+        expert_rows = int8_rows
 
     def block(i: jax.Array, acc: jax.Array) -> jax.Array:
         t = jax.lax.dynamic_slice_in_dim(token, i * m, m)
@@ -469,6 +481,39 @@ def _skipping_forward(
         return acc.at[t].add(y * jax.lax.dynamic_slice_in_dim(weight, i * m, m)[:, None], mode="drop")
 
     out = jax.lax.fori_loop(0, blocks.used_blocks, block, jnp.zeros((num_tokens, dim), jnp.float32))
+    return out.astype(x.dtype)
+
+
+INT8_PAIRS = 16  # up to this many (token, expert) pairs, int8 experts run as one product per projection
+
+
+def _int8_pairs(
+    x: jax.Array,
+    w1: Int8,
+    w2: Int8,
+    w3: Int8,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    valid: jax.Array,
+    act: GatedActivation,
+    group: jax.Array | None,
+) -> jax.Array:
+    """The decode-sized int8 experts: no sort and no loop; each projection is one `int8.matmul_pairs` over
+    all (token, expert) pairs, every pair's expert read in place (pairs of rows not valid read nothing)."""
+    num_tokens, k = expert_ids.shape
+    lead = w1.q.shape[:-2]  # [E] or [G, E]
+    stacks = 1
+    for d in lead:
+        stacks *= d
+    flat = [Int8(w.q.reshape(stacks, *w.q.shape[-2:]), w.scale.reshape(stacks, -1)) for w in (w1, w2, w3)]
+    ids = expert_ids.reshape(-1).astype(jnp.int32)
+    if group is not None:
+        ids = jnp.asarray(group, jnp.int32) * lead[-1] + ids
+    ids = jnp.where(jnp.repeat(valid, k), ids, -1)
+    rows = jnp.repeat(x.astype(jnp.float32), k, axis=0)
+    gate, up = (int8.matmul_pairs(rows, w, ids) for w in (flat[0], flat[2]))
+    y = int8.matmul_pairs(gated_act(gate, up, act), flat[1], ids)
+    out = jnp.sum(y.reshape(num_tokens, k, -1) * _valid_weights(weights, valid)[..., None], axis=1)
     return out.astype(x.dtype)
 
 
@@ -511,8 +556,11 @@ def moe_experts_dropless(
 
     ``valid`` ``[N]`` bool (optional): rows that are not valid (idle slots, padding) are not routed and
     come back as zeros. Every expert implementation takes it, so it is part of the shared signature."""
-    impl = moe_experts_skipping if jax.default_backend() == "cpu" else moe_experts_ragged
-    return impl(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)
+    if jax.default_backend() == "cpu":
+        return moe_experts_skipping(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)
+    if isinstance(w1, Int8):  # the int8 kernel is the CPU's; elsewhere the experts run dequantized
+        w1, w2, w3 = (as_dense(w, x.dtype) for w in (w1, w2, w3))
+    return moe_experts_ragged(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)
 
 
 def moe_experts_dropless_stacked(
@@ -536,5 +584,5 @@ def moe_experts_dropless_stacked(
         )
     w1, w2, w3 = (expert_slice(w, group) for w in (w1, w2, w3))
     if not is_packed(w1):
-        w1, w2, w3 = (w.astype(x.dtype) for w in (w1, w2, w3))
+        w1, w2, w3 = (as_dense(w, x.dtype).astype(x.dtype) for w in (w1, w2, w3))
     return moe_experts_ragged(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)

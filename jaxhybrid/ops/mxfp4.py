@@ -20,6 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhybrid.ops import int8
+from jaxhybrid.ops.int8 import Int8
+
 __all__ = [
     "GROUP",
     "SCALE_BIAS",
@@ -61,7 +64,7 @@ class MXFP4(NamedTuple):
         return self.packed.ndim
 
 
-ExpertWeight = jax.Array | MXFP4
+ExpertWeight = jax.Array | MXFP4 | Int8  # dense, MXFP4-packed, or weight-only int8 (`jaxhybrid.ops.int8`)
 
 
 def is_packed(w: Any) -> bool:
@@ -143,8 +146,10 @@ def quantize(w: jax.Array) -> MXFP4:
 
 
 def as_dense(w: ExpertWeight, dtype: Any) -> jax.Array:
-    """The dense weight: an MXFP4 dequantized to `dtype` (XLA may fuse this into the matmul reading it); a
-    dense array as it is."""
+    """The dense weight: an MXFP4 or int8 one dequantized to `dtype` (XLA may fuse this into the matmul
+    reading it); a dense array as it is."""
+    if isinstance(w, Int8):
+        return int8.dequantize(w, dtype)
     return dequantize(w.packed, w.scale, dtype) if isinstance(w, MXFP4) else w
 
 
@@ -162,8 +167,10 @@ def _index(x: jax.Array, index: Any) -> jax.Array:
 
 
 def expert_slice(w: ExpertWeight, index: Any) -> ExpertWeight:
-    """`w[index]` over the leading (expert / group) dims, for a dense array or both arrays of an MXFP4;
-    indices are in range."""
+    """`w[index]` over the leading (expert / group) dims, for a dense array or both arrays of an MXFP4 or
+    int8 weight; indices are in range."""
+    if isinstance(w, Int8):
+        return Int8(_index(w.q, index), _index(w.scale, index))
     if isinstance(w, MXFP4):
         return MXFP4(_index(w.packed, index), _index(w.scale, index))
     return _index(w, index)

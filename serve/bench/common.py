@@ -74,13 +74,14 @@ def emit(result: dict[str, Any], args: argparse.Namespace) -> None:
 def add_model_args(p: argparse.ArgumentParser, default_config: str = "small") -> None:
     """--config NAME (random weights from --seed) or --model DIR: the model a bench runs
     (--dequantize-experts: MXFP4 experts held dense)."""
-    from serve.models import add_dequantize_experts_arg
+    from serve.models import add_dequantize_experts_arg, add_weight_dtype_arg
 
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", help=f"config name or path (default {default_config})")
     src.add_argument("--model", help="a checkpoint directory: Hugging Face safetensors or converted Orbax")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (--config)")
     add_dequantize_experts_arg(p)
+    add_weight_dtype_arg(p)
 
 
 def add_out_arg(p: argparse.ArgumentParser) -> None:

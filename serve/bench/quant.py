@@ -1,4 +1,5 @@
-"""`jaxhybrid bench quant [--model DIR]`: the accuracy cost of MXFP4 routed experts.
+"""`jaxhybrid bench quant [--model DIR] [--scheme mxfp4|int8]`: the accuracy cost of MXFP4 routed experts,
+or (`--scheme int8`) of `--weight-dtype int8`'s weight-only int8 linear layers and experts.
 
 The model (default: the shipped one) is written with MXFP4 experts exactly as `jaxhybrid convert
 --quantize-experts mxfp4` writes it (or `--quantized DIR` names such a directory) and both are loaded with
@@ -61,7 +62,7 @@ def _sums() -> Any:
         n = y.size
         return {
             "dense": next_token_loss(logp, y) * n,
-            "mxfp4": next_token_loss(logq, y) * n,
+            "quant": next_token_loss(logq, y) * n,
             "top1_agree": (logp.argmax(-1) == logq.argmax(-1)).sum().astype(jnp.float32),
             "kl": (jnp.exp(logp) * (logp - logq)).sum(),
         }
@@ -69,9 +70,9 @@ def _sums() -> Any:
     return sums
 
 
-def compare_on(dense: Any, quant: Any, batches: list[Any]) -> dict[str, float]:
-    """Summed over the batches: each model's next-token loss (the training loss), top-1 agreement and
-    KL(dense || quant), per target token."""
+def compare_on(dense: Any, quant: Any, batches: list[Any], scheme: str = "mxfp4") -> dict[str, float]:
+    """Summed over the batches: each model's next-token loss (the training loss; the quantized model's under
+    the key `scheme`), top-1 agreement and KL(dense || quant), per target token."""
     import jax.numpy as jnp
 
     total: dict[str, float] = {}
@@ -80,6 +81,7 @@ def compare_on(dense: Any, quant: Any, batches: list[Any]) -> dict[str, float]:
         for k, v in _sums()(dense, quant, jnp.asarray(batch)).items():
             total[k] = total.get(k, 0.0) + float(v)
         tokens += batch[:, 1:].size
+    total[scheme] = total.pop("quant")
     return {k: v / tokens for k, v in total.items()} | {"tokens": tokens}
 
 
@@ -115,17 +117,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     dtype = jnp.dtype(args.dtype)
     dense = load_pretrained(model_dir, dtype=dtype, progress=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        quant_dir = Path(args.quantized) if args.quantized else Path(tmp) / "mxfp4"
-        if not args.quantized:
-            save_hf(dense, quant_dir, tokenizer_dir=model_dir, expert_quant="mxfp4")
-        quant = load_pretrained(quant_dir, dtype=dtype, progress=False)
-    if quant.config.expert_quant != "mxfp4":
-        print(f"error: {quant_dir} has no MXFP4 routed experts", file=sys.stderr)
-        return 2
+    scheme = args.scheme
+    if scheme == "int8":  # as `--weight-dtype int8` serves it
+        quant = load_pretrained(model_dir, dtype=dtype, progress=False)
+        quant.to_int8()
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            quant_dir = Path(args.quantized) if args.quantized else Path(tmp) / "mxfp4"
+            if not args.quantized:
+                save_hf(dense, quant_dir, tokenizer_dir=model_dir, expert_quant="mxfp4")
+            quant = load_pretrained(quant_dir, dtype=dtype, progress=False)
+        if quant.config.expert_quant != "mxfp4":
+            print(f"error: {quant_dir} has no MXFP4 routed experts", file=sys.stderr)
+            return 2
     cfg = dense.config
     t0 = time.perf_counter()
-    val = compare_on(dense, quant, validation_batches(model_dir, cfg, args))
+    val = compare_on(dense, quant, validation_batches(model_dir, cfg, args), scheme)
     t1 = time.perf_counter()
     completions = []
     if args.greedy_tokens:
@@ -139,13 +146,20 @@ def run(args: argparse.Namespace) -> int:
                     "agreed_tokens": agreed_prefix(a, b),
                     "same_positions": sum(x == y for x, y in zip(a, b, strict=True)),
                     "dense": tok.decode(a),
-                    "mxfp4": tok.decode(b),
+                    scheme: tok.decode(b),
                 }
             )
     result = {
         "bench": "quant",
         "model": str(model_dir),
-        "quantized": str(args.quantized) if args.quantized else "written by convert's writer (save_hf)",
+        "scheme": scheme,
+        "quantized": (
+            "int8 weights (--weight-dtype int8)"
+            if scheme == "int8"
+            else str(args.quantized)
+            if args.quantized
+            else "written by convert's writer (save_hf)"
+        ),
         "dtype": str(dtype),
         "validation": {
             "data": list(args.data),
@@ -155,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             "batches": args.batches,
             **val,
         },
-        "delta_nats_per_token": val["mxfp4"] - val["dense"],
+        "delta_nats_per_token": val[scheme] - val["dense"],
         "validation_s": round(t1 - t0, 1),  # corpus, tokenizing, compiling and both forwards
         "greedy_s": round(time.perf_counter() - t1, 1),
         "greedy_tokens": args.greedy_tokens,
@@ -165,9 +179,9 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         {"model": "dense", "nats/token": f"{val['dense']:.4f}"},
         {
-            "model": "mxfp4 experts",
-            "nats/token": f"{val['mxfp4']:.4f}",
-            "delta": f"{val['mxfp4'] - val['dense']:+.4f}",
+            "model": "mxfp4 experts" if scheme == "mxfp4" else "int8 weights",
+            "nats/token": f"{val[scheme]:.4f}",
+            "delta": f"{val[scheme] - val['dense']:+.4f}",
             "top-1 agree": f"{val['top1_agree']:.4f}",
             "KL nats": f"{val['kl']:.5f}",
         },
@@ -184,9 +198,17 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "quant", help="validation loss of a model dense vs with MXFP4 routed experts", description=__doc__
+        "quant",
+        help="validation loss of a model dense vs with MXFP4 routed experts (or int8 weights)",
+        description=__doc__,
     )
     p.add_argument("--model", help="a dense model directory (default: the shipped model)")
+    p.add_argument(
+        "--scheme",
+        choices=["mxfp4", "int8"],
+        default="mxfp4",
+        help="mxfp4: MXFP4 routed experts (default); int8: --weight-dtype int8's weight-only int8",
+    )
     p.add_argument(
         "--quantized",
         help="its MXFP4 copy from `jaxhybrid convert --quantize-experts mxfp4` (default: written here)",

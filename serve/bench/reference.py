@@ -14,6 +14,12 @@ The machine's matmul rate and read bandwidth are measured in the same run (as in
 every figure of ours gets its fraction of them. The logits of both on the same prompt are compared
 (`max_rel_err`), and the greedy tokens of the decode run.
 
+`--against llama.cpp` adds llama.cpp on the same weights to the same rounds (`serve/bench/llamacpp.py`:
+converted with its own `convert_hf_to_gguf.py` to f32 and quantized to q8_0): `llama-bench` with one
+repetition per round for each prefill length and for the decode (`--decode-tokens` steps after a
+`--decode-prompt`-token context), and `llama-completion`'s greedy tokens after `--greedy-prompt` beside
+ours. `--llama-cpp DIR` names a built llama.cpp; `--build-llama-cpp DIR` builds one.
+
 `--make-small DIR` writes the checkpoint: transformers' own model of a config (default `small`) with its
 own random initialisation, saved by `save_pretrained`. Needs the optional extra `reference`
 (`pip install -e ".[reference]"`: torch and transformers).
@@ -23,14 +29,19 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from jaxhybrid.tokenizer import ByteTokenizer
 from serve.bench.common import add_out_arg, emit, environment
+from serve.bench.llamacpp import WEIGHT_TYPES as LLAMA_TYPES
+from serve.bench.llamacpp import LlamaCppError, LlamaRuns, build, describe, locate
 from serve.report import positive_ints, print_table
 
 MISSING = (
@@ -133,13 +144,15 @@ class TorchModel:
 class OurModel:
     """This project's model: a jitted full pass and engines on the default and the one-slot shape."""
 
-    def __init__(self, directory: str, max_len: int):
+    def __init__(self, directory: str, max_len: int, int8: bool = False):
         import jax.numpy as jnp
 
         from jaxhybrid.model import pure_fn
         from jaxhybrid.weights import load_pretrained
 
         self.model = load_pretrained(directory, dtype=jnp.float32, progress=False)
+        if int8:  # as `--weight-dtype int8` serves it
+            self.model.to_int8()
         self.full, self.state = pure_fn(self.model)
         self.max_len = max_len
 
@@ -188,13 +201,22 @@ def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
 
-def measure(args: argparse.Namespace, ours: OurModel, ref: TorchModel) -> dict[str, Any]:
-    """Interleaved rounds of every timing; medians, ratios and the two models' agreement."""
+def measure(
+    args: argparse.Namespace,
+    ours: OurModel,
+    ref: TorchModel,
+    llama: LlamaRuns | None = None,
+    ours_int8: OurModel | None = None,
+) -> dict[str, Any]:
+    """Interleaved rounds of every timing; medians, ratios and the models' agreement. llama.cpp's figures are
+    tokens/s as `llama-bench` reports them, stored as seconds for the same token counts. `ours_int8`: the
+    same weights as `--weight-dtype int8`, timed as `ours` is (keys `int8_*`)."""
     vocab = ours.model.config.vocab_size
     prompts = {n: _tokens(n, vocab, n) for n in args.lengths}
     engine_prompt = _tokens(args.engine_prompt, vocab, 1)
     decode_prompt = _tokens(args.decode_prompt, vocab, 2)
-    engines = {"default": ours.engine(None), "1_slot": ours.engine(1)}
+    variants = {"ours": ours} | ({} if ours_int8 is None else {"int8": ours_int8})
+    engines = {v: {"default": m.engine(None), "1_slot": m.engine(1)} for v, m in variants.items()}
     samples: dict[str, list[float]] = {}
     agreement: dict[str, Any] = {}
 
@@ -205,18 +227,33 @@ def measure(args: argparse.Namespace, ours: OurModel, ref: TorchModel) -> dict[s
         keep = add if rnd else (lambda name, seconds: None)
         for n, toks in prompts.items():
             want, t_ref = ref.logits(toks)
-            got, t_ours = ours.logits(toks)
             keep(f"ref_prefill_{n}", t_ref)
-            keep(f"ours_prefill_{n}", t_ours)
-            agreement[f"logits_max_rel_err_{n}"] = _rel_err(got, want)
+            for v, model in variants.items():
+                got, t_ours = model.logits(toks)
+                keep(f"{v}_prefill_{n}", t_ours)
+                agreement[f"logits_max_rel_err_{n}" + ("" if v == "ours" else f"_{v}")] = _rel_err(got, want)
         keep("ref_prefill_cached", ref.logits(engine_prompt, use_cache=True)[1])
-        keep("ours_engine_first_token", ours.first_token(engines["default"], engine_prompt))
+        for v, model in variants.items():
+            keep(f"{v}_engine_first_token", model.first_token(engines[v]["default"], engine_prompt))
         ref_tokens, t_ref = ref.decode(decode_prompt, args.decode_tokens)
         keep("ref_decode", t_ref)
-        for name, engine in engines.items():
-            got_tokens, t_ours = ours.decode(engine, decode_prompt, args.decode_tokens)
-            keep(f"ours_decode_{name}", t_ours)
-            agreement[f"greedy_tokens_agree_{name}"] = got_tokens == ref_tokens
+        for v, model in variants.items():
+            for name, engine in engines[v].items():
+                got_tokens, t_ours = model.decode(engine, decode_prompt, args.decode_tokens)
+                keep(f"{v}_decode_{name}", t_ours)
+                if v == "ours":
+                    agreement[f"greedy_tokens_agree_{name}"] = got_tokens == ref_tokens
+        if llama is not None:
+            lengths = sorted({*args.lengths, args.engine_prompt})
+            for key, (tokens, rate) in llama.round(lengths, args.decode_prompt, args.decode_tokens).items():
+                keep(key, tokens / rate)
+    if llama is not None:
+        prompt = np.asarray(ByteTokenizer(vocab).encode(args.greedy_prompt), np.int32)
+        mine, _ = ours.decode(engines["ours"]["1_slot"], prompt, args.greedy_tokens - 1)
+        agreement |= llama.agreement(args.greedy_prompt, args.greedy_tokens, mine)
+        if ours_int8 is not None:
+            mine, _ = ours_int8.decode(engines["int8"]["1_slot"], prompt, args.greedy_tokens - 1)
+            agreement["greedy_jaxhybrid_int8"] = mine
     med = {name: float(np.median(v)) for name, v in samples.items()}
     return {"median_s": med, "samples_s": samples, "agreement": agreement}
 
@@ -237,16 +274,26 @@ def rows(med: dict[str, float], args: argparse.Namespace, fractions: dict[str, f
     table = []
     for kind, label, tokens, ref_key, ours_key in out:
         ref_rate, ours_rate = tokens / med[ref_key], tokens / med[ours_key]
-        table.append(
-            {
-                "kind": kind,
-                "what": label,
-                "transformers_tok_s": ref_rate,
-                "jaxhybrid_tok_s": ours_rate,
-                "ratio": ours_rate / ref_rate,
-                "machine_fraction": fractions.get(ours_key),
-            }
-        )
+        row = {
+            "kind": kind,
+            "what": label,
+            "transformers_tok_s": ref_rate,
+            "jaxhybrid_tok_s": ours_rate,
+            "ratio": ours_rate / ref_rate,
+            "machine_fraction": fractions.get(ours_key),
+        }
+        int8_key = "int8" + ours_key[len("ours") :]
+        if int8_key in med:
+            row["jaxhybrid_int8_tok_s"] = tokens / med[int8_key]
+        for wtype in LLAMA_TYPES:
+            key = f"llama_{wtype}_{'decode' if kind == 'decode' else f'prefill_{tokens}'}"
+            if key in med:
+                row[f"llama_{wtype}_tok_s"] = tokens / med[key]
+                # fp32 weights against llama.cpp's f32, int8 against its q8_0
+                mine = row.get("jaxhybrid_int8_tok_s") if wtype == "q8_0" else ours_rate
+                if mine is not None:
+                    row[f"ratio_vs_llama_{wtype}"] = mine * med[key] / tokens
+        table.append(row)
     return table
 
 
@@ -285,6 +332,8 @@ def run(args: argparse.Namespace) -> int:
         ref = TorchModel(args.model)
         longest = max(*args.lengths, args.engine_prompt, args.decode_prompt + args.decode_tokens + 1)
         ours = OurModel(args.model, max_len=-(-longest // 64) * 64 + 64)
+        llama = _llama_runs(args)
+        ours_int8 = None if llama is None else OurModel(args.model, max_len=ours.max_len, int8=True)
     except (RuntimeError, ConfigError, CheckpointError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -292,7 +341,11 @@ def run(args: argparse.Namespace) -> int:
 
     env = environment()
     rates = machine_rates("float32", 5, 2048 if env["platform"] == "cpu" else 8192, 256)
-    result = measure(args, ours, ref)
+    try:
+        result = measure(args, ours, ref, llama, ours_int8)
+    except LlamaCppError as exc:  # a llama.cpp tool failed mid-run: its message, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     table = rows(result["median_s"], args, _fractions(ours, result["median_s"], args, rates))
     torch = ref.torch
     result = {
@@ -302,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
         "environment": env,
         "reference": {"torch": torch.__version__, "device": ref.device, "threads": torch.get_num_threads()},
         "machine": rates,
+        "llama_cpp": None if llama is None else {**describe(llama.llama), "threads": llama.threads},
         "rows": table,
         **result,
     }
@@ -312,23 +366,44 @@ def run(args: argparse.Namespace) -> int:
         f"{matmul:.1f} GFLOP/s, read {read:.1f} GB/s",
         file=sys.stderr,
     )
-    print_table(
-        [
-            {
-                **r,
-                "transformers_tok_s": f"{r['transformers_tok_s']:.1f}",
-                "jaxhybrid_tok_s": f"{r['jaxhybrid_tok_s']:.1f}",
-                "ratio": f"{r['ratio']:.2f}",
-                "of_machine": f"{100 * r['machine_fraction']:.1f}%",
-            }
-            for r in table
-        ],
-        ["kind", "what", "transformers_tok_s", "jaxhybrid_tok_s", "ratio", "of_machine"],
-        file=sys.stderr,
-    )
+    columns = ["kind", "what", "transformers_tok_s", "jaxhybrid_tok_s", "ratio", "of_machine"]
+    if llama is not None:
+        columns += ["jaxhybrid_int8"] + [f"{p}{w}" for w in LLAMA_TYPES for p in ("llama_", "vs_llama_")]
+    print_table([_shown(r) for r in table], columns, file=sys.stderr)
     print(f"agreement: {result['agreement']}", file=sys.stderr)
     emit(result, args)
     return 0
+
+
+def _llama_runs(args: argparse.Namespace) -> LlamaRuns | None:
+    """llama.cpp's side when `--against llama.cpp`: located or built, the model converted."""
+    if args.against is None:
+        return None
+    try:
+        llama = build(args.build_llama_cpp) if args.build_llama_cpp else locate(args.llama_cpp)
+        work = Path(args.gguf_dir or tempfile.mkdtemp(prefix="jaxhybrid-gguf-"))
+        return LlamaRuns(llama, args.model, work, args.threads or os.cpu_count() or 1)
+    except LlamaCppError as exc:
+        raise RuntimeError(str(exc)) from None
+
+
+def _shown(r: dict[str, Any]) -> dict[str, str]:
+    """A table row's figures as text."""
+    out = {
+        **r,
+        "transformers_tok_s": f"{r['transformers_tok_s']:.1f}",
+        "jaxhybrid_tok_s": f"{r['jaxhybrid_tok_s']:.1f}",
+        "ratio": f"{r['ratio']:.2f}",
+        "of_machine": f"{100 * r['machine_fraction']:.1f}%",
+    }
+    if "jaxhybrid_int8_tok_s" in r:
+        out["jaxhybrid_int8"] = f"{r['jaxhybrid_int8_tok_s']:.1f}"
+    for w in LLAMA_TYPES:
+        if f"llama_{w}_tok_s" in r:
+            out[f"llama_{w}"] = f"{r[f'llama_{w}_tok_s']:.1f}"
+            if f"ratio_vs_llama_{w}" in r:
+                out[f"vs_llama_{w}"] = f"{r[f'ratio_vs_llama_{w}']:.2f}"
+    return out
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -349,5 +424,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-prompt", type=int, default=128, help="prompt before decoding (default 128)")
     p.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps timed (default 32)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds after a warm-up round (default 3)")
+    p.add_argument("--against", choices=["llama.cpp"], help="also time llama.cpp on the same weights")
+    p.add_argument("--llama-cpp", metavar="DIR", help="a built llama.cpp source tree (default $LLAMA_CPP)")
+    p.add_argument(
+        "--build-llama-cpp",
+        metavar="DIR",
+        help="build llama.cpp from the llama-cpp-python sdist in DIR (reused)",
+    )
+    p.add_argument("--gguf-dir", metavar="DIR", help="where the GGUF files go (default: a new temporary dir)")
+    p.add_argument("--threads", type=int, help="llama.cpp's threads (default: every CPU)")
+    p.add_argument(
+        "--greedy-prompt",
+        default="The quick brown fox jumps over the lazy dog.",
+        help="text whose greedy continuation llama.cpp and we must agree on",
+    )
+    p.add_argument("--greedy-tokens", type=int, default=16, help="greedy tokens compared (default 16)")
     add_out_arg(p)
     p.set_defaults(func=run)

@@ -19,7 +19,13 @@ from serve.cli.common import (
     prefix_config,
     setup_compile_cache,
 )
-from serve.models import DTYPE_HELP, UsageError, add_dequantize_experts_arg, load_on_mesh
+from serve.models import (
+    DTYPE_HELP,
+    UsageError,
+    add_dequantize_experts_arg,
+    add_weight_dtype_arg,
+    load_on_mesh,
+)
 from serve.report import DTYPES
 
 REQUEST_FIELDS = ("prompt_ids", "cache_salt")
@@ -228,6 +234,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_arg(p)
     p.add_argument("--model", help="a checkpoint directory: Hugging Face safetensors or converted Orbax")
     add_dequantize_experts_arg(p)
+    add_weight_dtype_arg(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and of per-request seeds")
     p.add_argument("--dtype", choices=DTYPES, default=None, help=DTYPE_HELP)
     src = p.add_argument_group("prompts (exactly one)")

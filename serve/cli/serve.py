@@ -28,7 +28,13 @@ from serve.cli.common import (
     setup_logging,
 )
 from serve.cli.generate import engine_config
-from serve.models import DTYPE_HELP, UsageError, add_dequantize_experts_arg, load_on_mesh
+from serve.models import (
+    DTYPE_HELP,
+    UsageError,
+    add_dequantize_experts_arg,
+    add_weight_dtype_arg,
+    load_on_mesh,
+)
 from serve.report import DTYPES
 
 log = logging.getLogger("jaxhybrid.serve")
@@ -289,6 +295,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_arg(m)
     m.add_argument("--model", help="a checkpoint directory: Hugging Face safetensors or converted Orbax")
     add_dequantize_experts_arg(m)
+    add_weight_dtype_arg(m)
     m.add_argument("--served-model-name", help="the model id clients use (default: directory/config name)")
     m.add_argument("--seed", type=int, default=0, help="seed of random weights and of unseeded requests")
     m.add_argument("--dtype", choices=DTYPES, default=None, help=DTYPE_HELP)

@@ -1,0 +1,165 @@
+"""Weight-only int8: a weight W [.., out, in] held as int8 codes and one float32 scale per output channel,
+``W ~= q * scale[..., None]``, and its product with float activations.
+
+Two products share one signature, ``(x [..., in], w: Int8, index=None) -> [..., out] float32``:
+
+* :func:`matmul_reference` - dequantize the matrix, then a float32 product. The reference.
+* :func:`matmul` - on the CPU, rows of a decode-sized batch (up to :data:`KERNEL_ROWS`) go through the int8
+  kernel of `jaxhybrid.ops.native`, which reads each weight byte once; larger batches (prefill) dequantize
+  one block of :data:`BLOCK` output channels at a time inside a loop, so no float32 copy of a whole matrix
+  is written per call. Elsewhere (accelerators, or no kernel) it is the reference. The results differ from
+  the reference only in the order of float32 sums.
+
+``index`` picks one matrix of a stack (an expert [E, out, in], or (group, expert) of [G, E, out, in]) in
+place: the kernel reads it where it lies, nothing is sliced out first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "Int8",
+    "quantize",
+    "dequantize",
+    "matmul",
+    "matmul_reference",
+    "matmul_pairs",
+    "matmul_pairs_reference",
+    "KERNEL_ROWS",
+    "BLOCK",
+]
+
+KERNEL_ROWS = 8  # up to this many rows the kernel (one read of the weights); past that the blocked product
+BLOCK = 1024  # at most this many output channels dequantized at a time by the blocked product
+QMAX = 127  # symmetric codes -127..127
+
+
+class Int8(NamedTuple):
+    """An int8 weight (or a stack of them): `q` int8 [.., out, in], `scale` float32 [.., out]."""
+
+    q: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self.q.ndim
+
+
+def quantize(w: jax.Array) -> Int8:
+    """Symmetric per-output-channel codes: scale = max |w[o, :]| / 127 (1 for an all-zero row), codes
+    round(w / scale) to the nearest, ties to even."""
+    w = jnp.asarray(w, jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=-1)
+    scale = jnp.where(amax > 0, amax / QMAX, 1.0).astype(jnp.float32)
+    q = jnp.clip(jnp.round(w / scale[..., None]), -QMAX, QMAX).astype(jnp.int8)
+    return Int8(q, scale)
+
+
+def dequantize(w: Int8, dtype: Any = jnp.float32) -> jax.Array:
+    return (w.q.astype(jnp.float32) * w.scale[..., None]).astype(dtype)
+
+
+def select(w: Int8, index: Any) -> Int8:
+    """Matrix `index` of a stack (an int or a tuple of them over the leading dims), as a slice."""
+    if index is None:
+        return w
+    index = index if isinstance(index, tuple) else (index,)
+    starts = [jnp.asarray(i, jnp.int32) for i in index]
+    q = jax.lax.dynamic_slice(w.q, [*starts, 0, 0], (1,) * len(index) + w.q.shape[len(index) :])
+    s = jax.lax.dynamic_slice(w.scale, [*starts, 0], (1,) * len(index) + w.scale.shape[len(index) :])
+    return Int8(q.reshape(w.q.shape[len(index) :]), s.reshape(w.scale.shape[len(index) :]))
+
+
+def matmul_reference(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
+    m = select(w, index)
+    return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), dequantize(m), precision="highest")
+
+
+def matmul(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    if jax.default_backend() != "cpu":
+        return matmul_reference(x, w, index)
+    if rows <= KERNEL_ROWS:
+        from jaxhybrid.ops.native import int8_kernel
+
+        target = int8_kernel()
+        if target is not None:
+            return _kernel(target, x, w, index)
+    return _blocked(x, select(w, index))
+
+
+def matmul_pairs_reference(x: jax.Array, w: Int8, ids: jax.Array) -> jax.Array:
+    """Row p of x [P, in] times matrix ids[p] of the stack w [E, out, in] -> [P, out] float32; a negative
+    id gives a row of zeros."""
+    take = jnp.clip(ids, 0, w.q.shape[0] - 1)
+    dense = dequantize(Int8(w.q[take], w.scale[take]))
+    y = jnp.einsum("pi,poi->po", x.astype(jnp.float32), dense, precision="highest")
+    return jnp.where((ids >= 0)[:, None], y, 0.0)
+
+
+def matmul_pairs(x: jax.Array, w: Int8, ids: jax.Array) -> jax.Array:
+    """:func:`matmul_pairs_reference` with each row's matrix read in place by the CPU kernel (one call for
+    all rows, e.g. every (token, expert) pair of a decode step); elsewhere the reference."""
+    if jax.default_backend() == "cpu":
+        from jaxhybrid.ops.native import int8_kernel
+
+        target = int8_kernel()
+        if target is not None:
+            rows, out = x.shape[0], w.q.shape[1]
+            call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, out), jnp.float32))
+            return call(x.astype(jnp.float32), w.q, w.scale, ids.astype(jnp.int32))
+    return matmul_pairs_reference(x, w, ids)
+
+
+def _kernel(target: str, x: jax.Array, w: Int8, index: Any) -> jax.Array:
+    """The FFI kernel on matrix `index` of the stack, flattened to [E, out, in] (a free reshape)."""
+    *lead, out, cols = w.q.shape
+    if index is None:
+        flat = jnp.zeros((1,), jnp.int32)
+    else:
+        index = index if isinstance(index, tuple) else (index,)
+        flat = jnp.int32(0)
+        for i, n in zip(index, lead, strict=True):
+            flat = flat * n + jnp.asarray(i, jnp.int32)
+        flat = flat.reshape(1)
+    stacks = 1
+    for d in lead:
+        stacks *= d
+    q, s = w.q.reshape(stacks, out, cols), w.scale.reshape(stacks, out)
+    x2 = x.reshape(-1, cols).astype(jnp.float32)
+    call = jax.ffi.ffi_call(
+        target, jax.ShapeDtypeStruct((x2.shape[0], out), jnp.float32), vmap_method="sequential"
+    )
+    return call(x2, q, s, flat).reshape(*x.shape[:-1], out)
+
+
+def _block_size(out: int) -> int:
+    """The largest divisor of `out` up to BLOCK (at least BLOCK / 4), else `out` itself (one block)."""
+    return next((b for b in range(min(BLOCK, out), BLOCK // 4 - 1, -1) if out % b == 0), out)
+
+
+def _blocked(x: jax.Array, w: Int8) -> jax.Array:
+    """`x @ dequantize(w).T`, dequantizing a block of output channels at a time into a float32 buffer the
+    product then reads (the barrier keeps XLA from fusing the conversion into the product, which XLA:CPU
+    then runs as a loop without vectors, several times slower)."""
+    out, cols = w.q.shape
+    size = _block_size(out)
+    x2 = x.reshape(-1, cols).astype(jnp.float32)
+
+    def block(qs: tuple[jax.Array, jax.Array]) -> jax.Array:
+        dense = jax.lax.optimization_barrier(dequantize(Int8(*qs)))
+        return jnp.dot(x2, dense.T, precision="highest")
+
+    blocks = (w.q.reshape(out // size, size, cols), w.scale.reshape(out // size, size))
+    y = jax.lax.map(block, blocks)
+    return jnp.moveaxis(y, 0, 1).reshape(*x.shape[:-1], out)

@@ -1,0 +1,99 @@
+"""CPU kernels that XLA:CPU does not emit, built from source on first use and called as XLA FFI custom calls.
+
+XLA:CPU runs a float32 matrix-vector product near the machine's read bandwidth, but a product with int8
+(or bf16) weights it runs at under 1 GB/s (a loop without vectors), and a convert-then-multiply-then-sum
+formulation reads int8 at the speed of float32 (measured in BENCHMARKS.md, "Weight-only int8"). The one
+kernel here, `matvec_int8.cc`, reads each weight byte once at full speed.
+
+The shared library is compiled with the machine's C++ compiler (`$CXX`, else g++, else c++) and
+`-march=native`, once per source, compiler and CPU, into the user's cache directory (or
+`$JAXHYBRID_KERNEL_DIR`); compiling takes a few seconds. Where that fails (no compiler, no AVX2), `int8`
+says why once and every product takes the XLA formulation, which gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("matvec_int8.cc")
+TARGET = "jaxhybrid_matvec_int8"
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("JAXHYBRID_KERNEL_DIR"):
+        return Path(os.environ["JAXHYBRID_KERNEL_DIR"])
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("jaxhybrid")) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(cxx: str) -> Path:
+    import jax.ffi
+
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + cxx.encode() + _cpu_flags().encode() + jax.__version__.encode()).hexdigest()
+    out = _cache_dir() / f"matvec_int8-{key[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        lib = Path(tmp) / out.name
+        cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+        cmd += [f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(lib)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:2])} ... failed: {done.stderr.strip()[-500:]}")
+        os.replace(lib, out)  # atomic: a concurrent builder finds a whole library or none
+    return out
+
+
+@functools.cache
+def int8_kernel() -> str | None:
+    """The FFI target name of the int8 matrix-vector kernel, registered with JAX for the CPU; None (with
+    one log line saying why) where it cannot be built or would be no faster than XLA."""
+    import jax
+
+    if os.environ.get("JAXHYBRID_NATIVE", "1") == "0":
+        return None
+    cxx = _compiler()
+    if cxx is None:
+        log.warning("no C++ compiler: int8 weights use XLA's products (slower on the CPU)")
+        return None
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
+    except (OSError, RuntimeError) as exc:
+        log.warning("the int8 kernel did not build (%s); int8 weights use XLA's products", exc)
+        return None
+    if lib.jaxhybrid_matvec_int8_isa() == 0:
+        log.warning("the int8 kernel has no AVX2 or AVX-512 on this CPU; int8 weights use XLA's products")
+        return None
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxhybrid_matvec_int8), platform="cpu")
+    return TARGET

@@ -1,0 +1,175 @@
+// Weight-only int8 products for decode-sized batches on the CPU, as an XLA FFI custom call.
+//
+// y[m, n] = scale[e, n] * sum_k x[m, k] * q[e, n, k]   for m < M, n < N, e = index[0] or index[m]
+//
+// x is float32 [M, K]; q int8 [E, N, K] (E = 1 for a plain layer); scale float32 [E, N]; index int32 [1]
+// (one matrix of the stack for every row: an expert, read in place, never copied) or [M] (row m against
+// matrix index[m], e.g. the (token, expert) pairs of a decode step; negative: a row of zeros). Each weight byte is read once and
+// widened to float32 in registers; every row of x uses it while it is there. The rows n are split over
+// XLA's intra-op thread pool. AVX-512 or AVX2 (+FMA) intrinsics, whichever the build machine has
+// (-march=native); `jaxhybrid_matvec_int8_isa` says which.
+#include <immintrin.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kRows = 4;  // rows of x per pass over a weight row
+
+#if defined(__AVX512F__)
+constexpr int kIsa = 512;
+constexpr int64_t kLanes = 32;  // two 16-float registers per step
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kIsa = 256;
+constexpr int64_t kLanes = 16;  // two 8-float registers per step
+#else
+constexpr int kIsa = 0;
+constexpr int64_t kLanes = 1;
+#endif
+
+// The vector body: acc[i] += widen(w[k .. k + kLanes)) * x_i[k .. k + kLanes) for k < body; returns the
+// per-row sums of the accumulators in out[i].
+inline void Body(const int8_t* w, const float* x, int64_t K, int64_t mm, int64_t body, float* out) {
+#if defined(__AVX512F__)
+  __m512 acc[kRows][2];
+  for (int64_t i = 0; i < kRows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < body; k += kLanes) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(w + k);
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+    for (int64_t i = 0; i < mm; ++i) {
+      const float* xr = x + i * K + k;
+      acc[i][0] = _mm512_fmadd_ps(a, _mm512_loadu_ps(xr), acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(b, _mm512_loadu_ps(xr + 16), acc[i][1]);
+    }
+  }
+  for (int64_t i = 0; i < mm; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[kRows][2];
+  for (int64_t i = 0; i < kRows; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < body; k += kLanes) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(w + k);
+    const __m128i bytes = _mm_loadu_si128(p);
+    const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+    for (int64_t i = 0; i < mm; ++i) {
+      const float* xr = x + i * K + k;
+      acc[i][0] = _mm256_fmadd_ps(a, _mm256_loadu_ps(xr), acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xr + 8), acc[i][1]);
+    }
+  }
+  for (int64_t i = 0; i < mm; ++i) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_add_ps(acc[i][0], acc[i][1]));
+    float s = 0.0f;
+    for (float v : lanes) s += v;
+    out[i] = s;
+  }
+#else
+  for (int64_t i = 0; i < mm; ++i) out[i] = 0.0f;
+#endif
+}
+
+// Rows [n0, n1) of y for rows [m0, m0 + mm) of x; mm <= kRows.
+// Rows [n0, n1) of y for rows [m0, m1) of x: each weight row is read from memory once, then used by
+// every row of x, kRows at a time, while it stays in the L1 cache.
+void Block(const float* x, const int8_t* q, const float* scale, float* y, int64_t N, int64_t K, int64_t m0,
+           int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t body = K - K % kLanes;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = q + n * K;
+    for (int64_t r = m0; r < m1; r += kRows) {
+      const int64_t mm = m1 - r < kRows ? m1 - r : kRows;
+      const float* xm = x + r * K;
+      float sums[kRows];
+      Body(w, xm, K, mm, body, sums);
+      for (int64_t i = 0; i < mm; ++i) {
+        const float* xr = xm + i * K;
+        float s = sums[i];
+        for (int64_t k = body; k < K; ++k) s += static_cast<float>(w[k]) * xr[k];
+        y[(r + i) * N + n] = s * scale[n];
+      }
+    }
+  }
+}
+
+// Rows [n0, n1) of y: every row of x against matrix index[0], or (per_row) row m against matrix index[m]
+// (an index out of range: a row of zeros, nothing read).
+void Rows(const float* x, const int8_t* q, const float* scale, const int32_t* index, bool per_row, float* y,
+          int64_t M, int64_t E, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  if (!per_row && index[0] >= 0 && index[0] < E) {
+    const int64_t e = index[0];
+    Block(x, q + e * N * K, scale + e * N, y, N, K, 0, M, n0, n1);
+    return;
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t e = index[per_row ? m : 0];
+    if (e < 0 || e >= E) {
+      for (int64_t n = n0; n < n1; ++n) y[m * N + n] = 0.0f;
+      continue;
+    }
+    Block(x, q + e * N * K, scale + e * N, y, N, K, m, m + 1, n0, n1);
+  }
+}
+
+ffi::Error MatvecInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> index,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 3 || x.dimensions().size() != 2 || x.dimensions()[1] != qd[2]) {
+    return ffi::Error::InvalidArgument("matvec_int8: x [M, K], q [E, N, K] expected");
+  }
+  const int64_t E = qd[0], N = qd[1], K = qd[2], M = x.dimensions()[0];
+  const bool per_row = index.element_count() != 1;
+  if (per_row && index.element_count() != M) {
+    return ffi::Error::InvalidArgument("matvec_int8: index holds one matrix, or one per row of x");
+  }
+  const float* xs = x.typed_data();
+  const int8_t* w = q.typed_data();
+  const float* s = scale.typed_data();
+  const int32_t* idx = index.typed_data();
+  float* out = y->typed_data();
+  int64_t parts = N * K >= (int64_t{1} << 16) ? 2 * pool.num_threads() : 1;
+  parts = parts < 1 ? 1 : (parts > N ? N : parts);
+  const int64_t step = (N + parts - 1) / parts;
+  // Parts are claimed from a counter by the caller and by helper tasks on XLA's pool. The caller never waits
+  // for a task to start (the pool's threads may all be busy, e.g. in other calls of this kernel): it runs
+  // every part nobody has claimed, then waits only for parts claimed and running elsewhere. A task that
+  // starts after the call returned finds nothing to claim; the state it touches is shared, not on the stack.
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [=] {
+    for (int64_t p; (p = state->next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
+      const int64_t n0 = p * step, n1 = n0 + step < N ? n0 + step : N;
+      if (n0 < n1) Rows(xs, w, s, idx, per_row, out, M, E, N, K, n0, n1);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t p = 1; p < parts && p <= pool.num_threads(); ++p) pool.Schedule(decltype(work)(work));
+  work();
+  while (state->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// The vector width the kernel was built with (512, 256; 0: scalar, slower than XLA's own product).
+extern "C" int jaxhybrid_matvec_int8_isa() { return kIsa; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_matvec_int8, MatvecInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

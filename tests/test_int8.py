@@ -1,0 +1,162 @@
+"""Weight-only int8 (`jaxhybrid.ops.int8`, `HybridLM.to_int8`, `--weight-dtype int8`): the codes against a
+NumPy computation, the CPU kernel and the blocked product against the dequantize-then-multiply reference, a
+quantized model against its dequantized twin, and what the engine serves from it against its full pass."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracles import FullPass, assert_matches_full_pass
+
+from jaxhybrid.config import load_config
+from jaxhybrid.layers.basic import Linear
+from jaxhybrid.layers.moe import Experts
+from jaxhybrid.model import HybridLM, held_bytes
+from jaxhybrid.ops import int8
+from jaxhybrid.ops.moe import moe_experts_dense, moe_experts_dropless
+from jaxhybrid.ops.native import int8_kernel
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
+
+
+def test_quantize_is_symmetric_per_output_channel():
+    """Oracle: the rule computed in float64 NumPy (scale max|row| / 127; an all-zero row gets scale 1)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((5, 7, 40)).astype(np.float32)
+    w[1, 3] = 0.0
+    got = int8.quantize(jnp.asarray(w))
+    amax = np.abs(w.astype(np.float64)).max(-1)
+    scale = np.where(amax > 0, amax / 127, 1.0)
+    np.testing.assert_allclose(np.asarray(got.scale), scale, rtol=1e-6)
+    codes = np.clip(np.rint(w / np.asarray(got.scale)[..., None]), -127, 127)
+    np.testing.assert_array_equal(np.asarray(got.q), codes.astype(np.int8))
+    assert got.q.dtype == jnp.int8 and np.abs(np.asarray(got.q)).max() == 127
+    # dequantized within half a step of the original
+    err = np.abs(np.asarray(int8.dequantize(got)) - w)
+    assert np.all(err <= np.asarray(got.scale)[..., None] / 2 + 1e-7)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 7),
+    out=st.sampled_from([1, 3, 64, 200, 768]),
+    cols=st.sampled_from([8, 33, 64, 100, 256]),
+    stack=st.sampled_from([(), (3,), (2, 3)]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_fast_product_equals_the_reference(rows, out, cols, stack, seed):
+    """Rows up to KERNEL_ROWS take the CPU kernel (any width: a vector body and a scalar tail), more take the
+    blocked product; matrix `index` of a stack is read in place. fp32: relative to the output's scale."""
+    rng = np.random.default_rng(seed)
+    w = int8.quantize(jnp.asarray(rng.standard_normal((*stack, out, cols)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((rows, cols)), jnp.float32)
+    index = tuple(int(rng.integers(0, n)) for n in stack) or None
+    index = index[0] if index is not None and len(index) == 1 else index
+    want = np.asarray(jax.jit(int8.matmul_reference)(x, w, index))
+    got = np.asarray(jax.jit(int8.matmul)(x, w, index))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * max(1.0, np.abs(want).max()))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    pairs=st.integers(1, 20),
+    out=st.sampled_from([1, 48, 200]),
+    cols=st.sampled_from([16, 40, 96]),
+    experts=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_per_row_matrices_equal_the_reference(pairs, out, cols, experts, seed):
+    """Row p against matrix ids[p] (one kernel call for every pair of a step); id -1: a row of zeros."""
+    rng = np.random.default_rng(seed)
+    w = int8.quantize(jnp.asarray(rng.standard_normal((experts, out, cols)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((pairs, cols)), jnp.float32)
+    ids = jnp.asarray(rng.integers(-1, experts, pairs), jnp.int32)
+    want = np.asarray(jax.jit(int8.matmul_pairs_reference)(x, w, ids))
+    got = np.asarray(jax.jit(int8.matmul_pairs)(x, w, ids))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * max(1.0, np.abs(want).max()))
+    assert not got[np.asarray(ids) < 0].any()
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_int8_experts_equal_the_dense_reference_on_their_dequantized_weights(tokens):
+    """Decode-sized batches take the loop-free pairs path, larger ones the expert loop; both against every
+    expert on every token (`moe_experts_dense`) with the dequantized weights; rows not valid give zeros."""
+    rng = np.random.default_rng(tokens)
+    E, D, F, k = 6, 32, 48, 2
+    w1, w3 = (int8.quantize(jnp.asarray(rng.standard_normal((E, F, D)), jnp.float32)) for _ in range(2))
+    w2 = int8.quantize(jnp.asarray(rng.standard_normal((E, D, F)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((tokens, D)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(tokens)]), jnp.int32)
+    weights = jnp.asarray(rng.random((tokens, k)), jnp.float32)
+    valid = jnp.asarray(rng.random(tokens) < 0.8)
+    got = moe_experts_dropless(x, w1, w2, w3, weights, ids, valid=valid)
+    dense = [int8.dequantize(w) for w in (w1, w2, w3)]
+    want = moe_experts_dense(x, *dense, weights, ids, valid=valid)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * np.abs(want).max())
+    assert not np.asarray(got)[~np.asarray(valid)].any()
+
+
+@pytest.mark.skipif(int8_kernel() is None, reason="no C++ compiler or no AVX2 here")
+def test_decode_sized_products_call_the_kernel():
+    w = int8.quantize(jnp.ones((64, 64), jnp.float32))
+    one_row = jax.jit(int8.matmul).lower(jnp.ones((1, 64), jnp.float32), w).as_text()
+    many_rows = jax.jit(int8.matmul).lower(jnp.ones((int8.KERNEL_ROWS + 1, 64), jnp.float32), w).as_text()
+    assert "jaxhybrid_matvec_int8" in one_row and "jaxhybrid_matvec_int8" not in many_rows
+
+
+@pytest.fixture(scope="module")
+def tiny_int8():
+    model = HybridLM(load_config("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)
+    model.to_int8()
+    return model
+
+
+def _twin(model: HybridLM) -> HybridLM:
+    """The same config in float32 with every int8 weight replaced by its dequantized value."""
+    twin = HybridLM(model.config, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    pairs = zip(
+        (m for _, m in nnx.iter_graph(twin) if isinstance(m, Linear | Experts)),
+        (m for _, m in nnx.iter_graph(model) if isinstance(m, Linear | Experts)),
+        strict=True,
+    )
+    for dense, q in pairs:
+        names = ("weight",) if isinstance(q, Linear) else ("w1", "w2", "w3")
+        for n in names:
+            getattr(dense, n)[...] = int8.dequantize(
+                int8.Int8(getattr(q, n)[...], getattr(q, f"{n}_scale")[...])
+            )
+    return twin
+
+
+def test_an_int8_model_computes_what_its_dequantized_twin_does(tiny_int8):
+    toks = jnp.asarray(np.random.default_rng(1).integers(3, 512, (2, 40)), jnp.int32)
+    got, want = np.asarray(tiny_int8(toks)), np.asarray(_twin(tiny_int8)(toks))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_int8_bytes_are_one_per_weight_and_four_per_channel(tiny_int8):
+    """Hand count: every Linear and dense expert stack holds 1 byte per weight + a float32 per output
+    channel; everything else is as the float32 model holds it."""
+    dense = HybridLM(tiny_int8.config, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    saved = 0
+    for _, m in nnx.iter_graph(dense):
+        if isinstance(m, Linear | Experts):
+            for w in (m.weight,) if isinstance(m, Linear) else (m.w1, m.w2, m.w3):
+                saved += w[...].size * 4 - (w[...].size + 4 * w[...].size // w[...].shape[-1])
+    assert held_bytes(tiny_int8) == held_bytes(dense) - saved
+
+
+def test_the_engine_serves_an_int8_model_as_its_full_pass(tiny_int8):
+    """Decode rows go through the kernel, prefill chunks through the blocked product, the full pass through
+    the blocked product: greedy tokens and logprobs agree (tests/oracles.py's tolerance)."""
+    full = FullPass(tiny_int8)
+    eng = Engine(tiny_int8, EngineConfig(max_slots=3, block_size=8, prefill_chunk=16))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 512, n).tolist() for n in (3, 21, 40)]
+    results = eng.generate(prompts, greedy)
+    for p, res in zip(prompts, results, strict=True):
+        assert_matches_full_pass(full, p, res.token_ids, res.logprobs)
