@@ -99,6 +99,25 @@ def test_int8_experts_equal_the_dense_reference_on_their_dequantized_weights(tok
     assert not np.asarray(got)[~np.asarray(valid)].any()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 12])
+def test_without_the_kernel_every_product_takes_xla(monkeypatch, rows):
+    """No compiler (or JAXHYBRID_NATIVE=0): the same numbers through XLA's blocked product and the pairs
+    reference."""
+    import jaxhybrid.ops.native as native
+
+    monkeypatch.setattr(native, "int8_kernel", lambda: None)
+    rng = np.random.default_rng(rows)
+    w = int8.quantize(jnp.asarray(rng.standard_normal((3, 2048, 64)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+    text = jax.jit(int8.matmul).lower(x, w, 1).as_text()
+    assert "jaxhybrid_matvec_int8" not in text
+    want = np.asarray(int8.matmul_reference(x, w, 1))
+    np.testing.assert_allclose(np.asarray(int8.matmul(x, w, 1)), want, rtol=0, atol=2e-6 * np.abs(want).max())
+    ids = jnp.asarray(rng.integers(-1, 3, rows), jnp.int32)
+    pairs = np.asarray(int8.matmul_pairs(x, w, ids))
+    np.testing.assert_allclose(pairs, np.asarray(int8.matmul_pairs_reference(x, w, ids)), rtol=0, atol=1e-4)
+
+
 @pytest.mark.skipif(int8_kernel() is None, reason="no C++ compiler or no AVX2 here")
 def test_decode_sized_products_call_the_kernel():
     w = int8.quantize(jnp.ones((64, 64), jnp.float32))
