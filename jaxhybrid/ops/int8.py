@@ -16,10 +16,13 @@ place: the kernel reads it where it lies, nothing is sliced out first.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxhybrid.ops.stacks import take_leading
 
 __all__ = [
     "Int8",
@@ -68,14 +71,27 @@ def dequantize(w: Int8, dtype: Any = jnp.float32) -> jax.Array:
 
 
 def select(w: Int8, index: Any) -> Int8:
-    """Matrix `index` of a stack (an int or a tuple of them over the leading dims), as a slice."""
+    """Matrix `index` of a stack (an index or a tuple of them over the leading dims), as a slice."""
     if index is None:
         return w
-    index = index if isinstance(index, tuple) else (index,)
-    starts = [jnp.asarray(i, jnp.int32) for i in index]
-    q = jax.lax.dynamic_slice(w.q, [*starts, 0, 0], (1,) * len(index) + w.q.shape[len(index) :])
-    s = jax.lax.dynamic_slice(w.scale, [*starts, 0], (1,) * len(index) + w.scale.shape[len(index) :])
-    return Int8(q.reshape(w.q.shape[len(index) :]), s.reshape(w.scale.shape[len(index) :]))
+    return Int8(take_leading(w.q, index), take_leading(w.scale, index))
+
+
+def flatten(w: Int8) -> Int8:
+    """A stack [.., out, in] as [S, out, in] (a free reshape; one matrix: S = 1): what the kernel reads."""
+    lead = w.q.shape[:-2]
+    return Int8(w.q.reshape(math.prod(lead), *w.q.shape[-2:]), w.scale.reshape(math.prod(lead), -1))
+
+
+def flat_index(w: Int8, index: Any) -> jax.Array:
+    """The position in `flatten(w)` of matrix `index` (an index or a tuple over the leading dims; arrays of
+    them give arrays of positions); None: 0, the one matrix."""
+    if index is None:
+        return jnp.int32(0)
+    flat = jnp.int32(0)
+    for i, n in zip(index if isinstance(index, tuple) else (index,), w.q.shape[:-2], strict=True):
+        flat = flat * n + jnp.asarray(i, jnp.int32)
+    return flat
 
 
 def matmul_reference(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
@@ -84,17 +100,11 @@ def matmul_reference(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
 
 
 def matmul(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
-    rows = 1
-    for d in x.shape[:-1]:
-        rows *= d
     if jax.default_backend() != "cpu":
         return matmul_reference(x, w, index)
-    if rows <= KERNEL_ROWS:
-        from jaxhybrid.ops.native import int8_kernel
-
-        target = int8_kernel()
-        if target is not None:
-            return _kernel(target, x, w, index)
+    if math.prod(x.shape[:-1]) <= KERNEL_ROWS and _target() is not None:
+        y = _kernel(x.reshape(-1, x.shape[-1]), flatten(w), flat_index(w, index).reshape(1))
+        return y.reshape(*x.shape[:-1], w.q.shape[-2])
     return _blocked(x, select(w, index))
 
 
@@ -110,37 +120,23 @@ def matmul_pairs_reference(x: jax.Array, w: Int8, ids: jax.Array) -> jax.Array:
 def matmul_pairs(x: jax.Array, w: Int8, ids: jax.Array) -> jax.Array:
     """:func:`matmul_pairs_reference` with each row's matrix read in place by the CPU kernel (one call for
     all rows, e.g. every (token, expert) pair of a decode step); elsewhere the reference."""
-    if jax.default_backend() == "cpu":
-        from jaxhybrid.ops.native import int8_kernel
-
-        target = int8_kernel()
-        if target is not None:
-            rows, out = x.shape[0], w.q.shape[1]
-            call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, out), jnp.float32))
-            return call(x.astype(jnp.float32), w.q, w.scale, ids.astype(jnp.int32))
+    if jax.default_backend() == "cpu" and _target() is not None:
+        return _kernel(x, w, ids)
     return matmul_pairs_reference(x, w, ids)
 
 
-def _kernel(target: str, x: jax.Array, w: Int8, index: Any) -> jax.Array:
-    """The FFI kernel on matrix `index` of the stack, flattened to [E, out, in] (a free reshape)."""
-    *lead, out, cols = w.q.shape
-    if index is None:
-        flat = jnp.zeros((1,), jnp.int32)
-    else:
-        index = index if isinstance(index, tuple) else (index,)
-        flat = jnp.int32(0)
-        for i, n in zip(index, lead, strict=True):
-            flat = flat * n + jnp.asarray(i, jnp.int32)
-        flat = flat.reshape(1)
-    stacks = 1
-    for d in lead:
-        stacks *= d
-    q, s = w.q.reshape(stacks, out, cols), w.scale.reshape(stacks, out)
-    x2 = x.reshape(-1, cols).astype(jnp.float32)
-    call = jax.ffi.ffi_call(
-        target, jax.ShapeDtypeStruct((x2.shape[0], out), jnp.float32), vmap_method="sequential"
-    )
-    return call(x2, q, s, flat).reshape(*x.shape[:-1], out)
+def _target() -> str | None:
+    from jaxhybrid.ops.native import int8_kernel
+
+    return int8_kernel()
+
+
+def _kernel(x: jax.Array, w: Int8, ids: jax.Array) -> jax.Array:
+    """The FFI kernel: x [M, in] against matrix ids[0] of w [S, out, in] for every row, or ids[m] for row m
+    (ids [M]); -> [M, out] float32."""
+    result = jax.ShapeDtypeStruct((x.shape[0], w.q.shape[1]), jnp.float32)
+    call = jax.ffi.ffi_call(_target(), result, vmap_method="sequential")
+    return call(x.astype(jnp.float32), w.q, w.scale, ids.astype(jnp.int32))
 
 
 def _block_size(out: int) -> int:

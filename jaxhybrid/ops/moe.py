@@ -471,9 +471,10 @@ def _skipping_forward(
         return int8.matmul(gated_act(gate, up, act), w2, at)
 
     hidden_dtype = _f32_operands(x[:0])[0].dtype  # the dtype `rows` gives its hidden activations
-    expert_rows = one_row if m == 1 and is_packed(w1) else rows
     if isinstance(w1, Int8):
         expert_rows = int8_rows
+    else:
+        expert_rows = one_row if m == 1 and is_packed(w1) else rows
 
     def block(i: jax.Array, acc: jax.Array) -> jax.Array:
         t = jax.lax.dynamic_slice_in_dim(token, i * m, m)
@@ -501,18 +502,13 @@ def _int8_pairs(
     """The decode-sized int8 experts: no sort and no loop; each projection is one `int8.matmul_pairs` over
     all (token, expert) pairs, every pair's expert read in place (pairs of rows not valid read nothing)."""
     num_tokens, k = expert_ids.shape
-    lead = w1.q.shape[:-2]  # [E] or [G, E]
-    stacks = 1
-    for d in lead:
-        stacks *= d
-    flat = [Int8(w.q.reshape(stacks, *w.q.shape[-2:]), w.scale.reshape(stacks, -1)) for w in (w1, w2, w3)]
-    ids = expert_ids.reshape(-1).astype(jnp.int32)
-    if group is not None:
-        ids = jnp.asarray(group, jnp.int32) * lead[-1] + ids
+    ids = expert_ids.reshape(-1)
+    ids = int8.flat_index(w1, ids if group is None else (group, ids))
     ids = jnp.where(jnp.repeat(valid, k), ids, -1)
     rows = jnp.repeat(x.astype(jnp.float32), k, axis=0)
-    gate, up = (int8.matmul_pairs(rows, w, ids) for w in (flat[0], flat[2]))
-    y = int8.matmul_pairs(gated_act(gate, up, act), flat[1], ids)
+    w1, w2, w3 = (int8.flatten(w) for w in (w1, w2, w3))
+    gate, up = (int8.matmul_pairs(rows, w, ids) for w in (w1, w3))
+    y = int8.matmul_pairs(gated_act(gate, up, act), w2, ids)
     out = jnp.sum(y.reshape(num_tokens, k, -1) * _valid_weights(weights, valid)[..., None], axis=1)
     return out.astype(x.dtype)
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxhybrid.ops import int8
 from jaxhybrid.ops.int8 import Int8
+from jaxhybrid.ops.stacks import take_leading
 
 __all__ = [
     "GROUP",
@@ -153,24 +154,11 @@ def as_dense(w: ExpertWeight, dtype: Any) -> jax.Array:
     return dequantize(w.packed, w.scale, dtype) if isinstance(w, MXFP4) else w
 
 
-def _index(x: jax.Array, index: Any) -> jax.Array:
-    """`x[index]` over the leading dims for an index or a tuple of them (each in range): for scalar indices
-    one dynamic slice, not a gather with negative-index fix-ups (a program holds one per expert read, and
-    each costs compile time)."""
-    index = index if isinstance(index, tuple) else (index,)
-    if any(jnp.ndim(i) for i in index):  # several experts at once: a gather
-        return x[index]
-    starts = [jnp.asarray(i, jnp.int32) for i in index] + [jnp.int32(0)] * (x.ndim - len(index))
-    sizes = (1,) * len(index) + x.shape[len(index) :]
-    out = jax.lax.dynamic_slice(x, starts, sizes, allow_negative_indices=False)
-    return out.reshape(x.shape[len(index) :])
-
-
 def expert_slice(w: ExpertWeight, index: Any) -> ExpertWeight:
     """`w[index]` over the leading (expert / group) dims, for a dense array or both arrays of an MXFP4 or
     int8 weight; indices are in range."""
     if isinstance(w, Int8):
-        return Int8(_index(w.q, index), _index(w.scale, index))
+        return int8.select(w, index)
     if isinstance(w, MXFP4):
-        return MXFP4(_index(w.packed, index), _index(w.scale, index))
-    return _index(w, index)
+        return MXFP4(take_leading(w.packed, index), take_leading(w.scale, index))
+    return take_leading(w, index)

@@ -37,6 +37,9 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from jaxhybrid.tokenizer import ByteTokenizer
+from serve.bench.quant import agreed_prefix
+
 TOOLS = ("llama-bench", "llama-completion", "llama-quantize")
 BUILD_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -141,9 +144,12 @@ def byte_tokenizer_json(vocab_size: int) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     char = _gpt2_byte_chars()
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {char[b]: b + 3 for b in range(256)}
-    vocab[char[0] + char[1]] = 259
-    vocab |= {f"<|unused_{i}|>": i for i in range(260, vocab_size)}
+    byte = ByteTokenizer(vocab_size)
+    vocab = {"<pad>": byte.pad_token_id, "<s>": byte.bos_token_id, "</s>": byte.eos_token_id}
+    vocab |= {char[b]: b + byte.offset for b in range(256)}
+    merged = 256 + byte.offset
+    vocab[char[0] + char[1]] = merged
+    vocab |= {f"<|unused_{i}|>": i for i in range(merged + 1, vocab_size)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[(char[0], char[1])]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -244,16 +250,16 @@ def greedy(llama: LlamaCpp, gguf: Path, prompt: str, steps: int, threads: int) -
 
 def output_ids(text: bytes) -> list[int]:
     """ByteTokenizer ids of llama-completion's output: "<|unused_N|>" is id N, any other byte b is b + 3."""
-    ids, pos = [], 0
+    ids, pos, offset = [], 0, ByteTokenizer.offset
     for m in UNUSED.finditer(text):
-        ids += [b + 3 for b in text[pos : m.start()]]
+        ids += [b + offset for b in text[pos : m.start()]]
         ids.append(int(m.group(1)))
         pos = m.end()
-    return ids + [b + 3 for b in text[pos:]]
+    return ids + [b + offset for b in text[pos:]]
 
 
 def describe(llama: LlamaCpp) -> dict[str, Any]:
-    """Which llama.cpp ran: its path and build number (from `llama-bench --version`-style output)."""
+    """Which llama.cpp ran: its path and the first line of `llama-completion --version`."""
     out = subprocess.run([llama.tool("llama-completion"), "--version"], capture_output=True, text=True)
     version = (out.stdout + out.stderr).strip().splitlines()
     return {"path": str(llama.src), "version": version[0] if version else None}
@@ -286,10 +292,6 @@ class LlamaRuns:
         out: dict[str, Any] = {"greedy_prompt": prompt, "greedy_jaxhybrid": ours}
         for wtype, gguf in self.models.items():
             theirs = greedy(self.llama, gguf, prompt, steps, self.threads)
-            same = next(
-                (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
-                min(len(ours), len(theirs)),
-            )
             out[f"greedy_llama_{wtype}"] = theirs
-            out[f"greedy_same_prefix_llama_{wtype}"] = f"{same}/{steps}"
+            out[f"greedy_same_prefix_llama_{wtype}"] = f"{agreed_prefix(ours, theirs)}/{steps}"
         return out
