@@ -44,24 +44,26 @@ class Backbone(nnx.Module):
         lengths: jax.Array | None,
         *,
         return_load: bool = False,
+        keep_states: bool = False,
     ) -> tuple[jax.Array, tuple[LayerCache, ...], list[jax.Array]]:
         """Embedded tokens [B, T, D] through every decoder layer -> (hidden before `norm`, caches, loads).
 
         Plain residual stream, or (K3) the attention-residual stream: a partial sum plus the closed blocks,
         read by the output mix at the end. `cache` None: a full causal pass from empty caches. `loads`: the
-        expert load of each MoE layer in order when `return_load`, else empty."""
+        expert load of each MoE layer in order when `return_load`, else empty. `keep_states`: each KDA layer's
+        cache after every token (`KimiDeltaAttention`)."""
         caches = (None,) * len(self.layers) if cache is None else cache
         new_cache, loads = [], []
         blocks: tuple[jax.Array, ...] = ()
         for layer, layer_cache in zip(self.layers, caches, strict=True):
             if self.attn_res:
                 h, blocks, c, load = layer.attn_res_call(
-                    h, blocks, layer_cache, lengths, return_load=return_load
+                    h, blocks, layer_cache, lengths, return_load=return_load, keep_states=keep_states
                 )
             elif return_load:
                 h, c, load = layer(h, layer_cache, lengths, return_load=True)
             else:
-                (h, c), load = layer(h, layer_cache, lengths), None
+                (h, c), load = layer(h, layer_cache, lengths, keep_states=keep_states), None
             new_cache.append(c)
             if load is not None:
                 loads.append(load)
@@ -122,14 +124,21 @@ class HybridLM(nnx.Module):
         return self.logits(h)
 
     def forward_cached(
-        self, tokens: jax.Array, cache: tuple[LayerCache, ...], lengths: jax.Array | None = None
+        self,
+        tokens: jax.Array,
+        cache: tuple[LayerCache, ...],
+        lengths: jax.Array | None = None,
+        keep_states: bool = False,
     ) -> tuple[jax.Array, tuple[LayerCache, ...]]:
         """Run tokens [B, T] after what `cache` holds; returns (logits [B, T, vocab], new cache).
 
         `lengths` [B] (optional) = number of real tokens per row; the rest of each row is right padding that
         does not change any cache. MLA caches need room for T more positions after their current length.
+        `keep_states`: each KDA layer's cache after every token, [B, T, ...] (verifying drafted tokens).
         """
-        h, new_cache, _ = self.model.run_layers(self.model.embed_tokens(tokens), cache, lengths)
+        h, new_cache, _ = self.model.run_layers(
+            self.model.embed_tokens(tokens), cache, lengths, keep_states=keep_states
+        )
         return self.logits(h), new_cache
 
     def to_int8(self) -> None:

@@ -76,6 +76,8 @@ def _valid(rng: random.Random, path: str) -> dict:
         body["stream"] = True
     if rng.random() < 0.2:
         body["cache_salt"] = rng.choice(["tenant-a", "tenant-b"])
+    if rng.random() < 0.2:
+        body["speculative"] = rng.choice(["ngram", "off", {"method": "ngram", "num_speculative_tokens": 2}])
     return body
 
 

@@ -431,6 +431,36 @@ def test_models_health_metrics(served):
     )  # "metrics" ends there
 
 
+def test_speculative_field(served):
+    """A request that drafts (prompt lookup) gets the tokens it gets without; a bad `speculative` is a 400
+    naming the field; /metrics counts what was drafted and accepted."""
+    body = dict(prompt="abcabcabcabcabcabc", max_tokens=8, return_token_ids=True, **GREEDY)
+    plain = complete(served, **body)["choices"][0]["token_ids"]
+    for spec in ("ngram", {"method": "ngram", "num_speculative_tokens": 2}, "off"):
+        assert complete(served, speculative=spec, **body)["choices"][0]["token_ids"] == plain
+    limit = served.engine.config.speculative.num_tokens
+    for bad in (
+        "medusa",
+        5,
+        ["ngram"],
+        {"num_speculative_tokens": 2},
+        {"method": "ngram", "num_speculative_tokens": 0},
+        {"method": "ngram", "num_speculative_tokens": limit + 1},
+        {"method": "ngram", "num_speculative_tokens": 2.5},
+        {"method": "ngram", "k": 2},
+    ):
+        r = served.client.post("/v1/completions", json={**body, "speculative": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speculative", (bad, r.text)
+    text = served.client.get("/metrics").text
+    for series in (
+        "jaxhybrid_spec_decode_windows_total",
+        "jaxhybrid_spec_decode_draft_tokens_total",
+        "jaxhybrid_spec_decode_accepted_tokens_total",
+        "jaxhybrid_spec_decode_mean_accepted_tokens",
+    ):
+        assert series in text, series
+
+
 def test_serve_help_and_flag_errors(capsys):
     from serve.cli import build_parser, main
 

@@ -64,6 +64,14 @@ class DecoderLayer(nnx.Module):
             self.mlp_res_norm = RMSNorm(D, eps, dtype=dtype)
             self.mlp_res_proj = Linear(D, 1, rngs=rngs, dtype=dtype, axes=(None, "embed"))
 
+    def mixer(
+        self, x: jax.Array, cache: LayerCache | None, lengths: jax.Array | None, keep_states: bool = False
+    ) -> tuple[jax.Array, LayerCache]:
+        """KDA or MLA; `keep_states` reaches KDA only (an MLA layer's cache is its pool either way)."""
+        if self.kind == "kda" and keep_states:
+            return self.self_attn(x, cache, lengths, keep_states=True)
+        return self.self_attn(x, cache, lengths)
+
     def ffn(self, x: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
         """The dense MLP or the MoE; with `lengths` [B] (the cached path) the tokens past each row's length
         (padding, idle slots) skip the routed experts."""
@@ -84,9 +92,11 @@ class DecoderLayer(nnx.Module):
         lengths: jax.Array | None = None,
         *,
         return_load: bool = False,
+        keep_states: bool = False,
     ) -> tuple[jax.Array, LayerCache] | tuple[jax.Array, LayerCache, jax.Array | None]:
-        """x [B, T, D] -> (x, cache), or (x, cache, expert load or None) with `return_load` (training)."""
-        h, cache = self.self_attn(self.input_layernorm(x), cache, lengths)
+        """x [B, T, D] -> (x, cache), or (x, cache, expert load or None) with `return_load` (training).
+        `keep_states`: a KDA layer returns its cache after every token (`KimiDeltaAttention`)."""
+        h, cache = self.mixer(self.input_layernorm(x), cache, lengths, keep_states)
         x = x + h
         if return_load:
             f, load = self.ffn_with_load(self.post_attention_layernorm(x))
@@ -101,6 +111,7 @@ class DecoderLayer(nnx.Module):
         lengths: jax.Array | None = None,
         *,
         return_load: bool = False,
+        keep_states: bool = False,
     ) -> tuple[jax.Array, tuple[jax.Array, ...], LayerCache, jax.Array | None]:
         """One layer on the AttnRes stream: (partial sum, blocks) -> (partial sum, blocks, cache, load).
 
@@ -118,7 +129,7 @@ class DecoderLayer(nnx.Module):
         restart = self.starts_block
         if restart:
             blocks = (*blocks, partial)
-        a, cache = self.self_attn(self.input_layernorm(h), cache, lengths)
+        a, cache = self.mixer(self.input_layernorm(h), cache, lengths, keep_states)
         partial = a if restart else partial + a
         h = self.post_attention_layernorm(res_mix(partial, blocks, self.mlp_res_norm, self.mlp_res_proj))
         f, load = self.ffn_with_load(h) if return_load else (self.ffn(h, lengths), None)

@@ -14,8 +14,8 @@ from flax import nnx
 from jaxhybrid.cache import KDACache
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import DepthwiseConv, GatedRMSNorm, Linear, param
-from jaxhybrid.ops.conv import causal_conv1d
-from jaxhybrid.ops.kda import kda_chunked, kda_recurrent
+from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_windows
+from jaxhybrid.ops.kda import kda_chunked, kda_recurrent, kda_recurrent_states
 from jaxhybrid.ops.norms import l2_normalize
 
 
@@ -80,16 +80,23 @@ class KimiDeltaAttention(nnx.Module):
         return self.g_b_proj(self.g_a_proj(x))
 
     def __call__(
-        self, x: jax.Array, cache: KDACache | None = None, lengths: jax.Array | None = None
+        self,
+        x: jax.Array,
+        cache: KDACache | None = None,
+        lengths: jax.Array | None = None,
+        keep_states: bool = False,
     ) -> tuple[jax.Array, KDACache]:
-        """x [B, T, D] -> (y [B, T, D], cache after the valid tokens). T == 1 uses the recurrent form."""
+        """x [B, T, D] -> (y [B, T, D], cache after the valid tokens). T == 1 uses the recurrent form.
+        `keep_states`: the recurrent form, and the cache after every token instead (conv [B, T, C, K-1],
+        state [B, T, H, d, d]; past a row's length, the cache after its last valid token)."""
         B, T, _ = x.shape
         H, d = self.num_heads, self.head_dim
         qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
         conv_w = jnp.concatenate(
             [c.weight[...][:, 0, :] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], axis=0
         ).astype(x.dtype)
-        qkv, conv_state = causal_conv1d(qkv, conv_w, None if cache is None else cache.conv, lengths)
+        conv = causal_conv1d_windows if keep_states else causal_conv1d
+        qkv, conv_state = conv(qkv, conv_w, None if cache is None else cache.conv, lengths)
         qkv = jax.nn.silu(qkv)
         q, k, v = (t.reshape(B, T, H, d) for t in jnp.split(qkv, 3, axis=-1))
         q = l2_normalize(q.astype(jnp.float32)) * (d**-0.5)
@@ -100,7 +107,7 @@ class KimiDeltaAttention(nnx.Module):
         if mask is not None:  # padded tokens must leave the state untouched: no decay, no write
             g = g * mask[:, :, None, None]
             beta = beta * mask[:, :, None]
-        kda = kda_recurrent if T == 1 else kda_chunked
+        kda = kda_recurrent_states if keep_states else kda_recurrent if T == 1 else kda_chunked
         o, state = kda(q, k, v.astype(jnp.float32), g, beta, None if cache is None else cache.state)
         gate = self.output_gate(x).reshape(B, T, H, d)
         o = self.o_norm(o.astype(x.dtype), gate).reshape(B, T, H * d)

@@ -55,6 +55,28 @@ def causal_conv1d(
     return y.astype(x.dtype), jnp.swapaxes(tail, 1, 2)
 
 
+def causal_conv1d_windows(
+    x: jax.Array,
+    weight: jax.Array,
+    state: jax.Array | None = None,
+    lengths: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`causal_conv1d` with the carried state after every token: (y, windows [B, T, C, K-1]).
+    windows[:, t] is the new_state `causal_conv1d` returns for lengths min(t + 1, lengths) (past a row's
+    length it stays at the state after its last valid token)."""
+    y, _ = causal_conv1d(x, weight, state, lengths)
+    state, km1 = _prepare(x, weight, state)
+    b, t = x.shape[:2]
+    xp = jnp.concatenate([jnp.swapaxes(state, 1, 2), x], axis=1)  # [B, K-1+T, C]
+    n = jnp.arange(1, t + 1)[None, :]  # valid tokens after each position
+    if lengths is not None:
+        n = jnp.minimum(n, jnp.clip(jnp.asarray(lengths, jnp.int32), 0, t)[:, None])
+    n = jnp.broadcast_to(n, (b, t))
+    idx = n[:, :, None] + jnp.arange(km1)[None, None, :]  # [B, T, K-1]
+    windows = jnp.take_along_axis(xp[:, None], idx[..., None], axis=2)  # [B, T, K-1, C]
+    return y, jnp.swapaxes(windows, 2, 3)
+
+
 def causal_conv1d_reference(
     x: jax.Array,
     weight: jax.Array,

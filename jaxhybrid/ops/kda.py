@@ -15,6 +15,8 @@ must carry ``g = 0`` and ``beta = 0``: they then leave the state unchanged (noth
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +46,37 @@ def _init_state(initial_state: jax.Array | None, b: int, h: int, dk: int, dv: in
     return initial_state.astype(jnp.float32)
 
 
+def _token_scan(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None,
+    keep_states: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """The recurrence token by token (``lax.scan`` over T, float32): (o [B, T, H, dv] in v.dtype, the final
+    state [B, H, dk, dv], or with `keep_states` the state after every token [B, T, H, dk, dv])."""
+    _check_shapes(q, k, v, g, beta, initial_state)
+    b, _, h, dk = q.shape
+    dv = v.shape[-1]
+    xs = tuple(jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (q, k, v, g, beta))  # time-major
+
+    def step(s: jax.Array, x: tuple[jax.Array, ...]) -> tuple[jax.Array, Any]:
+        q_t, k_t, v_t, g_t, b_t = x
+        s = s * jnp.exp(g_t)[..., :, None]
+        pred = jnp.einsum("bhk,bhkv->bhv", k_t, s, precision=_HI)
+        s = s + (b_t[..., None, None] * k_t[..., :, None]) * (v_t - pred)[..., None, :]
+        o_t = jnp.einsum("bhk,bhkv->bhv", q_t, s, precision=_HI)
+        return s, ((o_t, s) if keep_states else o_t)
+
+    s_final, out = jax.lax.scan(step, _init_state(initial_state, b, h, dk, dv), xs)
+    if keep_states:
+        o, states = out
+        return jnp.moveaxis(o, 0, 1).astype(v.dtype), jnp.moveaxis(states, 0, 1)
+    return jnp.moveaxis(out, 0, 1).astype(v.dtype), s_final
+
+
 def kda_recurrent(
     q: jax.Array,
     k: jax.Array,
@@ -58,29 +91,21 @@ def kda_recurrent(
     [B, H, dk, dv] or None (zeros). Returns (o [B, T, H, dv] in v.dtype, final state
     [B, H, dk, dv] float32). All arithmetic is float32.
     """
-    _check_shapes(q, k, v, g, beta, initial_state)
-    b, _, h, dk = q.shape
-    dv = v.shape[-1]
-    f32 = jnp.float32
-    # Time-major for the scan: [T, B, H, ...].
-    xs = (
-        jnp.moveaxis(q.astype(f32), 1, 0),
-        jnp.moveaxis(k.astype(f32), 1, 0),
-        jnp.moveaxis(v.astype(f32), 1, 0),
-        jnp.moveaxis(g.astype(f32), 1, 0),
-        jnp.moveaxis(beta.astype(f32), 1, 0),
-    )
+    return _token_scan(q, k, v, g, beta, initial_state, keep_states=False)
 
-    def step(s: jax.Array, x: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        q_t, k_t, v_t, g_t, b_t = x
-        s = s * jnp.exp(g_t)[..., :, None]
-        pred = jnp.einsum("bhk,bhkv->bhv", k_t, s, precision=_HI)
-        s = s + (b_t[..., None, None] * k_t[..., :, None]) * (v_t - pred)[..., None, :]
-        o_t = jnp.einsum("bhk,bhkv->bhv", q_t, s, precision=_HI)
-        return s, o_t
 
-    s_final, o = jax.lax.scan(step, _init_state(initial_state, b, h, dk, dv), xs)
-    return jnp.moveaxis(o, 0, 1).astype(v.dtype), s_final
+def kda_recurrent_states(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`kda_recurrent` that returns the state after every token, [B, T, H, dk, dv] float32, in place
+    of the final one (what verifying drafted tokens needs: the state at the last accepted position). Same
+    arithmetic; costs T states of memory."""
+    return _token_scan(q, k, v, g, beta, initial_state, keep_states=True)
 
 
 def _mask_sum(mask: np.ndarray, x: jax.Array) -> jax.Array:

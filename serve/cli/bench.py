@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import argparse
 
-from serve.bench import compare, decode, load, mesh, prefix, quant, reference, serve, slots, throughput, ttft
+from serve.bench import (
+    compare,
+    decode,
+    load,
+    mesh,
+    prefix,
+    quant,
+    reference,
+    serve,
+    slots,
+    speculative,
+    throughput,
+    ttft,
+)
 
-BENCHES = (decode, load, ttft, mesh, prefix, throughput, slots, serve, reference, quant, compare)
+BENCHES = (decode, load, ttft, mesh, prefix, throughput, slots, serve, reference, quant, compare, speculative)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

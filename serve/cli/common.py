@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("jaxhybrid.cli")
 
@@ -140,7 +141,36 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument(
         "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"
     )
+    from serve.engine.speculative import MAX_SPECULATIVE_TOKENS, DraftMethod
+
+    spec = engine_default("speculative")
+    e.add_argument(
+        "--speculative",
+        choices=[m.value for m in DraftMethod],
+        default=spec.method.value,
+        help="speculative decoding for requests that do not choose (the API's 'speculative' field): ngram "
+        "drafts the tokens that followed the latest earlier match of the last few tokens (prompt lookup), "
+        f"verified in the decode step, the same tokens as without (default {spec.method.value})",
+    )
+    e.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=spec.num_tokens,
+        help="the most tokens a request drafts per step, and what a request may ask for "
+        f"(1-{MAX_SPECULATIVE_TOKENS}, default {spec.num_tokens}; fewer when drafts miss)",
+    )
     return e
+
+
+def speculation(args: argparse.Namespace) -> Any:
+    """The engine's `Speculation` from --speculative / --num-speculative-tokens (UsageError when invalid)."""
+    from serve.engine.speculative import Speculation, SpeculationError
+    from serve.models import UsageError
+
+    try:
+        return Speculation.parse(args.speculative, args.num_speculative_tokens)
+    except SpeculationError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def setup_logging(level: str) -> None:

@@ -18,6 +18,7 @@ from serve.cli.common import (
     add_prefix_args,
     prefix_config,
     setup_compile_cache,
+    speculation,
 )
 from serve.models import (
     DTYPE_HELP,
@@ -104,6 +105,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         kv_dtype=args.dtype,
         seed=args.seed,
+        speculative=speculation(args),
         prefix=prefix_config(args),
     )
 

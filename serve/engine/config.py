@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxhybrid.cache import kda_state_bytes
 from jaxhybrid.config import ModelConfig
+from serve.engine.speculative import Speculation
 from serve.prefix.store import PrefixStoreConfig
 
 SCAN_MODES = ("auto", "off", "prefill", "all")
@@ -65,6 +66,9 @@ class EngineConfig:
     # is not ready runs through the one-row decode program meanwhile. The server turns it on (a first request
     # waits seconds, not tens of seconds); off, every program is compiled optimized where it is first needed.
     tiered_compile: bool = False
+    # Speculative decoding: the default of requests that do not say (`SamplingParams.speculative`); its
+    # num_tokens is also the most any request may draft a step (the verify program's length - 1).
+    speculative: Speculation = dataclasses.field(default_factory=Speculation)
     prefix: PrefixStoreConfig | None = dataclasses.field(default_factory=PrefixStoreConfig)
 
     def validate(self) -> None:
@@ -82,6 +86,7 @@ class EngineConfig:
             raise ValueError(
                 f"engine setting 'scan_layers' must be one of {SCAN_MODES}, got {self.scan_layers!r}"
             )
+        self.speculative.validate()
         if self.num_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("set either num_blocks or kv_memory_bytes, not both")
 
@@ -89,7 +94,8 @@ class EngineConfig:
 def engine_default(name: str) -> Any:
     """The default of EngineConfig's field `name`. The flags of `serve`, `generate` and the benchmarks take
     their defaults from here, so that a benchmark measures what `serve` runs unless a flag says otherwise."""
-    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+    field = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
 
 
 def prefill_buckets(prefill_chunk: int, smallest: int = 16) -> tuple[int, ...]:
@@ -121,10 +127,11 @@ class ProgramShape:
     rows: int
     length: int
     width: int
+    verify: bool = False  # rows of a last sampled token and its drafted tokens (the `verify` program)
 
     @property
     def is_decode(self) -> bool:
-        return self.length == 1
+        return self.length == 1 and not self.verify
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +154,7 @@ class EngineShape:
     pack_lengths: tuple[int, ...] = ()  # its lengths (PACK_LENGTHS up to the prefill chunk)
     scan_layers: str = "auto"  # which programs scan the repeated layer groups (`scan_mode`)
     tiered_compile: bool = False  # EngineConfig.tiered_compile
+    speculative_tokens: int = 4  # the most drafted tokens a verify step carries per row
 
     def decode_rows(self, running: int) -> int:
         return next(b for b in self.decode_buckets if b >= running)
@@ -233,4 +241,5 @@ class EngineShape:
             pack_lengths=tuple(sorted({min(n, config.prefill_chunk) for n in PACK_LENGTHS})),
             scan_layers=config.scan_layers,
             tiered_compile=config.tiered_compile,
+            speculative_tokens=config.speculative.num_tokens,
         )

@@ -36,9 +36,11 @@ from serve.engine.requests import (
     check_cache_salt,
     check_request,
     stop_reason,
+    stop_tokens,
 )
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import PrefillJob, Scheduler, prefill_calls
+from serve.engine.speculative import AdaptiveK, DraftSource, SpeculationStats
 from serve.prefix.store import PrefixStore
 
 log = logging.getLogger("jaxhybrid.engine")
@@ -89,6 +91,8 @@ class EngineAPI(Protocol):
 
     def memory(self) -> dict[str, Any]: ...
 
+    def speculation_stats(self) -> dict[str, Any]: ...
+
 
 class BatchAPI:
     """`Engine.generate`: prompts served to completion through the engine's own request API (add_request,
@@ -125,7 +129,100 @@ class BatchAPI:
         )
 
 
-class Engine(BatchAPI):
+class Failures:
+    """What the engine does when serving fails: one request alone (`_fail`), or a whole step (`recover`)."""
+
+    runner: Any
+    scheduler: Scheduler
+    pools: EnginePools
+    _unreported: dict[str, RequestOutput]
+
+    def _fail(self, req: Request, exc: BaseException, outputs: dict[str, RequestOutput]) -> None:
+        """End `req` with an error because serving it raised; everyone else goes on. If the failed program
+        took the pools with it, the whole step fails instead (the caller's `recover`)."""
+        if self.runner.pools_lost():
+            raise RuntimeError("the cache pools were lost in a failed program call") from exc
+        if not req.finished:
+            self.scheduler.finish(req, FinishReason.ERROR)
+        self._report_failure(req, exc, outputs)
+
+    def _report_failure(self, req: Request, exc: BaseException, outputs: dict[str, RequestOutput]) -> None:
+        req.error = f"{type(exc).__name__}: {exc}"
+        log.error("request %s failed: %s", req.id, req.error, exc_info=exc)
+        outputs[req.id] = RequestOutput(
+            req.id, [], [], True, FinishReason.ERROR, req.prefix_hit_tokens, req.error
+        )
+
+    def recover(self, reason: str) -> list[RequestOutput]:
+        """After a step that raised with no single request to blame: end every running request with an
+        error (its cached state may be half written), rebuild the pools if the failed program consumed
+        them (the prefix store then forgets its KV blocks; its checkpoints are copies and stay), keep the
+        waiting requests. Returns the outputs that tell their clients, with what the failed step produced
+        before it raised (a request that finished in it gets its own final output)."""
+        outputs, self._unreported = self._unreported, {}
+        for req in self.scheduler.drop_running():
+            req.error = f"the engine step failed: {reason}"
+            out = outputs.setdefault(req.id, RequestOutput(req.id, [], [], True, None, req.prefix_hit_tokens))
+            out.finished, out.finish_reason, out.error = True, FinishReason.ERROR, req.error
+        self.pools.rebuild_lost()
+        return list(outputs.values())
+
+
+class AheadOfUse:
+    """Compiling the engine's programs ahead of their first use (the server's warm-up; call between steps)."""
+
+    runner: Any
+    pools: EnginePools
+
+    def compiled_programs(self) -> frozenset[ProgramShape]:
+        """Model-program shapes compiled for this engine: running one of them compiles nothing."""
+        return self.runner.compiled_programs()
+
+    def compile_program(self, program: ProgramShape) -> bool:
+        """Compile one model program ahead of its first use (and, while no request is in the engine, run it
+        once on rows that touch only idle slots and the scratch block); False if it already was compiled."""
+        return self.pools.compile_program(program, run_once=not self.has_unfinished())
+
+    def compile_in_background(self, program: ProgramShape, tier: Tier = Tier.OPTIMIZED) -> Future:
+        """Compile one model program at `tier` on the background compile thread while steps go on (a step
+        that needs it meanwhile waits for that compile); the future's result is False if it already was."""
+        return self.runner.compile_in_background(program, tier)
+
+    def compile_helpers(self, rows: tuple[int, ...] | None = None, slot_programs: bool = True) -> None:
+        """Compile the small programs every request meets (sampling for batches of `rows`, default every
+        size; with `slot_programs` also slot reset, checkpoint copy and restore), changing no request."""
+        self.pools.compile_helpers(rows, run_once=not self.has_unfinished(), slot_programs=slot_programs)
+
+
+class Accounts:
+    """What the engine holds and did: the memory ledger, its bytes, and speculative decoding's counts."""
+
+    scheduler: Scheduler
+    pools: EnginePools
+    speculation: SpeculationStats
+    model_bytes: int
+
+    def ledger(self) -> dict[str, Any]:
+        """Every byte the engine and its prefix store hold, and what reuse saved or cost."""
+        return self.scheduler.ledger()
+
+    def speculation_stats(self) -> dict[str, Any]:
+        """Speculative decoding so far: windows verified (steps of a request with drafts), drafted and
+        accepted tokens, accepted drafts per window."""
+        s = self.speculation
+        return {
+            "windows": s.steps,
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "mean_accepted": s.mean_accepted,
+        }
+
+    def memory(self) -> dict[str, Any]:
+        """Bytes held by the engine: KV blocks (used/free), live KDA states, and per running request."""
+        return {**self.pools.memory(self.running, self.scheduler.memory_of), "model_bytes": self.model_bytes}
+
+
+class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
     """See the module doc. `mesh`: a device mesh the model's parameters are already sharded over
     (`sharding.placement`); the cache pools are then laid out on it too."""
 
@@ -138,9 +235,11 @@ class Engine(BatchAPI):
         pools: EnginePools | None = None,
         model_config: ModelConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        drafter: DraftSource | None = None,
     ):
         """With `pools` and `model_config` instead of a model: this step loop over pools whose runner
-        computes nothing, on a `clock` of its own (the simulator: `serve.bench.simulate`)."""
+        computes nothing, on a `clock` of its own (the simulator: `serve.bench.simulate`). `drafter`: where
+        speculating requests' drafts come from (default: prompt lookup)."""
         self.config = config = dataclasses.replace(config) if config else EngineConfig()
         self.model_config: ModelConfig = model.config if model is not None else model_config
         if pools is None:
@@ -154,7 +253,16 @@ class Engine(BatchAPI):
         self.max_model_len = self.shape.max_model_len
         self.allocator, self.runner = pools.allocator, pools.runner
         self.store: PrefixStore | None = pools.store
-        self.scheduler = Scheduler(self.shape, self.allocator, self.store, clock)
+        eos = self.model_config.eos_token_id
+        self.scheduler = Scheduler(
+            self.shape,
+            self.allocator,
+            self.store,
+            clock,
+            drafter=drafter,
+            stop_ids=lambda r: stop_tokens(r.params, eos),
+        )
+        self.speculation = SpeculationStats()  # every request's verify steps, drafted and accepted tokens
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
@@ -199,6 +307,9 @@ class Engine(BatchAPI):
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**31 - 1))
         req = Request(rid, prompt, params, seed, self.clock(), cache_salt)
+        spec = params.speculative or self.config.speculative
+        if spec.enabled:
+            req.drafting = AdaptiveK(spec.num_tokens)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -209,7 +320,11 @@ class Engine(BatchAPI):
 
     def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         vocab, usable = self.model_config.vocab_size, self.allocator.usable
-        return check_request(prompt_ids, params, vocab, self.max_model_len, self.shape.block_size, usable)
+        prompt = check_request(prompt_ids, params, vocab, self.max_model_len, self.shape.block_size, usable)
+        most = self.shape.speculative_tokens
+        if params.speculative is not None and params.speculative.num_tokens > most:
+            raise RequestError(f"num_speculative_tokens must be at most {most} on this server")
+        return prompt
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its slot and blocks (e.g. the client went away)."""
@@ -285,7 +400,10 @@ class Engine(BatchAPI):
             except Exception as exc:  # noqa: BLE001 - this request only (the step fails if the pools went)
                 self._fail(req, exc, outputs)
         decode = [r for r in plan.decode if r.running]
-        if decode:
+        drafts = [plan.drafts.get(r.id, []) for r in decode]
+        if any(drafts):
+            self._verify(decode, drafts, outputs)
+        elif decode:
             self._decode(decode, outputs)
         # (a job whose request is no longer running: a decode row's checkpoint failed it)
         for group in prefill_calls(self.shape, [j for j in plan.prefill if j.request.running]):
@@ -306,6 +424,33 @@ class Engine(BatchAPI):
                 if self.store is not None:
                     self.store.on_computed(req, self.runner)
                 self._append(req, int(token), float(logp), outputs)
+            except Exception as exc:  # noqa: BLE001 - e.g. a checkpoint that could not be kept
+                self._fail(req, exc, outputs)
+
+    def _verify(
+        self, reqs: list[Request], drafts: list[list[int]], outputs: dict[str, RequestOutput]
+    ) -> None:
+        """A decode step whose rows carry drafted tokens: each request takes its accepted drafts and the
+        token after them, one at a time as `_decode` takes one (the prefix store sees every position; the
+        scheduler's limits put its checkpoints and the request's end at the window's end)."""
+        t0 = self.clock()
+        verified = self.runner.verify(reqs, drafts)
+        dt = self.clock() - t0
+        for i, req in enumerate(reqs):
+            accepted = int(verified.accepted[i])
+            req.decode_time += dt
+            if drafts[i]:
+                req.drafting.record(len(drafts[i]), accepted)
+                req.speculation.add(len(drafts[i]), accepted)
+                self.speculation.add(len(drafts[i]), accepted)
+            try:
+                for j in range(accepted + 1):
+                    req.num_computed += 1
+                    if self.store is not None:
+                        self.store.on_computed(req, self.runner)
+                    self._append(req, int(verified.tokens[i, j]), float(verified.logprobs[i, j]), outputs)
+                    if req.finished:
+                        break
             except Exception as exc:  # noqa: BLE001 - e.g. a checkpoint that could not be kept
                 self._fail(req, exc, outputs)
 
@@ -355,57 +500,6 @@ class Engine(BatchAPI):
         out.new_logprobs.append(logprob)
         out.finished, out.finish_reason = req.finished, req.finish_reason
 
-    # --- failures ------------------------------------------------------------------------------------------
-    def _fail(self, req: Request, exc: BaseException, outputs: dict[str, RequestOutput]) -> None:
-        """End `req` with an error because serving it raised; everyone else goes on. If the failed program
-        took the pools with it, the whole step fails instead (the caller's `recover`)."""
-        if self.runner.pools_lost():
-            raise RuntimeError("the cache pools were lost in a failed program call") from exc
-        if not req.finished:
-            self.scheduler.finish(req, FinishReason.ERROR)
-        self._report_failure(req, exc, outputs)
-
-    def _report_failure(self, req: Request, exc: BaseException, outputs: dict[str, RequestOutput]) -> None:
-        req.error = f"{type(exc).__name__}: {exc}"
-        log.error("request %s failed: %s", req.id, req.error, exc_info=exc)
-        outputs[req.id] = RequestOutput(
-            req.id, [], [], True, FinishReason.ERROR, req.prefix_hit_tokens, req.error
-        )
-
-    def recover(self, reason: str) -> list[RequestOutput]:
-        """After a step that raised with no single request to blame: end every running request with an
-        error (its cached state may be half written), rebuild the pools if the failed program consumed
-        them (the prefix store then forgets its KV blocks; its checkpoints are copies and stay), keep the
-        waiting requests. Returns the outputs that tell their clients, with what the failed step produced
-        before it raised (a request that finished in it gets its own final output)."""
-        outputs, self._unreported = self._unreported, {}
-        for req in self.scheduler.drop_running():
-            req.error = f"the engine step failed: {reason}"
-            out = outputs.setdefault(req.id, RequestOutput(req.id, [], [], True, None, req.prefix_hit_tokens))
-            out.finished, out.finish_reason, out.error = True, FinishReason.ERROR, req.error
-        self.pools.rebuild_lost()
-        return list(outputs.values())
-
-    # --- compiling ahead of use (the server's warm-up; call between steps) -------------------------------
-    def compiled_programs(self) -> frozenset[ProgramShape]:
-        """Model-program shapes compiled for this engine: running one of them compiles nothing."""
-        return self.runner.compiled_programs()
-
-    def compile_program(self, program: ProgramShape) -> bool:
-        """Compile one model program ahead of its first use (and, while no request is in the engine, run it
-        once on rows that touch only idle slots and the scratch block); False if it already was compiled."""
-        return self.pools.compile_program(program, run_once=not self.has_unfinished())
-
-    def compile_in_background(self, program: ProgramShape, tier: Tier = Tier.OPTIMIZED) -> Future:
-        """Compile one model program at `tier` on the background compile thread while steps go on (a step
-        that needs it meanwhile waits for that compile); the future's result is False if it already was."""
-        return self.runner.compile_in_background(program, tier)
-
-    def compile_helpers(self, rows: tuple[int, ...] | None = None, slot_programs: bool = True) -> None:
-        """Compile the small programs every request meets (sampling for batches of `rows`, default every
-        size; with `slot_programs` also slot reset, checkpoint copy and restore), changing no request."""
-        self.pools.compile_helpers(rows, run_once=not self.has_unfinished(), slot_programs=slot_programs)
-
     # --- batch API -----------------------------------------------------------------------------------------
     def flush(self) -> None:
         """Wait for every pending disk save of the prefix store and make it visible (graceful shutdown)."""
@@ -416,12 +510,3 @@ class Engine(BatchAPI):
         """Flush, and let go of the prefix store's directory."""
         if self.store is not None:
             self.store.close()
-
-    # --- memory account ------------------------------------------------------------------------------------
-    def ledger(self) -> dict[str, Any]:
-        """Every byte the engine and its prefix store hold, and what reuse saved or cost."""
-        return self.scheduler.ledger()
-
-    def memory(self) -> dict[str, Any]:
-        """Bytes held by the engine: KV blocks (used/free), live KDA states, and per running request."""
-        return {**self.pools.memory(self.running, self.scheduler.memory_of), "model_bytes": self.model_bytes}

@@ -120,6 +120,9 @@ class ReplicatedEngine:
     def memory(self) -> dict[str, Any]:
         return self.engine.memory()
 
+    def speculation_stats(self) -> dict[str, Any]:
+        return self.engine.speculation_stats()
+
     # --- intake (leader only) -------------------------------------------------------------------------
     def _leader_only(self, what: str) -> None:
         if not self.is_leader:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from serve.engine.sampling import SamplingError, SamplingParams
+from serve.engine.speculative import AdaptiveK, SpeculationStats
 
 MAX_SALT_CHARS = 256  # a salt enters every block hash of its request: keep it short
 
@@ -114,6 +115,8 @@ class Request:
     checkpoint_base: bytes | None = None  # the prefix store's last checkpoint on its path
     chain: list[bytes] = dataclasses.field(default_factory=list)  # its block hashes so far (prefix store)
     indexed_blocks: int = 0  # its blocks the prefix store has indexed since it got them
+    drafting: AdaptiveK | None = None  # how many tokens it may draft (None: it does not speculate)
+    speculation: SpeculationStats = dataclasses.field(default_factory=SpeculationStats)
 
     @property
     def tokens(self) -> list[int]:
@@ -148,7 +151,15 @@ class Request:
             "recomputed_tokens": self.recomputed_tokens,
             "finish_reason": None if self.finish_reason is None else str(self.finish_reason),
             "error": self.error,
+            "drafted_tokens": self.speculation.drafted,
+            "accepted_tokens": self.speculation.accepted,
         }
+
+
+def stop_tokens(params: SamplingParams, eos_token_id: int | None) -> frozenset[int]:
+    """The tokens that end a request with these settings (its stop tokens, and EOS unless ignored)."""
+    eos = () if params.ignore_eos or eos_token_id is None else (eos_token_id,)
+    return frozenset((*params.stop_token_ids, *eos))
 
 
 def stop_reason(
@@ -157,7 +168,7 @@ def stop_reason(
     """Why `req` ends after `token` was appended to it (a stop token or EOS, its max_tokens or the
     context), or None: it goes on. The engine and the simulator (`serve.bench.simulate`) share it."""
     p = req.params
-    if token in p.stop_token_ids or (not p.ignore_eos and token == eos_token_id):
+    if token in stop_tokens(p, eos_token_id):
         return FinishReason.STOP
     if len(req.generated) >= p.max_tokens or len(req.prompt) + len(req.generated) >= max_model_len:
         return FinishReason.LENGTH

@@ -27,7 +27,7 @@ from serve.engine.ahead import AheadOfTime
 from serve.engine.config import EngineShape, ProgramShape, scan_mode
 from serve.engine.executables import ExecutableCache, ModelExecutables, Tier, spec
 from serve.engine.requests import Request
-from serve.engine.sampling import batch_arrays, sample
+from serve.engine.sampling import batch_arrays, sample, verify
 
 # The longest prompt chunk that runs through the decode program while its prefill program compiles
 # (`EngineConfig.tiered_compile`): one decode step per token is milliseconds for a model a CPU serves, against
@@ -47,6 +47,16 @@ class Restore:
     tail_kv: Any = None
     fill_blocks: list[int] = dataclasses.field(default_factory=list)
     fill_kv: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    """What verifying drafted tokens gave, per request: tokens [n, T] (its accepted drafts, then the token
+    drawn after them; the rest meaningless), their logprobs [n, T], accepted [n] drafts."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    accepted: np.ndarray
 
 
 @dataclasses.dataclass
@@ -90,6 +100,7 @@ class Programs:
     run: Any
     write_rows: Any
     sample: Any
+    verify: Any  # `run` for rows that carry drafted tokens (`_verify_fn`); never scanned
     run_scanned: Any = None  # `run` over the scanned form (`jaxhybrid.scan`), when the engine scans
 
 
@@ -111,21 +122,12 @@ def _run_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
     scanned = isinstance(model_def, ScanDefs)
 
     def run(params, kda_pools, mla_pools, tokens, slot_ids, block_tables, start, num_valid):
-        kda_it, mla_it = iter(kda_pools), iter(mla_pools)
-        cache = []
-        for kind in layer_types:
-            if kind == "kda":
-                pool = next(kda_it)
-                cache.append(KDACache(conv=pool.conv[slot_ids], state=pool.state[slot_ids]))
-            elif scanned:
-                cache.append(MLAView(view=read_paged(next(mla_it), block_tables), length=start))
-            else:
-                cache.append(PagedMLACache(pool=next(mla_it), block_table=block_tables, length=start))
+        cache = _row_caches(layer_types, kda_pools, mla_pools, slot_ids, block_tables, start, scanned)
         if scanned:
-            logits, new = forward_scanned(model_def, params, tokens, tuple(cache), num_valid)
+            logits, new = forward_scanned(model_def, params, tokens, cache, num_valid)
         else:
             model = nnx.merge(model_def, params)
-            logits, new = model.forward_cached(tokens, tuple(cache), num_valid)
+            logits, new = model.forward_cached(tokens, cache, num_valid)
         rows = tuple(c for kind, c in zip(layer_types, new, strict=True) if kind == "kda")
         mla_new = tuple(c for kind, c in zip(layer_types, new, strict=True) if kind != "kda")
         if scanned:
@@ -141,16 +143,80 @@ def _run_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
     return run
 
 
+def _row_caches(
+    layer_types: tuple[str, ...],
+    kda_pools: Any,
+    mla_pools: Any,
+    slot_ids: jax.Array,
+    block_tables: jax.Array,
+    start: jax.Array,
+    scanned: bool = False,
+) -> tuple[Any, ...]:
+    """Per layer the cache the rows of a program call read: their slots' KDA states, and the MLA pools
+    through their block tables (as a read view for the scanned form)."""
+    kda_it, mla_it = iter(kda_pools), iter(mla_pools)
+    cache = []
+    for kind in layer_types:
+        if kind == "kda":
+            pool = next(kda_it)
+            cache.append(KDACache(conv=pool.conv[slot_ids], state=pool.state[slot_ids]))
+        elif scanned:
+            cache.append(MLAView(view=read_paged(next(mla_it), block_tables), length=start))
+        else:
+            cache.append(PagedMLACache(pool=next(mla_it), block_table=block_tables, length=start))
+    return tuple(cache)
+
+
+def _verify_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
+    """The `verify` program's function: `run` for rows that hold their last sampled token and then their
+    drafted tokens (`num_valid` = 1 + drafts), with `sampling.verify` deciding which drafts stand. Every KDA
+    layer keeps its state after every token; the rows' new states are those after each row's last accepted
+    token, so the rows' write leaves every slot as if it had decoded only the accepted tokens. Returns
+    ((tokens [B, T], logprobs [B, T], accepted [B]), rows' states, MLA pools); the KV written past a row's
+    accepted tokens lies beyond its length, where the next step writes over it."""
+
+    def verify_rows(
+        params,
+        kda_pools,
+        mla_pools,
+        tokens,
+        slot_ids,
+        block_tables,
+        start,
+        num_valid,
+        temp,
+        top_k,
+        top_p,
+        keys,
+    ):
+        cache = _row_caches(layer_types, kda_pools, mla_pools, slot_ids, block_tables, start)
+        model = nnx.merge(model_def, params)
+        logits, new = model.forward_cached(tokens, cache, num_valid, keep_states=True)
+        num_drafts = jnp.maximum(num_valid - 1, 0)
+        out = verify(logits, tokens[:, 1:], num_drafts, temp, top_k, top_p, keys)
+        at = out[2]
+        pick = lambda x: jnp.take_along_axis(x, at.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]  # noqa: E731
+        rows = tuple(
+            KDACache(conv=pick(c.conv), state=pick(c.state))
+            for kind, c in zip(layer_types, new, strict=True)
+            if kind == "kda"
+        )
+        return out, rows, tuple(c.pool for kind, c in zip(layer_types, new, strict=True) if kind != "kda")
+
+    return verify_rows
+
+
 @functools.lru_cache(maxsize=16)
 def _programs(
     graphdef: Any, layer_types: tuple[str, ...], pool_shardings: Any = None, scan: ScanDefs | None = None
 ) -> Programs:
     """The Programs jitted once per model structure (and scanned form, and pool layout on a mesh, where they
     keep the pools in their shardings)."""
-    fns = [_run_fn(graphdef, layer_types)] + ([_run_fn(scan, layer_types)] if scan is not None else [])
+    fns = [_run_fn(graphdef, layer_types), _verify_fn(graphdef, layer_types)]
+    fns += [_run_fn(scan, layer_types)] if scan is not None else []
     if pool_shardings is None:
-        runs = [jax.jit(fn, donate_argnums=(2,)) for fn in fns]
-        return Programs(runs[0], jax.jit(_write_rows, donate_argnums=(0,)), jax.jit(sample), *runs[1:])
+        run, verify_, *scanned = [jax.jit(fn, donate_argnums=(2,)) for fn in fns]
+        return Programs(run, jax.jit(_write_rows, donate_argnums=(0,)), jax.jit(sample), verify_, *scanned)
     kda_shardings = tuple(s for kind, s in zip(layer_types, pool_shardings, strict=True) if kind == "kda")
     mla_shardings = tuple(s for kind, s in zip(layer_types, pool_shardings, strict=True) if kind != "kda")
     # Logits and sampled ids replicated: every process reads them (a mesh may span several processes); the
@@ -159,12 +225,13 @@ def _programs(
         jax.tree.leaves(pool_shardings)[0].mesh, jax.sharding.PartitionSpec()
     )
     out = (replicated, None, mla_shardings)
-    runs = [jax.jit(fn, donate_argnums=(2,), out_shardings=out) for fn in fns]
+    run, verify_, *scanned = [jax.jit(fn, donate_argnums=(2,), out_shardings=out) for fn in fns]
     return Programs(
-        runs[0],
+        run,
         jax.jit(_write_rows, donate_argnums=(0,), out_shardings=kda_shardings),
         jax.jit(sample, out_shardings=replicated),
-        *runs[1:],
+        verify_,
+        *scanned,
     )
 
 
@@ -259,17 +326,27 @@ class Runner(AheadOfTime):
     ) -> jax.Array:
         """Run `tokens` [B, T] for slots `slot_ids` (block tables [B, W], positions from `start`, `valid` real
         tokens per row); updates the pools, returns the logits after each row's last real token."""
+        program = ProgramShape(*tokens.shape, tables.shape[1])
+        return self._execute(
+            program, self._program(tokens.shape[1]), (tokens, slot_ids, tables, start, valid)
+        )
+
+    def _execute(
+        self, program: ProgramShape, fn: tuple[Any, Any], host: tuple[np.ndarray, ...], extra: tuple = ()
+    ) -> Any:
+        """Call the model program `fn` (jitted function, its parameters) compiled for `program` on the host
+        arrays (tokens, slot ids, block tables, start, valid) and `extra` device arguments; write the rows'
+        states and take the new pools. Returns the program's first output."""
         kinds = self.model_config.layer_types
         kda, mla = self._split_pools()
-        slots = jnp.asarray(np.asarray(slot_ids, np.int32))
-        host = (tokens, tables, start, valid)  # int32 on the host: no conversion on the device
-        tokens_, tables_, start_, valid_ = (jnp.asarray(np.asarray(a, np.int32)) for a in host)
-        inputs = (*self._program(tokens.shape[1]), kda, mla, tokens_, slots, tables_, start_, valid_)
-        run, write_rows = self._compiled_program(ProgramShape(*tokens.shape, tables.shape[1]), inputs)
-        logits, rows, mla = run(*inputs[1:])
+        # int32 on the host: no conversion on the device
+        tokens_, slots, tables_, start_, valid_ = (jnp.asarray(np.asarray(a, np.int32)) for a in host)
+        inputs = (*fn, kda, mla, tokens_, slots, tables_, start_, valid_, *extra)
+        run, write_rows = self._compiled_program(program, inputs)
+        out, rows, mla = run(*inputs[1:])
         kda_it, mla_it = iter(write_rows(kda, slots, rows)), iter(mla)
         self.pools = tuple(next(kda_it) if kind == "kda" else next(mla_it) for kind in kinds)
-        return logits
+        return out
 
     def _compiled_program(self, program: ProgramShape, inputs: tuple[Any, ...]) -> tuple[Any, Any]:
         """(model program, rows' write) compiled for `program`; `inputs`: the jitted model function, then
@@ -279,6 +356,8 @@ class Runner(AheadOfTime):
 
     def _program_name(self, run: Any) -> str:
         """The name of jitted model function `run` (part of its programs' key)."""
+        if run is self.programs.verify:
+            return "verify"
         return "run_scanned" if run is self.programs.run_scanned else "run"
 
     def _program(self, length: int) -> tuple[Any, Any]:
@@ -314,6 +393,27 @@ class Runner(AheadOfTime):
         ids, logps = self.sample(logits, [*reqs, *([None] * (rows - len(reqs)))])
         return ids[: len(reqs)], logps[: len(reqs)]
 
+    def verify(self, reqs: list[Request], drafts: list[list[int]]) -> Verified:
+        """One decode step for `reqs` in which row i also carries `drafts[i]` (up to
+        `shape.speculative_tokens` tokens proposed to follow its last sampled one, possibly none): one call
+        of the `verify` program (`_verify_fn`) for all rows. Each slot ends at its last accepted token."""
+        shape, n = self.shape, len(reqs)
+        rows = shape.decode_rows(n)
+        width = shape.table_width(max(len(r.blocks) for r in reqs))
+        program = ProgramShape(rows, shape.speculative_tokens + 1, width, verify=True)
+        host = self._row_inputs(
+            reqs, [[r.tokens[r.num_computed], *d] for r, d in zip(reqs, drafts, strict=True)], program
+        )
+        per_position = [(r, i) for r in [*reqs, *([None] * (rows - n))] for i in range(program.length)]
+        sampling = batch_arrays(
+            [None if r is None else r.params for r, _ in per_position],
+            [0 if r is None else r.seed for r, _ in per_position],
+            [0 if r is None else len(r.generated) + i for r, i in per_position],
+        )
+        out = self._execute(program, (self.programs.verify, self.params), host, sampling)
+        tokens, logps, accepted = (np.asarray(a)[:n] for a in out)
+        return Verified(tokens, logps, accepted)
+
     def prefill_rows(self, reqs: list[Request], ns: list[int]) -> jax.Array:
         """The next `ns[i]` tokens of each of `reqs` (distinct slots) in one call: one row, or the packed
         program (`EngineShape.packed`) for two or more chunks that pack. The logits [rows, V] after each row's
@@ -345,8 +445,16 @@ class Runner(AheadOfTime):
         return logits
 
     def _run_rows(self, reqs: list[Request], ns: list[int], program: ProgramShape) -> jax.Array:
-        """Run `program` with row i holding the next `ns[i]` tokens of `reqs[i]`. Padding rows take distinct
-        slots outside the call with no real token and scratch tables: their state and cache stay unchanged."""
+        """Run `program` with row i holding the next `ns[i]` tokens of `reqs[i]`."""
+        chunks = [r.tokens[r.num_computed : r.num_computed + n] for r, n in zip(reqs, ns, strict=True)]
+        return self.run_program(*self._row_inputs(reqs, chunks, program))
+
+    def _row_inputs(
+        self, reqs: list[Request], chunks: list[list[int]], program: ProgramShape
+    ) -> tuple[np.ndarray, ...]:
+        """(tokens, slot ids, block tables, start, valid) of `program` with row i holding `chunks[i]`, the
+        tokens at `reqs[i]`'s next positions. Padding rows take distinct slots outside the call with no real
+        token and scratch tables: their state and cache stay unchanged."""
         busy = [r.slot for r in reqs]
         others = [s for s in range(self.shape.slots) if s not in busy]
         slot_ids = np.asarray(busy + others[: program.rows - len(reqs)], np.int32)
@@ -354,11 +462,11 @@ class Runner(AheadOfTime):
         tables = np.full((program.rows, program.width), SCRATCH_BLOCK, np.int32)
         start = np.zeros((program.rows,), np.int32)
         valid = np.zeros((program.rows,), np.int32)
-        for i, (req, n) in enumerate(zip(reqs, ns, strict=True)):
-            tokens[i, :n] = req.tokens[req.num_computed : req.num_computed + n]
+        for i, (req, chunk) in enumerate(zip(reqs, chunks, strict=True)):
+            tokens[i, : len(chunk)] = chunk
             tables[i] = self._table(req, program.width)
-            start[i], valid[i] = req.num_computed, n
-        return self.run_program(tokens, slot_ids, tables, start, valid)
+            start[i], valid[i] = req.num_computed, len(chunk)
+        return tokens, slot_ids, tables, start, valid
 
     def sample(self, logits: jax.Array, rows: list[Request | None]) -> tuple[np.ndarray, np.ndarray]:
         params = [None if r is None else r.params for r in rows]

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serve.engine.speculative import Speculation, SpeculationError
+
 # Seeds become a uint32 PRNG seed; a wider seed would be silently truncated by jax.random.key without x64.
 SEED_LIMIT = 2**32
 
@@ -50,6 +52,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    speculative: Speculation | None = None  # how it drafts tokens (None: the engine's default)
 
     @property
     def greedy(self) -> bool:
@@ -80,6 +83,13 @@ class SamplingParams:
             raise SamplingError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not isinstance(self.logprobs, bool | np.bool_):
             raise SamplingError(f"logprobs must be a bool, got {self.logprobs!r}")
+        if self.speculative is not None:
+            if not isinstance(self.speculative, Speculation):
+                raise SamplingError(f"speculative must be a Speculation, got {self.speculative!r}")
+            try:
+                self.speculative.validate()
+            except SpeculationError as exc:
+                raise SamplingError(str(exc)) from None
 
 
 def request_key(seed: int | jax.Array, step: int | jax.Array) -> jax.Array:
@@ -120,8 +130,9 @@ def batch_arrays(
     return jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), keys
 
 
-def _draw_filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, key: jax.Array) -> jax.Array:
-    """One row's draw under top-k / top-p filters: sort, keep the top_k, then the nucleus, draw."""
+def _sorted_filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One row under top-k / top-p filters: (descending order of ids, logits in that order with the
+    filtered-out ones at -inf): sort, keep the top_k, then the nucleus."""
     vocab = scaled.shape[-1]
     # Work in descending order; the stable sort keeps lower ids first among equal logits.
     order = jnp.argsort(-scaled, stable=True)
@@ -135,8 +146,31 @@ def _draw_filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, key: j
     probs = jax.nn.softmax(sorted_logits)
     mass_before = jnp.cumsum(probs) - probs
     keep = (mass_before < top_p) | (top_p >= 1.0) | (rank == 0)
-    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    return order, jnp.where(keep, sorted_logits, -jnp.inf)
+
+
+def _draw_filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, key: jax.Array) -> jax.Array:
+    """One row's draw under top-k / top-p filters."""
+    order, sorted_logits = _sorted_filtered(scaled, top_k, top_p)
     return order[jax.random.categorical(key, sorted_logits)].astype(jnp.int32)
+
+
+def _filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """One row's logits under top-k / top-p filters, in id order (-inf where filtered out)."""
+    order, sorted_logits = _sorted_filtered(scaled, top_k, top_p)
+    return jnp.full_like(scaled, -jnp.inf).at[order].set(sorted_logits)
+
+
+def _scaled(x: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(greedy rows [B], logits [B, V] shifted to a maximum of 0 and divided by the temperature: shifted
+    first so a tiny temperature cannot overflow to inf; greedy rows are divided by 1)."""
+    is_greedy = temperature <= 0
+    safe_t = jnp.where(is_greedy, 1.0, temperature)
+    return is_greedy, (x - jnp.max(x, axis=-1, keepdims=True)) / safe_t[:, None]
+
+
+def _needs_filter(is_greedy: jax.Array, top_k: jax.Array, top_p: jax.Array, vocab: int) -> jax.Array:
+    return ~is_greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
 
 
 def sample(
@@ -159,10 +193,7 @@ def sample(
     logp = jax.nn.log_softmax(x, axis=-1)
     greedy_id = jnp.argmax(x, axis=-1).astype(jnp.int32)  # first maximum -> lowest id on ties
 
-    # Shift before scaling so a tiny temperature cannot overflow to inf (the max becomes 0, others -> -inf).
-    is_greedy = temperature <= 0
-    safe_t = jnp.where(is_greedy, 1.0, temperature)
-    scaled = (x - jnp.max(x, axis=-1, keepdims=True)) / safe_t[:, None]
+    is_greedy, scaled = _scaled(x, temperature)
     plain = jax.lax.cond(
         jnp.any(~is_greedy),
         lambda: jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32),
@@ -172,7 +203,7 @@ def sample(
     # Only rows with a filter need the vocabulary sort (~7 ms a row on a CPU): greedy rows, idle slots and
     # plain sampling skip it, and a batch without filtered rows does not run it at all. Each row's draw
     # depends on its own settings and key only, never on the rest of the batch.
-    filtered = ~is_greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    filtered = _needs_filter(is_greedy, top_k, top_p, vocab)
     drawn = jax.lax.cond(
         jnp.any(filtered),
         lambda: jnp.where(filtered, jax.vmap(_draw_filtered)(scaled, top_k, top_p, keys), plain),
@@ -180,3 +211,58 @@ def sample(
     )
     token = jnp.where(is_greedy, greedy_id, drawn)
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+def verify(
+    logits: jax.Array,
+    drafts: jax.Array,
+    num_drafts: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    keys: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Speculative sampling of drafted tokens: which of them the model accepts, and the token after them.
+
+    logits [B, T, V] at a row's T positions (position i follows the row's i-th drafted token; position 0
+    the last sampled one); drafts [B, T-1] int32; num_drafts [B] (the rest of a row is padding);
+    temperature, top_k, top_p, keys [B*T] (row-major over positions; the key of position i is the one `sample`
+    would use for that step). A draft is a point mass (prompt lookup): position i's draft d is accepted with
+    the probability p(d) the row's filtered, tempered distribution gives it (greedy: d == argmax), else the
+    token there is drawn from p with d removed, renormalised; after the last accepted draft of a row that
+    accepted all, the token is `sample`'s draw with that position's key. Each position's token then has
+    exactly the distribution `sample` would give it (Leviathan et al., 2023). Returns (tokens [B, T]: the
+    accepted drafts, then the drawn token, the rest meaningless; their logprobs [B, T] under the model's own
+    distribution, as `sample`'s; accepted [B] int32)."""
+    B, T, V = logits.shape
+    x = logits.reshape(B * T, V).astype(jnp.float32)
+    temperature = jnp.asarray(temperature, jnp.float32)
+    top_k = jnp.asarray(top_k, jnp.int32)
+    top_p = jnp.asarray(top_p, jnp.float32)
+    plain, _ = sample(x, temperature, top_k, top_p, keys)
+    d = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1).reshape(B * T)
+    has = (jnp.arange(T)[None, :] < num_drafts[:, None]).reshape(B * T)
+    is_greedy, scaled = _scaled(x, temperature)
+    greedy_id = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    sampled = has & ~is_greedy
+    filtered = _needs_filter(is_greedy, top_k, top_p, V)
+    target = jax.lax.cond(
+        jnp.any(filtered & sampled),
+        lambda: jnp.where(filtered[:, None], jax.vmap(_filtered)(scaled, top_k, top_p), scaled),
+        lambda: scaled,
+    )
+    p_draft = jnp.exp(jnp.take_along_axis(jax.nn.log_softmax(target, axis=-1), d[:, None], axis=-1)[:, 0])
+    uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
+    ok = has & jnp.where(is_greedy, d == greedy_id, uniform < p_draft)
+
+    def residual() -> jax.Array:
+        without = jnp.where(jnp.arange(V)[None, :] == d[:, None], -jnp.inf, target)
+        redraw = jax.vmap(lambda k, row: jax.random.categorical(jax.random.fold_in(k, 2), row))(keys, without)
+        return redraw.astype(jnp.int32)
+
+    drawn = jax.lax.cond(jnp.any(sampled & ~ok), residual, lambda: greedy_id)
+    after_draft = jnp.where(is_greedy, greedy_id, drawn)
+    token = jnp.where(ok, d, jnp.where(has, after_draft, plain))
+    logp = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), token[:, None], axis=-1)[:, 0]
+    accepted = jnp.sum(jnp.cumprod(ok.reshape(B, T).astype(jnp.int32), axis=1), axis=1)
+    return token.reshape(B, T), logp.reshape(B, T), accepted.astype(jnp.int32)

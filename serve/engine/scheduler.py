@@ -28,6 +28,7 @@ from serve.engine.blocks import BlockAllocator
 from serve.engine.config import EngineShape
 from serve.engine.requests import FinishReason, QueueState, Request, RequestStatus
 from serve.engine.runner import Restore
+from serve.engine.speculative import DraftPlanner, DraftSource, PromptLookup
 from serve.prefix.store import Attachment, Hit, PrefixStore, empty_ledger
 
 
@@ -54,6 +55,7 @@ class StepPlan:
     prefill: list[PrefillJob] = dataclasses.field(default_factory=list)
     preempted: list[Request] = dataclasses.field(default_factory=list)
     failed: list[tuple[Request, BaseException]] = dataclasses.field(default_factory=list)
+    drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # decode rows' drafted tokens
 
 
 def prefill_calls(shape: EngineShape, jobs: list[PrefillJob]) -> list[list[PrefillJob]]:
@@ -65,16 +67,64 @@ def prefill_calls(shape: EngineShape, jobs: list[PrefillJob]) -> list[list[Prefi
     return alone + [short[i : i + shape.prefill_rows] for i in range(0, len(short), shape.prefill_rows)]
 
 
-class Scheduler:
+class DiskLoads:
+    """The requests waiting for their prefix to be read from disk: when a read ends they go back to the
+    front of the queue (the same on every process, from process 0's observation)."""
+
+    store: PrefixStore
+    loading: list[Request]
+    _abandoned: list[Request]
+    running: list[Request]
+    waiting: deque[Request]
+
+    def observe_loads(self) -> list[list[Any]]:
+        """[request id, read ok, failed for a reason that may pass] of every disk read that finished (on
+        process 0, or the only process); with nothing else to do, wait a moment for one first (a caller that
+        can wait for a read to end, `waits_for_reads`, steps only once one has)."""
+        if not self.loading and not self._abandoned:
+            return []
+        if self.loading and not self.running and not self.waiting:
+            self.store.wait_loads([r.load for r in self.loading], timeout=0.05)
+        reads = self.loading + self._abandoned
+        done = sorted((r for r in reads if self.store.load_ready(r.load)), key=lambda r: r.arrival)
+        return [[r.id, *self.store.load_outcome(r.load)] for r in done]
+
+    def waits_for_reads(self) -> bool:
+        """Requests are unfinished, but none can go on before a disk read ends: a step would do nothing."""
+        reads = self.loading + self._abandoned
+        if not self.loading or self.running or self.waiting:
+            return False
+        return not any(self.store.load_ready(r.load) for r in reads)
+
+    def apply_loads(self, done: list[list[Any]]) -> None:
+        """Requests whose prefix was read go back to the front of the queue, in arrival order, with what
+        was read (every process follows process 0's outcome)."""
+        by_id = {r.id: r for r in self.loading + self._abandoned}
+        for rid, ok, transient in reversed(done):
+            req = by_id[rid]
+            (self.loading if req in self.loading else self._abandoned).remove(req)
+            self.store.finish_load(req.load, leader_ok=ok, leader_transient=transient)
+            if req.finished:  # aborted while it waited
+                req.load = None
+                continue
+            self.waiting.appendleft(req)
+
+
+class Scheduler(DiskLoads):
     def __init__(
         self,
         shape: EngineShape,
         allocator: BlockAllocator,
         store: PrefixStore | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        drafter: DraftSource | None = None,
+        stop_ids: Callable[[Request], frozenset[int]] = lambda req: frozenset(),
     ):
-        """`clock`: when requests finish (the simulator's is simulated seconds)."""
+        """`clock`: when requests finish (the simulator's is simulated seconds). `drafter`: where the decode
+        rows of requests that speculate get their drafted tokens; `stop_ids`: the tokens that end a request
+        (drafts stop before them)."""
         self.shape, self.allocator, self.store, self.clock = shape, allocator, store, clock
+        self.drafts = DraftPlanner(shape, allocator, store, drafter or PromptLookup(), stop_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: list[Request] = []  # waiting for their prefix to be read from disk
@@ -129,6 +179,8 @@ class Scheduler:
         plan.prefill = [PrefillJob(r, n) for r, n, order in planned if r.running and r.order == order]
         chunked = {id(j.request) for j in plan.prefill}
         plan.decode = [r for r in self.running if r.pending == 1 and id(r) not in chunked]
+        left = self.shape.max_batched_tokens - len(plan.decode) - sum(j.tokens for j in plan.prefill)
+        plan.drafts = self.drafts.plan(plan.decode, left)
         kept = []
         for adm in plan.admissions:
             if adm.request.running and adm.request.order == adm.order:
@@ -272,38 +324,6 @@ class Scheduler:
             fill_blocks=[layout[j] for j in fresh],
             fill_kv=att.fill_kv[:, fresh] if fresh else None,
         )
-
-    def observe_loads(self) -> list[list[Any]]:
-        """[request id, read ok, failed for a reason that may pass] of every disk read that finished (on
-        process 0, or the only process); with nothing else to do, wait a moment for one first (a caller that
-        can wait for a read to end, `waits_for_reads`, steps only once one has)."""
-        if not self.loading and not self._abandoned:
-            return []
-        if self.loading and not self.running and not self.waiting:
-            self.store.wait_loads([r.load for r in self.loading], timeout=0.05)
-        reads = self.loading + self._abandoned
-        done = sorted((r for r in reads if self.store.load_ready(r.load)), key=lambda r: r.arrival)
-        return [[r.id, *self.store.load_outcome(r.load)] for r in done]
-
-    def waits_for_reads(self) -> bool:
-        """Requests are unfinished, but none can go on before a disk read ends: a step would do nothing."""
-        reads = self.loading + self._abandoned
-        if not self.loading or self.running or self.waiting:
-            return False
-        return not any(self.store.load_ready(r.load) for r in reads)
-
-    def apply_loads(self, done: list[list[Any]]) -> None:
-        """Requests whose prefix was read go back to the front of the queue, in arrival order, with what
-        was read (every process follows process 0's outcome)."""
-        by_id = {r.id: r for r in self.loading + self._abandoned}
-        for rid, ok, transient in reversed(done):
-            req = by_id[rid]
-            (self.loading if req in self.loading else self._abandoned).remove(req)
-            self.store.finish_load(req.load, leader_ok=ok, leader_transient=transient)
-            if req.finished:  # aborted while it waited
-                req.load = None
-                continue
-            self.waiting.appendleft(req)
 
     # --- blocks and slots -------------------------------------------------------------------------------
     def _chunk(self, req: Request, budget: int) -> int:

@@ -133,6 +133,7 @@ def snapshot(engine: Any, rate: TokenRate, healthy: bool) -> dict[str, Any]:
         "healthy": healthy,
         "ledger": engine.ledger(),
         "memory": memory,
+        "speculation": engine.speculation_stats(),
     }
 
 

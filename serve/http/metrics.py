@@ -33,6 +33,14 @@ PREFIX_COUNTERS = {
 }
 
 
+# speculative decoding's counters (Engine.speculation_stats) -> (series name, help)
+SPECULATION_COUNTERS = {
+    "windows": ("jaxhybrid_spec_decode_windows", "decode steps of a request that carried drafted tokens"),
+    "drafted": ("jaxhybrid_spec_decode_draft_tokens", "drafted tokens verified"),
+    "accepted": ("jaxhybrid_spec_decode_accepted_tokens", "drafted tokens accepted"),
+}
+
+
 class EngineCollector(Collector):
     """Engine series from the latest snapshot (set by the /metrics handler before each scrape)."""
 
@@ -57,6 +65,18 @@ class EngineCollector(Collector):
         g = GaugeMetricFamily("jaxhybrid_engine_healthy", "1 while the engine loop runs, 0 after a failure")
         g.add_metric([], 1.0 if snap.get("healthy", True) else 0.0)
         yield g
+        spec = snap.get("speculation", {})
+        for key, (name, doc) in SPECULATION_COUNTERS.items():
+            if key in spec:
+                c = CounterMetricFamily(name, doc)
+                c.add_metric([], spec[key])
+                yield c
+        if "mean_accepted" in spec:
+            g = GaugeMetricFamily(
+                "jaxhybrid_spec_decode_mean_accepted_tokens", "accepted drafted tokens per verified window"
+            )
+            g.add_metric([], spec["mean_accepted"])
+            yield g
         ledger = snap.get("ledger", {})
         for key, (name, doc) in PREFIX_COUNTERS.items():
             if key in ledger:

@@ -11,6 +11,7 @@ from typing import Any
 from serve.engine.engine import EngineAPI
 from serve.engine.requests import RequestError, check_cache_salt
 from serve.engine.sampling import SamplingError, SamplingParams
+from serve.engine.speculative import Speculation, SpeculationError
 from serve.http.errors import APIError, show
 
 # Fields the OpenAI API defines that do not change what this server computes: accepted (type-checked) and
@@ -44,6 +45,7 @@ COMMON_FIELDS = {
     "stream",
     "stream_options",
     "return_token_ids",
+    "speculative",
 } | set(IGNORED_OPENAI_FIELDS)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
@@ -150,6 +152,7 @@ class RequestParser:
         self.model_name = model_name
         self.vocab = engine.model_config.vocab_size
         self.context = engine.max_model_len
+        self.speculative_tokens = engine.config.speculative.num_tokens  # a request's default and its limit
         self.default_max_tokens = default_max_tokens
         self.eos = engine.model_config.eos_token_id
 
@@ -181,6 +184,34 @@ class RequestParser:
             v = body.get(name)
             if v is not None and not any(v == o and type(v) is type(o) for o in ok):
                 raise bad(f"'{name}' = {show(v)} is not supported (allowed: {ok[0]!r})", name)
+
+    def _speculative(self, body: dict[str, Any]) -> Speculation | None:
+        """The request's `speculative` field: "ngram" / "off", or {"method": ..., "num_speculative_tokens":
+        k}; None when absent (the server's default)."""
+        value = body.get("speculative")
+        if value is None:
+            return None
+        k: object = self.speculative_tokens
+        if isinstance(value, dict):
+            unknown = set(value) - {"method", "num_speculative_tokens"}
+            if unknown or "method" not in value:
+                raise bad(
+                    "'speculative' must be a method name or an object with 'method' and optionally "
+                    "'num_speculative_tokens'",
+                    "speculative",
+                    "invalid_type",
+                )
+            method, k = value["method"], value.get("num_speculative_tokens", k)
+        elif isinstance(value, str):
+            method = value
+        else:
+            raise bad("'speculative' must be a string or an object", "speculative", "invalid_type")
+        try:
+            spec = Speculation.parse(method, k)
+            spec.validate(self.speculative_tokens)
+        except SpeculationError as exc:
+            raise bad(f"'speculative': {exc}", "speculative") from None
+        return spec
 
     def _stop(self, body: dict) -> tuple[tuple[str, ...], tuple[int, ...]]:
         stop = body.get("stop")
@@ -348,6 +379,7 @@ class RequestParser:
             stop_token_ids=stop_ids,
             ignore_eos=_get_bool(body, "ignore_eos", False),
             logprobs=logprobs,
+            speculative=self._speculative(body),
         )
         try:
             params.validate(self.vocab)

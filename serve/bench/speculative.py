@@ -1,0 +1,219 @@
+"""`jaxhybrid bench speculative`: decode with and without speculative decoding, on the same requests in the
+same run.
+
+Workloads (Python source of this repository, which the shipped model never saw: it was trained on the
+standard library): `edit`, a function followed by a request to write it again with a name changed and the
+function's first line (the completion rewrites code the prompt holds), and `continue`, the first lines of a
+file (free completion). Each row runs `--batch` copies of its prompts greedily, first without speculation
+and then with prompt-lookup drafts (`ngram`), in one engine each (prefix store off, so both prefill the
+same), after a warm-up pass that compiles; it reports tokens/s of the decode steps, their ratio, whether the
+tokens are identical, drafted and accepted tokens, and where the time of the speculating pass went: drafting
+(host), the verify program (which also keeps the state of the last accepted token: there is no separate
+rollback) and plain decode steps (steps in which no row had drafts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from serve.bench.common import add_model_args, add_out_arg, emit, environment
+from serve.report import print_table
+
+REPO = Path(__file__).resolve().parents[2]
+# (file, function) pairs of the `edit` workload and files of `continue`, all from this repository
+EDIT_SOURCES = (
+    ("serve/engine/speculative.py", "truncate_at_stop"),
+    ("serve/engine/blocks.py", None),
+    ("jaxhybrid/ops/conv.py", "causal_conv1d"),
+)
+CONTINUE_SOURCES = ("serve/engine/speculative.py", "jaxhybrid/cache.py", "serve/prefix/ledger.py")
+
+
+def _function(path: str, name: str | None) -> str:
+    """The source of function `name` in `path` (the file's first function when None), docstring included."""
+    import ast
+
+    text = (REPO / path).read_text()
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and (name is None or node.name == name):
+            lines = text.splitlines()[node.lineno - 1 : node.end_lineno]
+            indent = len(lines[0]) - len(lines[0].lstrip())
+            return "\n".join(line[indent:] for line in lines)
+    raise ValueError(f"no function {name!r} in {path}")
+
+
+def prompts(workload: str, context: int) -> list[str]:
+    """The prompt texts of `workload` (at most `context` characters each)."""
+    if workload == "edit":
+        out = []
+        for path, name in EDIT_SOURCES:
+            code = _function(path, name)
+            out.append(f"# Original:\n{code}\n\n# The same function, unchanged:\n{code.splitlines()[0]}\n")
+        return [p[-context:] for p in out]
+    return [(REPO / path).read_text()[:context] for path in CONTINUE_SOURCES]
+
+
+@contextlib.contextmanager
+def timing(obj: Any, name: str, totals: dict[str, float]) -> Iterator[None]:
+    """Add the wall time of every call of `obj.name` (blocking on its result) to totals[name]."""
+    import jax
+
+    fn = getattr(obj, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args, **kwargs))
+        totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
+        return out
+
+    setattr(obj, name, timed)
+    try:
+        yield
+    finally:
+        setattr(obj, name, fn)
+
+
+def one_pass(model: Any, ids: list[list[int]], args: argparse.Namespace, method: str) -> dict[str, Any]:
+    """Serve `ids` greedily (a warm-up pass, then the timed one) with speculation `method`."""
+    from serve.engine.engine import Engine, EngineConfig
+    from serve.engine.sampling import SamplingParams
+    from serve.engine.speculative import PromptLookup, Speculation
+
+    spec = Speculation.parse(method, args.num_speculative_tokens)
+    longest = max(len(p) for p in ids) + args.new_tokens + 1
+    config = EngineConfig(
+        max_slots=len(ids), max_model_len=longest, prefix=None, speculative=spec, kv_dtype=args.dtype
+    )
+    drafter = PromptLookup()
+    engine = Engine(model, config, drafter=drafter)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate(ids, params)  # compiles every program the timed pass meets (the same steps)
+    totals: dict[str, float] = {}
+    engine.speculation = type(engine.speculation)()
+    with (
+        timing(engine.runner, "prefill_rows", totals),
+        timing(engine.runner, "decode", totals),
+        timing(engine.runner, "verify", totals),
+        timing(drafter, "propose", totals),
+    ):
+        t0 = time.perf_counter()
+        results = engine.generate(ids, params)
+        wall = time.perf_counter() - t0
+    decode_s = wall - totals.get("prefill_rows", 0.0)
+    decoded = sum(len(r.token_ids) - 1 for r in results)
+    stats = engine.speculation_stats()
+    return {
+        "tokens": [r.token_ids for r in results],
+        "decode_tokens_per_s": decoded / decode_s,
+        "decode_s": decode_s,
+        "steps": engine.steps,
+        "draft_s": totals.get("propose", 0.0),
+        "verify_s": totals.get("verify", 0.0),
+        "plain_decode_s": totals.get("decode", 0.0),
+        **{f"spec_{k}": v for k, v in stats.items()},
+    }
+
+
+def measure(model: Any, tokenizer: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for workload in args.workloads:
+        texts = prompts(workload, args.prompt_chars)
+        for batch in args.batch:
+            ids = [tokenizer.encode(texts[i % len(texts)]) for i in range(batch)]
+            off = one_pass(model, ids, args, "off")
+            on = one_pass(model, ids, args, "ngram")
+            drafted = on["spec_drafted"]
+            rows.append(
+                {
+                    "workload": workload,
+                    "batch": batch,
+                    "prompt_tokens": sum(len(p) for p in ids) // batch,
+                    "new_tokens": args.new_tokens,
+                    "off_tokens_per_s": round(off["decode_tokens_per_s"], 1),
+                    "ngram_tokens_per_s": round(on["decode_tokens_per_s"], 1),
+                    "ratio": round(on["decode_tokens_per_s"] / off["decode_tokens_per_s"], 3),
+                    "identical": on["tokens"] == off["tokens"],
+                    "drafted": drafted,
+                    "accepted": on["spec_accepted"],
+                    "acceptance": round(on["spec_accepted"] / drafted, 3) if drafted else None,
+                    "mean_accepted": round(on["spec_mean_accepted"], 2),
+                    "windows": on["spec_windows"],
+                    "draft_s": round(on["draft_s"], 4),
+                    "verify_s": round(on["verify_s"], 4),
+                    "plain_decode_s": round(on["plain_decode_s"], 4),
+                    "decode_s": round(on["decode_s"], 4),
+                    "off_decode_s": round(off["decode_s"], 4),
+                }
+            )
+            print(f"{workload} batch {batch}: ratio {rows[-1]['ratio']}", file=sys.stderr)
+    return rows
+
+
+COLUMNS = [
+    "workload",
+    "batch",
+    "prompt_tokens",
+    "off_tokens_per_s",
+    "ngram_tokens_per_s",
+    "ratio",
+    "identical",
+    "drafted",
+    "accepted",
+    "mean_accepted",
+    "draft_s",
+    "verify_s",
+    "plain_decode_s",
+    "decode_s",
+]
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxhybrid.tokenizer import ByteTokenizer, load_tokenizer
+    from serve.models import load_model
+
+    model = load_model(args)
+    tokenizer = (
+        load_tokenizer(args.model, model.config) if args.model else ByteTokenizer(model.config.vocab_size)
+    )
+    rows = measure(model, tokenizer, args)
+    result = {
+        "bench": "speculative",
+        "model": args.model or args.config,
+        "dtype": args.dtype,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "rows": rows,
+        "environment": environment(),
+    }
+    print_table(rows, COLUMNS, file=sys.stderr)
+    emit(result, args)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "speculative",
+        help="decode tokens/s with and without speculative decoding (prompt lookup) on code workloads",
+        description=__doc__,
+    )
+    add_model_args(p, default_config="the shipped model")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="weights and KV dtype (default float32: in bf16 greedy tokens depend on a program's shape)",
+    )
+    p.add_argument(
+        "--workloads", nargs="+", choices=["edit", "continue"], default=["edit", "continue"], help="which"
+    )
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="requests decoded together (default 1)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="k (default 4)")
+    p.add_argument("--prompt-chars", type=int, default=4000, help="longest prompt in characters")
+    add_out_arg(p)
+    p.set_defaults(func=run)

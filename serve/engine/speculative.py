@@ -1,0 +1,202 @@
+"""Speculative decoding: where drafted tokens come from, how many a request may draft, and its settings.
+
+A decode row may carry up to k tokens drafted to follow its last sampled one; the runner's `verify` program
+checks them all in one call (`serve.engine.sampling.verify`) and leaves the row's KDA state, conv window and
+latent KV as if it had decoded only the tokens that stand. The scheduler decides how many a row may draft
+(`draft_limit`): never past a position where the prefix store checkpoints, past max_tokens, or into blocks
+it would have to evict or preempt for; and drafts stop before a stop token. So every event that reads a
+row's state (a checkpoint, the end of a sequence) falls at the end of its verified window, whose state is
+the one written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+# The most drafted tokens a step may verify per row: its program's length - 1, so that a verified window
+# attends as a decode step does (`jaxhybrid.layers.mla.ABSORBED_MAX_TOKENS`).
+MAX_SPECULATIVE_TOKENS = 15
+
+
+class DraftMethod(enum.StrEnum):
+    OFF = "off"
+    NGRAM = "ngram"  # prompt lookup: the tokens that followed the latest earlier match of the last n tokens
+
+
+class SpeculationError(ValueError):
+    """Invalid speculative settings; the message names the problem."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """How a request drafts: `method`, and `num_tokens` (k), the most drafted tokens one step verifies."""
+
+    method: DraftMethod = DraftMethod.OFF
+    num_tokens: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not DraftMethod.OFF
+
+    def validate(self, limit: int = MAX_SPECULATIVE_TOKENS) -> None:
+        """Raise SpeculationError unless the method is known and 1 <= num_tokens <= `limit`."""
+        if not isinstance(self.method, DraftMethod):
+            raise SpeculationError(f"speculative method must be one of {[m.value for m in DraftMethod]}")
+        k = self.num_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= limit:
+            raise SpeculationError(f"num_speculative_tokens must be an int in [1, {limit}], got {k!r}")
+
+    @classmethod
+    def parse(cls, method: object, num_tokens: object = 4) -> Speculation:
+        """From user input (a flag, a request's field): raises SpeculationError naming what is wrong."""
+        if not isinstance(method, str) or method not in {m.value for m in DraftMethod}:
+            raise SpeculationError(
+                f"speculative method must be one of {[m.value for m in DraftMethod]}, got {method!r}"
+            )
+        spec = cls(DraftMethod(method), num_tokens)  # type: ignore[arg-type]
+        spec.validate()
+        return spec
+
+
+class DraftSource(Protocol):
+    """Proposes up to `k` tokens to follow `tokens` (a request's prompt and what it generated so far)."""
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]: ...
+
+
+@dataclasses.dataclass
+class PromptLookup:
+    """Prompt-lookup drafts (vLLM's `ngram`): for n from `max_n` down to `min_n`, find the latest earlier
+    occurrence of the last n tokens and propose the k tokens that followed it."""
+
+    min_n: int = 2
+    max_n: int = 4
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        arr = np.asarray(tokens, np.int64)
+        size = len(arr)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: size - 1], n)  # starts before the end
+            hits = np.flatnonzero((windows == arr[size - n :]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return [int(t) for t in arr[start : start + k]]
+        return []
+
+
+class DraftPlanner:
+    """The scheduler's part in speculation: which decode rows carry drafts this step, and how many. A row
+    drafts within what is left of the step's token budget and of the free blocks (a draft never evicts or
+    preempts), never past a checkpoint position of the prefix store or the request's max_tokens, and stops
+    before a stop token: whatever of a window stands, the row's checkpoints and its end then fall at the
+    window's end."""
+
+    def __init__(
+        self,
+        shape: Any,
+        allocator: Any,
+        store: Any,
+        drafter: DraftSource,
+        stop_ids: Callable[[Any], frozenset[int]],
+    ):
+        self.shape, self.allocator, self.store = shape, allocator, store
+        self.drafter, self.stop_ids = drafter, stop_ids
+
+    def plan(self, decode: list[Any], budget: int) -> dict[str, list[int]]:
+        """Drafted tokens by request id for `decode` rows of requests that speculate (blocks for them taken
+        from the free ones now)."""
+        out: dict[str, list[int]] = {}
+        for req in decode:
+            if req.drafting is None or budget <= 0:
+                continue
+            drafts = self._drafts(req, budget)
+            if not drafts:
+                continue
+            need = math.ceil((req.num_computed + 1 + len(drafts)) / self.shape.block_size) - len(req.blocks)
+            if need > 0:
+                req.blocks += self.allocator.allocate(need)
+            out[req.id] = drafts
+            budget -= len(drafts)
+        return out
+
+    def _drafts(self, req: Any, budget: int) -> list[int]:
+        n = req.num_computed
+        k = min(req.drafting.limit(), self.shape.speculative_tokens, budget)
+        k = min(k, req.params.max_tokens - len(req.generated) - 1)
+        if self.store is not None:
+            k = min(k, self.store.chunk_limit(req) - 1)
+        if k <= 0:
+            return []
+        drafts = truncate_at_stop(self.drafter.propose(req.tokens, k)[:k], self.stop_ids(req))
+        room = (len(req.blocks) + self.allocator.num_free) * self.shape.block_size - (n + 1)
+        return drafts[: max(room, 0)]
+
+
+def truncate_at_stop(drafts: list[int], stop_ids: frozenset[int]) -> list[int]:
+    """`drafts` up to (not including) its first stop token: a sequence then ends only at a window's end."""
+    for i, token in enumerate(drafts):
+        if token in stop_ids:
+            return drafts[:i]
+    return drafts
+
+
+@dataclasses.dataclass
+class AdaptiveK:
+    """A request's draft length from its recent acceptance: after a window accepted in full, one more
+    (up to `most`); after a rejection, one more than it accepted. When the mean acceptance (an average
+    weighted to the recent windows) falls below `floor` the request stops drafting for `pause` steps, a
+    pause that doubles each time (up to `longest_pause`) and resets once drafts pay again."""
+
+    most: int
+    k: int = 0
+    rate: float = 1.0
+    paused: int = 0
+    pause: int = 8
+    floor: float = 0.25
+    longest_pause: int = 256
+
+    def __post_init__(self) -> None:
+        self.k = self.k or self.most
+
+    def limit(self) -> int:
+        """How many tokens this step may draft (0 while paused; each call is one step)."""
+        if self.paused > 0:
+            self.paused -= 1
+            return 0
+        return self.k
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.rate = 0.5 * self.rate + 0.5 * accepted / drafted
+        self.k = min(self.k + 1, self.most) if accepted == drafted else max(1, accepted + 1)
+        if self.rate < self.floor:
+            self.paused, self.rate = self.pause, self.floor
+            self.pause = min(2 * self.pause, self.longest_pause)
+        elif accepted:
+            self.pause = 8
+
+
+@dataclasses.dataclass
+class SpeculationStats:
+    """A request's (or an engine's) drafting so far: verify steps, drafted and accepted tokens."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted drafts per verify step (the tokens a step gave beyond one)."""
+        return self.accepted / self.steps if self.steps else 0.0

@@ -1,0 +1,444 @@
+"""Speculative decoding: drafted tokens verified in the decode batch change no token (greedy), keep the
+sampled distribution, and leave every state, checkpoint and block as a run that never speculated."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from oracles import FullPass, assert_matches_full_pass, log_softmax
+from scipy import stats
+
+from jaxhybrid.cache import kda_state_bytes
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_windows
+from jaxhybrid.ops.kda import kda_recurrent, kda_recurrent_states
+from serve.engine.engine import Engine, EngineConfig, RequestError
+from serve.engine.sampling import SamplingParams, batch_arrays, sample, verify
+from serve.engine.speculative import (
+    AdaptiveK,
+    DraftMethod,
+    PromptLookup,
+    Speculation,
+    SpeculationError,
+    truncate_at_stop,
+)
+from serve.prefix.store import PrefixStoreConfig
+
+NGRAM = Speculation(DraftMethod.NGRAM, 4)
+VOCAB = 512  # tiny's
+
+
+def greedy(n=12, spec=NGRAM, **kw):
+    return SamplingParams(
+        max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True, speculative=spec, **kw
+    )
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HybridLM(load_config("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def full_pass(model):
+    return FullPass(model)
+
+
+def engine(model, drafter=None, prefix=None, **kw):
+    args = dict(max_slots=4, block_size=8, prefill_chunk=32, max_model_len=256)
+    args.update(kw)
+    return Engine(model, EngineConfig(prefix=prefix, **args), drafter=drafter)
+
+
+class Continuations:
+    """Drafts from known continuations (the model drafting for itself, when they are its own greedy tokens):
+    for tokens that extend one of `sequences`, the next k tokens of it, with every `wrong`-th drafted token
+    replaced (0: none). Counts what it proposed."""
+
+    def __init__(self, sequences, wrong=0):
+        self.sequences, self.wrong, self.proposed = [list(s) for s in sequences], wrong, 0
+
+    def propose(self, tokens, k):
+        for seq in self.sequences:
+            if len(seq) > len(tokens) and seq[: len(tokens)] == list(tokens):
+                out = seq[len(tokens) : len(tokens) + k]
+                break
+        else:
+            return []
+        drafted = []
+        for t in out:
+            self.proposed += 1
+            drafted.append((t + 1) % VOCAB if self.wrong and self.proposed % self.wrong == 0 else t)
+        return drafted
+
+
+def prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, n).tolist() for n in lengths]
+
+
+# --- the ops ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [1, 3, 6])
+def test_recurrent_states_are_the_state_after_each_prefix(t):
+    rng = np.random.default_rng(t)
+    b, h, d = 2, 2, 4
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32) for _ in range(3))
+    g = -jnp.asarray(rng.uniform(0, 2, size=(b, t, h, d)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, size=(b, t, h)), jnp.float32)
+    s0 = jnp.asarray(rng.normal(size=(b, h, d, d)), jnp.float32)
+    o, states = kda_recurrent_states(q, k, v, g, beta, s0)
+    o_ref, _ = kda_recurrent(q, k, v, g, beta, s0)
+    np.testing.assert_allclose(o, o_ref, rtol=0, atol=1e-6)
+    for i in range(t):
+        head = (x[:, : i + 1] for x in (q, k, v, g, beta))
+        _, s_i = kda_recurrent(*head, s0)
+        np.testing.assert_allclose(states[:, i], s_i, rtol=0, atol=1e-6)
+
+
+def test_conv_windows_are_the_state_after_each_valid_prefix():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, 5, 6)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
+    s = jnp.asarray(rng.normal(size=(3, 6, 3)), jnp.float32)
+    lengths = jnp.asarray([5, 2, 0])
+    y, windows = causal_conv1d_windows(x, w, s, lengths)
+    np.testing.assert_array_equal(y, causal_conv1d(x, w, s, lengths)[0])
+    for t in range(5):
+        _, want = causal_conv1d(x, w, s, jnp.minimum(t + 1, lengths))
+        np.testing.assert_array_equal(windows[:, t], want)
+
+
+VERIFY, SAMPLE = jax.jit(verify), jax.jit(sample)
+
+
+def _verify_inputs(logits, settings, seed=0):
+    b, t, _ = logits.shape
+    params = [p for p in settings for _ in range(t)]
+    steps = [i for _ in settings for i in range(t)]
+    return batch_arrays(params, [seed + j // t for j in range(b * t)], steps)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    temperature=st.sampled_from([0.0, 0.7, 1.0]),
+    top_k=st.sampled_from([0, 3]),
+    top_p=st.sampled_from([1.0, 0.6]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_verify_without_drafts_is_sample(temperature, top_k, top_p, seed):
+    """A row without drafts takes exactly `sample`'s token at its first position (same key, same draw)."""
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray(rng.normal(size=(2, 3, 16)) * 3, jnp.float32)
+    p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    args = _verify_inputs(logits, [p, p], seed % 1000)
+    tokens, logps, accepted = VERIFY(logits, jnp.zeros((2, 2), jnp.int32), jnp.zeros(2, jnp.int32), *args)
+    want, want_logp = SAMPLE(logits.reshape(6, 16), *args)
+    np.testing.assert_array_equal(accepted, [0, 0])
+    np.testing.assert_array_equal(tokens[:, 0], np.asarray(want).reshape(2, 3)[:, 0])
+    np.testing.assert_allclose(logps[:, 0], np.asarray(want_logp).reshape(2, 3)[:, 0], rtol=0, atol=1e-6)
+
+
+def test_verify_greedy_accepts_the_argmax_prefix():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(3, 5, 32)), jnp.float32)
+    best = np.asarray(logits.argmax(-1))
+    drafts = best[:, :4].copy()
+    drafts[0, 2] = (drafts[0, 2] + 1) % 32  # row 0: two accepted, then the argmax
+    drafts[2, 0] = (drafts[2, 0] + 1) % 32  # row 2: none accepted
+    num = jnp.asarray([4, 4, 3])
+    args = _verify_inputs(logits, [SamplingParams(temperature=0.0)] * 3)
+    tokens, logps, accepted = verify(logits, jnp.asarray(drafts, jnp.int32), num, *args)
+    np.testing.assert_array_equal(accepted, [2, 4, 0])
+    for row, a in enumerate([2, 4, 0]):
+        np.testing.assert_array_equal(tokens[row, : a + 1], best[row, : a + 1])
+    want = log_softmax(np.asarray(logits, np.float64))
+    np.testing.assert_allclose(logps[1], want[1, np.arange(5), np.asarray(tokens[1])], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 1.0), (0, 0.7)])
+def test_verify_keeps_the_distribution(top_k, top_p):
+    """Many draws of one row with a draft at each position: the token at position 0 (accepted draft or the
+    redraw after a rejection) and at position 1 (after an accepted draft) follow the filtered, tempered
+    distribution exactly (chi-square against it)."""
+    V, n = 6, 4000
+    rng = np.random.default_rng(top_k)
+    row = rng.normal(size=(2, V)) * 1.5
+    logits = jnp.asarray(np.broadcast_to(row, (n, 2, V)), jnp.float32)
+    p = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
+    args = _verify_inputs(logits, [p] * n)
+    draft = int(np.argsort(row[0])[-2])  # the second most likely token: accepted part of the time
+    drafts = jnp.full((n, 1), draft, jnp.int32)
+    tokens, _, accepted = VERIFY(logits, drafts, jnp.ones(n, jnp.int32), *args)
+    tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+    for pos, rows in ((0, np.ones(n, bool)), (1, accepted == 1)):
+        scaled = _filtered(row[pos] / 0.8, top_k, top_p)
+        want = np.exp(scaled - scaled.max())
+        want /= want.sum()
+        counts = np.bincount(tokens[rows, pos], minlength=V)
+        keep = want > 0
+        assert counts[~keep].sum() == 0
+        expected = want[keep] * rows.sum()
+        assert stats.chisquare(counts[keep], expected).pvalue > 1e-3
+    assert 0 < accepted.mean() < 1
+
+
+def _filtered(scaled, top_k, top_p):
+    order = np.argsort(-scaled, kind="stable")
+    probs = np.exp(scaled[order] - scaled.max())
+    probs /= probs.sum()
+    keep = np.ones(len(scaled), bool)
+    if top_k:
+        keep[top_k:] = False
+    p = np.where(keep, probs, 0.0)
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    keep &= (before < top_p) | (np.arange(len(p)) == 0)
+    out = np.full(len(scaled), -np.inf)
+    out[order[keep]] = scaled[order[keep]]
+    return out
+
+
+# --- drafts and their length --------------------------------------------------------------------------
+
+
+def test_prompt_lookup_takes_the_latest_longest_match():
+    lookup = PromptLookup(min_n=1, max_n=3)
+    assert lookup.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], 2) == [7, 8]  # [2, 3] latest at 5
+    assert lookup.propose([1, 2, 3, 4, 9, 9, 1, 2, 3], 3) == [4, 9, 9]  # the 3-gram wins
+    assert lookup.propose([5, 6, 7], 4) == []
+    assert lookup.propose([4, 5, 4], 4) == [5, 4]  # the 1-gram, up to the end
+    assert PromptLookup(min_n=2).propose([4, 5, 4], 4) == []
+
+
+def test_drafts_stop_before_a_stop_token():
+    assert truncate_at_stop([5, 6, 2, 7], frozenset({2})) == [5, 6]
+    assert truncate_at_stop([5, 6], frozenset({2})) == [5, 6]
+
+
+def test_adaptive_k_shrinks_pauses_and_recovers():
+    k = AdaptiveK(4)
+    assert k.limit() == 4
+    k.record(4, 4)
+    assert k.limit() == 4
+    k.record(4, 1)
+    assert k.limit() == 2
+    for _ in range(10):  # drafts that miss: paused after a few steps (no draft, no record, while paused)
+        k.record(k.k, 0)
+        if k.paused:
+            break
+    assert k.limit() == 0
+    paused = 1 + sum(1 for _ in range(100) if k.limit() == 0)
+    assert paused == 8
+    k.record(1, 1)
+    assert k.k == 2 and k.pause == 8
+
+
+def test_settings_are_checked():
+    with pytest.raises(SpeculationError):
+        Speculation.parse("medusa")
+    with pytest.raises(SpeculationError):
+        Speculation.parse("ngram", 0)
+    with pytest.raises(SpeculationError):
+        Speculation.parse("ngram", True)
+
+
+def test_a_request_may_not_draft_more_than_the_server_verifies(model):
+    eng = engine(model, speculative=Speculation(num_tokens=2))
+    with pytest.raises(RequestError, match="at most 2"):
+        eng.add_request([5, 6, 7], greedy(spec=Speculation(DraftMethod.NGRAM, 3)))
+
+
+# --- the engine: greedy exactness ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrong", [0, 3])
+def test_greedy_tokens_and_logprobs_are_those_without_speculation(model, full_pass, wrong):
+    """The model drafting for itself (its own greedy tokens: every draft stands) and the same with every
+    third drafted token wrong: the tokens of the engine without speculation, the logprobs of the full
+    pass, in fewer steps."""
+    ps = prompts([5, 30, 17], seed=wrong)
+    off_engine = engine(model)
+    off = off_engine.generate(ps, greedy(20, spec=None))
+    drafter = Continuations([p + r.token_ids for p, r in zip(ps, off, strict=True)], wrong)
+    on_engine = engine(model, drafter)
+    on = on_engine.generate(ps, greedy(20))
+    for p, a, b in zip(ps, off, on, strict=True):
+        assert b.token_ids == a.token_ids
+        assert_matches_full_pass(full_pass, p, b.token_ids, b.logprobs)
+    counts = on_engine.speculation
+    assert counts.drafted == drafter.proposed > 0
+    assert (counts.accepted == counts.drafted) == (wrong == 0) and counts.accepted > 0
+    assert on_engine.steps < off_engine.steps
+
+
+def test_prompt_lookup_drafts_change_no_token(model, full_pass):
+    """Prompt lookup on prompts that hold every token (each generated token matches somewhere): drafts at
+    nearly every step, most of them wrong on a random model; rows with and without drafts share steps."""
+    rng = np.random.default_rng(3)
+    ps = [rng.permutation(np.arange(3, VOCAB)).tolist()[:200], prompts([9])[0]]
+    off = engine(model).generate(ps, greedy(16, spec=None))
+    eng = engine(model, PromptLookup(min_n=1, max_n=2))
+    on = eng.generate(ps, greedy(16))
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    for p, r in zip(ps, on, strict=True):
+        assert_matches_full_pass(full_pass, p, r.token_ids, r.logprobs)
+    assert eng.speculation.drafted > 0
+
+
+def test_a_stop_token_ends_a_request_where_it_would_have(model):
+    """The drafter proposes the tokens through the stop token: the request stops at that token, with the
+    tokens and finish reason of the engine without speculation."""
+    p = prompts([11], seed=5)[0]
+    reference = engine(model).generate([p], greedy(16, spec=None))[0].token_ids
+    stop = reference[6]
+    want = engine(model).generate([p], greedy(16, spec=None, stop_token_ids=(stop,)))[0]
+    eng = engine(model, Continuations([p + reference]))
+    got = eng.generate([p], greedy(16, stop_token_ids=(stop,)))[0]
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+    assert eng.speculation.drafted > 0
+
+
+def test_abort_and_preemption_inside_speculation(model, full_pass):
+    """A pool too small for every request preempts speculating requests (recomputed from their tokens), an
+    abort in the middle leaves the others exact."""
+    ps = prompts([20, 25, 30], seed=7)
+    off = engine(model).generate(ps, greedy(24, spec=None))
+    drafter = Continuations([p + r.token_ids for p, r in zip(ps, off, strict=True)], 4)
+    eng = engine(model, drafter, num_blocks=12)
+    ids = [eng.add_request(p, greedy(24)) for p in ps]
+    for _ in range(4):
+        eng.step()
+    eng.abort(ids[1])
+    while eng.has_unfinished():
+        eng.step()
+    for i in (0, 2):
+        assert eng.result(ids[i]).token_ids == off[i].token_ids
+    assert eng.result(ids[1]).finish_reason == "abort"
+    assert sum(eng.requests[i].preemptions for i in ids) > 0
+
+
+# --- the engine: sampling ------------------------------------------------------------------------------
+
+
+def test_sampled_tokens_keep_the_model_distribution(model, full_pass):
+    """Temperature 1 with top-k 3 on tiny, 600 seeds, drafts at every step (the most likely token, so some
+    stand and some do not): the second and third tokens follow the model's own filtered distribution
+    (chi-square against the marginal computed from the full pass), as without speculation."""
+    p = prompts([10], seed=11)[0]
+    top_k, n = 3, 600
+
+    def filtered_probs(tokens):
+        logits = full_pass(tokens)[-1]
+        keep = np.argsort(-logits, kind="stable")[:top_k]
+        probs = np.zeros(VOCAB)
+        probs[keep] = np.exp(logits[keep] - logits[keep].max())
+        return probs / probs.sum()
+
+    class MostLikely:
+        def propose(self, tokens, k):
+            out = list(tokens)
+            for _ in range(k):
+                out.append(int(full_pass(out)[-1].argmax()))
+            return out[len(tokens) :]
+
+    eng = engine(model, MostLikely(), max_slots=8)
+    params = [
+        SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, seed=s, speculative=NGRAM)
+        for s in range(n)
+    ]
+    got = np.asarray([r.token_ids for r in eng.generate([p] * n, params)])
+    assert eng.speculation.accepted > 0 and eng.speculation.accepted < eng.speculation.drafted
+    first = filtered_probs(p)
+    marginal2, marginal3 = np.zeros(VOCAB), np.zeros(VOCAB)
+    for t1 in np.flatnonzero(first):
+        second = filtered_probs(p + [int(t1)])
+        marginal2 += first[t1] * second
+        for t2 in np.flatnonzero(second):
+            marginal3 += first[t1] * second[t2] * filtered_probs(p + [int(t1), int(t2)])
+    for pos, want in ((1, marginal2), (2, marginal3)):
+        counts = np.bincount(got[:, pos], minlength=VOCAB)
+        assert counts[want == 0].sum() == 0
+        big = want * n >= 5  # chi-square bins with enough expected draws; the rest pooled
+        observed = np.append(counts[big], counts[~big].sum())
+        expected = np.append(want[big], want[~big].sum()) * n
+        keep = expected > 0
+        assert stats.chisquare(observed[keep], expected[keep]).pvalue > 1e-3
+
+
+# --- the engine with the prefix store -----------------------------------------------------------------
+
+
+def test_checkpoints_inside_a_window_are_never_needed(model, full_pass):
+    """Interval checkpoints every 8 tokens while every draft stands: windows stop at each interval position,
+    so the checkpoint there is the state at that position; a second turn that resumes from them gives the
+    tokens of the engine without the store and without speculation."""
+    p = prompts([13], seed=2)[0]
+    off = engine(model)
+    first = off.generate([p], greedy(30, spec=None))[0].token_ids
+    follow = p + first + prompts([5], seed=4)[0]
+    second = off.generate([follow], greedy(8, spec=None))[0].token_ids
+    drafter = Continuations([p + first])
+    eng = engine(model, drafter, PrefixStoreConfig(checkpoint_interval=8, sequence_end_checkpoints=False))
+    windows = []
+    step = eng.runner.verify
+
+    def spy(reqs, drafts):
+        windows.extend((r.num_computed, len(d)) for r, d in zip(reqs, drafts, strict=True) if d)
+        return step(reqs, drafts)
+
+    eng.runner.verify = spy
+    assert eng.generate([p], greedy(30))[0].token_ids == first
+    assert windows and all((n + 1 + k) // 8 == n // 8 or (n + 1 + k) % 8 == 0 for n, k in windows)
+    res = eng.generate([follow], greedy(8))[0]
+    assert res.token_ids == second
+    assert res.stats["prefix_hit_tokens"] >= 8 * ((len(p) + len(first)) // 8) - 8
+    assert_matches_full_pass(full_pass, follow, res.token_ids, res.logprobs)
+
+
+# A round's requests: (which earlier sequence it continues, None for the shared system prompt; its new tokens)
+TOKENS = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=9)
+TURNS = st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 20)), TOKENS), min_size=1, max_size=3)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rounds=st.lists(TURNS, min_size=1, max_size=3),
+    interval=st.sampled_from([8, 16]),
+    device_states=st.sampled_from([0, 1, 64]),
+    num_blocks=st.sampled_from([None, 14]),
+    policy=st.sampled_from(["fixed", "adaptive"]),
+    wrong=st.sampled_from([0, 2, 3]),
+)
+def test_speculation_on_equals_off_with_the_store(
+    model, rounds, interval, device_states, num_blocks, policy, wrong
+):
+    """Chats (a turn continues an earlier turn's whole sequence, so it resumes from checkpoints taken while
+    that turn decoded with drafts), with interval, prompt-end, sequence-end and junction checkpoints, a
+    device budget down to nothing and a pool that preempts: speculation on gives the tokens of speculation
+    off with the same store."""
+    state = kda_state_bytes(model.config, jnp.float32)["total"]
+    cfg = PrefixStoreConfig(
+        checkpoint_policy=policy,
+        checkpoint_interval=interval,
+        prompt_end_checkpoints=True,
+        sequence_end_checkpoints=True,
+        device_bytes=device_states * state,
+        host_bytes=0,
+    )
+    off = engine(model, None, cfg, num_blocks=num_blocks, max_slots=2)
+    drafter = Continuations([], wrong)
+    on = engine(model, drafter, cfg, num_blocks=num_blocks, max_slots=2)
+    system, sequences = [7, 8, 9, 10, 11, 12, 13, 14, 15], []
+    for turns in rounds:
+        ps = [(system if i is None or not sequences else sequences[i % len(sequences)]) + t for i, t in turns]
+        want = [r.token_ids for r in off.generate(ps, greedy(10, spec=None))]
+        drafter.sequences = [p + t for p, t in zip(ps, want, strict=True)]
+        assert [r.token_ids for r in on.generate(ps, greedy(10))] == want
+        sequences += drafter.sequences
+    assert on.speculation.drafted > 0
