@@ -367,6 +367,7 @@ def test_bench_serve_command_and_compare(warm, tmp_path, capsys):
             120,
         )
         assert row["prefix_lookups"] == 6  # the server's counters, before and after the pass
+        assert row["spec_draft_tokens"] == 0 and row["spec_acceptance"] is None  # the server does not draft
         for name in ("ttft", "tpot", "itl", "e2e"):
             values = [row[f"{name}_{s}_ms"] for s in ("p50", "p90", "p99", "max")]
             assert all(v is not None and v >= 0 for v in values) and values == sorted(values), name

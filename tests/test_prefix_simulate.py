@@ -16,10 +16,11 @@ from flax import nnx
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from serve.bench.simulate import CostModel, SimEngine
+from serve.bench.simulate import AnswerDrafts, CostModel, SimEngine
 from serve.bench.workloads import ChatWorkload, Round, replay
 from serve.cli import main
 from serve.engine.engine import Engine, EngineConfig
+from serve.engine.speculative import DraftMethod, Speculation, StepCosts
 from serve.prefix.store import PrefixStoreConfig
 
 CFG = load_config("tiny")
@@ -78,6 +79,35 @@ def test_the_simulator_agrees_with_the_engine(model, name):
     assert sum(s["prefix_hit_tokens"] for s in real.stats) > 0 and last["evicted_blocks"] > 0
     if "budgets" in name:
         assert last["demotions"] > 0 and last["dropped_checkpoints"] > 0
+
+
+SPECULATING = ChatWorkload(
+    seed=5, conversations=4, turns=2, system_len=8, user_min=2, user_max=5, max_tokens=9, branch_prob=0.5
+)
+
+
+def test_the_simulator_agrees_with_the_engine_when_requests_speculate(model):
+    """Drafts from the seeded acceptance model (`AnswerDrafts`: each drafted token right with probability
+    0.7) in both; the engine verifies them with the model, the simulator against the answers: the same
+    windows, accepted tokens, checkpoints (interval 8: windows stop at checkpoint positions) and ledgers."""
+    shape = dict(SHAPE, max_model_len=64, num_blocks=17)
+    spec = Speculation(DraftMethod.NGRAM, 3)
+    config = EngineConfig(**shape, prefix=PrefixStoreConfig(checkpoint_interval=8), speculative=spec)
+    plain = Recorder(Engine(model, dataclasses.replace(config, speculative=Speculation())))
+    replay(plain, SPECULATING, CFG.vocab_size)  # the answers (greedy: the same with drafts)
+    drafts = AnswerDrafts(lambda req: plain.answers[tuple(req.prompt)], 0.7, CFG.vocab_size, seed=1)
+    engine = Recorder(Engine(model, config, drafter=drafts, step_costs=StepCosts(retry=0)))
+    real = replay(engine, SPECULATING, CFG.vocab_size)
+    answers = lambda prompt, n: plain.answers[tuple(prompt)]  # noqa: E731
+    sim_engine = SimEngine(CFG, config, answers, CostModel.of(CFG, 0.0), draft_acceptance=0.7, seed=1)
+    sim = replay(sim_engine, SPECULATING, CFG.vocab_size)
+    keys = (*REQUEST_KEYS, "drafted_tokens", "accepted_tokens")
+    assert [[s[k] for k in keys] for s in sim.stats] == [[s[k] for k in keys] for s in real.stats]
+    assert sim.ledgers == real.ledgers
+    assert engine.answers == plain.answers
+    counts = engine.engine.speculation_stats()
+    assert sim_engine.speculation_stats() == counts
+    assert 0 < counts["accepted"] < counts["drafted"]
 
 
 def fail_at(store, prompt, position):

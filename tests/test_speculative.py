@@ -24,6 +24,7 @@ from serve.engine.speculative import (
     PromptLookup,
     Speculation,
     SpeculationError,
+    StepCosts,
     truncate_at_stop,
 )
 from serve.prefix.store import PrefixStoreConfig
@@ -49,9 +50,10 @@ def full_pass(model):
 
 
 def engine(model, drafter=None, prefix=None, **kw):
+    """An engine whose steps verify whatever is drafted (`StepCosts(retry=0)`: not whether it pays here)."""
     args = dict(max_slots=4, block_size=8, prefill_chunk=32, max_model_len=256)
     args.update(kw)
-    return Engine(model, EngineConfig(prefix=prefix, **args), drafter=drafter)
+    return Engine(model, EngineConfig(prefix=prefix, **args), drafter=drafter, step_costs=StepCosts(retry=0))
 
 
 class Continuations:
@@ -62,7 +64,8 @@ class Continuations:
     def __init__(self, sequences, wrong=0):
         self.sequences, self.wrong, self.proposed = [list(s) for s in sequences], wrong, 0
 
-    def propose(self, tokens, k):
+    def propose(self, req, k):
+        tokens = req.tokens
         for seq in self.sequences:
             if len(seq) > len(tokens) and seq[: len(tokens)] == list(tokens):
                 out = seq[len(tokens) : len(tokens) + k]
@@ -208,12 +211,12 @@ def _filtered(scaled, top_k, top_p):
 
 
 def test_prompt_lookup_takes_the_latest_longest_match():
-    lookup = PromptLookup(min_n=1, max_n=3)
-    assert lookup.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], 2) == [7, 8]  # [2, 3] latest at 5
-    assert lookup.propose([1, 2, 3, 4, 9, 9, 1, 2, 3], 3) == [4, 9, 9]  # the 3-gram wins
-    assert lookup.propose([5, 6, 7], 4) == []
-    assert lookup.propose([4, 5, 4], 4) == [5, 4]  # the 1-gram, up to the end
-    assert PromptLookup(min_n=2).propose([4, 5, 4], 4) == []
+    lookup = PromptLookup(min_n=1, max_n=3).lookup
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], 2) == [7, 8]  # [2, 3] latest at 5
+    assert lookup([1, 2, 3, 4, 9, 9, 1, 2, 3], 3) == [4, 9, 9]  # the 3-gram wins
+    assert lookup([5, 6, 7], 4) == []
+    assert lookup([4, 5, 4], 4) == [5, 4]  # the 1-gram, up to the end
+    assert PromptLookup(min_n=2).lookup([4, 5, 4], 4) == []
 
 
 def test_drafts_stop_before_a_stop_token():
@@ -237,6 +240,47 @@ def test_adaptive_k_shrinks_pauses_and_recovers():
     assert paused == 8
     k.record(1, 1)
     assert k.k == 2 and k.pause == 8
+
+
+def test_step_costs_verify_only_what_pays():
+    costs = StepCosts(retry=5)
+    assert costs.pays(1, 1.0)  # nothing measured: try drafts
+    costs.observe(True, 1, 9.0)  # the first of a kind compiled: not counted
+    assert costs.pays(1, 1.0)
+    costs.observe(True, 1, 2.0)  # a verify step costs 2
+    assert not costs.pays(1, 5.0)  # no plain step measured yet: take one
+    costs.observe(False, 1, 9.0)
+    costs.observe(False, 1, 1.0)  # a plain step costs 1
+    assert costs.pays(1, 2.0) and not costs.pays(1, 1.9)  # 2 tokens in 2 s against 1 in 1 s
+    for _ in range(2):
+        costs.observe(False, 1, 1.0)
+    assert not costs.pays(1, 1.9) and costs.pays(4, 1.0)  # another row count: its own account
+    costs.observe(False, 1, 1.0)
+    assert costs.pays(1, 1.0)  # `retry` plain steps since drafts were last verified: try again
+    assert StepCosts(retry=0).pays(1, 0.0)
+
+
+def test_drafts_that_do_not_pay_are_not_verified(model):
+    """On an engine whose verify steps cost more than the tokens drafts give, the drafter's drafts are
+    verified only while it measures both kinds of step (and when it tries again), the tokens unchanged."""
+    p = prompts([9], seed=8)[0]
+    want = engine(model).generate([p], greedy(40, spec=None))[0].token_ids
+    drafter = Continuations([p + want], wrong=1)  # every draft wrong: a verify step gives one token
+
+    class ThreeTimes(StepCosts):
+        """A verify step costs 3 plain ones, whatever the clock says."""
+
+        def observe(self, verify, rows, seconds):
+            super().observe(verify, rows, 3.0 if verify else 1.0)
+
+    eng = Engine(
+        model,
+        EngineConfig(max_slots=1, block_size=8, prefill_chunk=32, max_model_len=256, prefix=None),
+        drafter=drafter,
+        step_costs=ThreeTimes(retry=1000),
+    )
+    assert eng.generate([p], greedy(40))[0].token_ids == want
+    assert 2 <= eng.speculation.steps <= 4 < drafter.proposed
 
 
 def test_settings_are_checked():
@@ -341,7 +385,8 @@ def test_sampled_tokens_keep_the_model_distribution(model, full_pass):
         return probs / probs.sum()
 
     class MostLikely:
-        def propose(self, tokens, k):
+        def propose(self, req, k):
+            tokens = req.tokens
             out = list(tokens)
             for _ in range(k):
                 out.append(int(full_pass(out)[-1].argmax()))

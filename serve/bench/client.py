@@ -14,6 +14,7 @@ import httpx
 from serve.bench.workload import BenchRequest
 
 PREFIX_SERIES = ("hit_tokens", "lookups", "hits", "recomputed_tokens")  # jaxhybrid_prefix_*_total
+SPEC_SERIES = ("windows", "draft_tokens", "accepted_tokens")  # jaxhybrid_spec_decode_*_total
 
 
 class ServerError(RuntimeError):
@@ -103,18 +104,21 @@ async def probe(client: httpx.AsyncClient, ready_timeout: float, on_wait: Any = 
     return ServerInfo(name, entry.get("max_model_len"), entry.get("vocab_size"), prefix, health)
 
 
-async def prefix_counters(client: httpx.AsyncClient) -> dict[str, float]:
-    """The server's prefix-store counters from /metrics (`jaxhybrid_prefix_{name}_total`); {} when it keeps
-    none (prefix cache off) or /metrics does not answer."""
+async def server_counters(client: httpx.AsyncClient) -> dict[str, float]:
+    """The server's prefix-store counters from /metrics (`jaxhybrid_prefix_{name}_total`, keyed `name`) and
+    its speculative decoding counters (`jaxhybrid_spec_decode_{name}_total`, keyed `spec_{name}`); the ones
+    it does not keep (prefix cache off) are missing; {} when /metrics does not answer."""
     try:
         r = await client.get("/metrics")
     except httpx.HTTPError:
         return {}
+    series = {f"jaxhybrid_prefix_{name}_total": name for name in PREFIX_SERIES}
+    series |= {f"jaxhybrid_spec_decode_{name}_total": f"spec_{name}" for name in SPEC_SERIES}
     out = {}
     for line in r.text.splitlines():
-        for name in PREFIX_SERIES:
-            if line.startswith(f"jaxhybrid_prefix_{name}_total "):
-                out[name] = float(line.split()[-1])
+        name, _, value = line.partition(" ")
+        if name in series:
+            out[series[name]] = float(value)
     return out
 
 

@@ -141,6 +141,7 @@ def settings(args: argparse.Namespace) -> list[Setting]:
 
 def engine_config(args: argparse.Namespace, prefix: Any, kv_memory_bytes: int | None = None) -> Any:
     from serve.engine.engine import EngineConfig
+    from serve.engine.speculative import Speculation
 
     return EngineConfig(
         max_slots=args.slots,
@@ -150,6 +151,9 @@ def engine_config(args: argparse.Namespace, prefix: Any, kv_memory_bytes: int | 
         kv_dtype=args.dtype,
         kv_memory_bytes=kv_memory_bytes,
         prefix=prefix,
+        speculative=Speculation.parse(
+            "ngram" if args.num_speculative_tokens else "off", args.num_speculative_tokens or 4
+        ),
     )
 
 
@@ -328,6 +332,8 @@ def _simulated_rows(
             engine_config(args, setting.prefix, kv_bytes),
             random_answers(cfg.vocab_size, args.seed),
             cost,
+            draft_acceptance=args.draft_acceptance,
+            seed=args.seed,
         )
         shape = sim.shape
         rep = replay(sim, workload, cfg.vocab_size)
@@ -363,6 +369,11 @@ def _simulated_row(rep: Replay, sim: Any, args: argparse.Namespace) -> dict[str,
         checkpoints_by_kind=last["checkpoints_by_kind"],
         checkpoint_bytes_by_kind=last["checkpoint_bytes_by_kind"],
     )
+    if args.num_speculative_tokens:
+        spec = sim.speculation_stats()
+        row.update(
+            drafted_tokens=spec["drafted"], accepted_tokens=spec["accepted"], verify_windows=spec["windows"]
+        )
     if args.hbm is not None:
         from jaxhybrid.cache import mla_kv_bytes
 
@@ -471,6 +482,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and cache dtype"
     )
     p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="requests draft up to this many tokens a step (0: off, as serve's default; prompt lookup with a "
+        "model, the seeded acceptance model with --simulate)",
+    )
+    p.add_argument(
         "--device-cache-mb",
         type=float,
         default=store_default.device_bytes / 2**20,
@@ -499,6 +517,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "engine's pool, every slot at --max-model-len)",
     )
     s.add_argument("--weights-gb", type=float, default=0.0, help="with --hbm: weights per device, GB (0)")
+    s.add_argument(
+        "--draft-acceptance",
+        type=float,
+        default=0.7,
+        help="with --num-speculative-tokens: the probability each drafted token is right (the simulator's "
+        "seeded acceptance model; default 0.7)",
+    )
     s.add_argument(
         "--flops-per-s",
         type=float,

@@ -95,6 +95,12 @@ def summary_row(rate: float, arrivals: Arrivals, results: list, duration: float,
     }
     for name in ("hit_tokens", "lookups", "hits", "recomputed_tokens"):
         row[f"prefix_{name}"] = after[name] - before.get(name, 0.0) if name in after else None
+    for name in ("windows", "draft_tokens", "accepted_tokens"):  # speculative decoding's
+        key = f"spec_{name}"
+        row[key] = after[key] - before.get(key, 0.0) if key in after else None
+    drafted, windows = row["spec_draft_tokens"], row["spec_windows"]
+    row["spec_acceptance"] = row["spec_accepted_tokens"] / drafted if drafted else None
+    row["spec_mean_accepted"] = row["spec_accepted_tokens"] / windows if windows else None
     row.update(summarize([r.ttft_s for r in done if r.ttft_s is not None]).fields("ttft"))
     row.update(summarize([r.tpot_s for r in done if r.tpot_s is not None]).fields("tpot"))
     row.update(summarize([x for r in done for x in r.itl_s]).fields("itl"))
@@ -127,7 +133,7 @@ async def bench(args: argparse.Namespace, rates: list[float]) -> dict[str, Any]:
     import httpx
     from tqdm import tqdm
 
-    from serve.bench.client import ServerError, completion_body, prefix_counters, probe, stream_completion
+    from serve.bench.client import ServerError, completion_body, probe, server_counters, stream_completion
 
     quiet = args.quiet or not sys.stderr.isatty()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -161,7 +167,7 @@ async def bench(args: argparse.Namespace, rates: list[float]) -> dict[str, Any]:
                 args.temperature,
                 f"bench-{run_id}-{i}",
             )
-            before = await prefix_counters(client)
+            before = await server_counters(client)
             with tqdm(
                 total=len(requests),
                 desc=f"rate {rate_label(rate)}",
@@ -171,7 +177,7 @@ async def bench(args: argparse.Namespace, rates: list[float]) -> dict[str, Any]:
                 unit="req",
             ) as bar:
                 results, duration = await run_pass(client, info.model, requests, settings, bar)
-            after = await prefix_counters(client)
+            after = await server_counters(client)
             rows.append(summary_row(rate, settings.arrivals, results, duration, before, after))
             errors += [r.error for r in results if not r.ok][: 5 - len(errors)]
     on = info.prefix_cache
@@ -217,6 +223,8 @@ TABLE = (
     ("itl_p50_ms", "{:.1f}"),
     ("itl_p99_ms", "{:.1f}"),
     ("prefix_hit_tokens", "{:.0f}"),
+    ("spec_accepted_tokens", "{:.0f}"),
+    ("spec_acceptance", "{:.2f}"),
 )
 
 

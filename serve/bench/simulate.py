@@ -37,11 +37,34 @@ from serve.engine.config import EngineConfig, EngineShape
 from serve.engine.engine import Engine
 from serve.engine.pools import EnginePools
 from serve.engine.requests import GenerateResult, Request, RequestError
+from serve.engine.runner import Verified
 from serve.engine.sampling import SamplingParams
+from serve.engine.speculative import StepCosts, drafting
 from serve.prefix.store import PrefixStore
 
 # the answer a request generates: (its prompt, max_tokens) -> token ids (at least max_tokens of them)
 Answers = Callable[[list[int], int], list[int]]
+
+
+class AnswerDrafts:
+    """A seeded acceptance model of speculative decoding: a request's drafts are the next k tokens of its
+    answer (`answer_of(request)`), each replaced by another token with probability 1 - `accept`, decided by a
+    hash of (seed, the request's prompt, the position): the same drafts in the engine and in the simulator,
+    whatever order they are asked in. A draft stands as long as it equals the answer (greedy verification)."""
+
+    def __init__(self, answer_of: Callable[[Any], list[int]], accept: float, vocab: int, seed: int = 0):
+        self.answer_of, self.accept, self.vocab, self.seed = answer_of, accept, vocab, seed
+
+    def propose(self, req: Any, k: int) -> list[int]:
+        done = len(req.generated)
+        answer = self.answer_of(req)[done : done + k]
+        key = hashlib.sha256(np.asarray([self.seed, *req.prompt], np.int64).tobytes()).digest()
+        out = []
+        for i, token in enumerate(answer):
+            position = (done + i).to_bytes(8, "little")
+            draw = int.from_bytes(hashlib.sha256(key + position).digest()[:8], "little") / 2**64
+            out.append(int(token) if draw < self.accept else 3 + (int(token) - 2) % (self.vocab - 3))
+        return out
 
 
 def random_answers(vocab: int, seed: int = 0) -> Answers:
@@ -113,11 +136,15 @@ class SimRunner(SimSource):
         ids = np.zeros(len(reqs), np.int64)
         for i, req in enumerate(reqs):
             if req is not None:
-                answer = self._answers.get(req.id)
-                if answer is None:
-                    answer = self._answers[req.id] = self.answers(req.prompt, req.params.max_tokens)
-                ids[i] = answer[len(req.generated)]
+                ids[i] = self.answer(req)[len(req.generated)]
         return ids, np.zeros(len(reqs), np.float32)
+
+    def answer(self, req: Request) -> list[int]:
+        """The tokens `req` generates (drawn the first time anyone asks)."""
+        answer = self._answers.get(req.id)
+        if answer is None:
+            answer = self._answers[req.id] = self.answers(req.prompt, req.params.max_tokens)
+        return answer
 
     def forget(self, request_id: str) -> None:
         self._answers.pop(request_id, None)
@@ -135,6 +162,24 @@ class SimRunner(SimSource):
         self._spend("decode", sum(self.cost.flops(r.num_computed, 1) for r in reqs))
         return self._next(reqs)
 
+    def verify(self, reqs: list[Request], drafts: list[list[int]]) -> Verified:
+        """A decode step with drafts: each row's drafts stand while they equal its answer (greedy), then its
+        answer's next token; the FLOPs of every row's last token and drafts."""
+        self._spend(
+            "decode",
+            sum(self.cost.flops(r.num_computed, 1 + len(d)) for r, d in zip(reqs, drafts, strict=True)),
+        )
+        width = 1 + max(len(d) for d in drafts)
+        tokens = np.zeros((len(reqs), width), np.int64)
+        accepted = np.zeros(len(reqs), np.int64)
+        for i, (req, row) in enumerate(zip(reqs, drafts, strict=True)):
+            done = len(req.generated)
+            answer = self.answer(req)[done : done + width]
+            a = next((j for j, t in enumerate(row) if t != answer[j]), len(row))
+            accepted[i] = a
+            tokens[i, : a + 1] = answer[: a + 1]
+        return Verified(tokens, np.zeros(tokens.shape, np.float32), accepted)
+
     def prefill_rows(self, reqs: list[Request], ns: list[int]) -> np.ndarray:
         self._spend("prefill", sum(self.cost.flops(r.num_computed, n) for r, n in zip(reqs, ns, strict=True)))
         return np.zeros((len(reqs), 1), np.float32)
@@ -147,7 +192,17 @@ class SimEngine:
     """`generate` and `ledger` as `Engine` has them (what `serve.bench.workloads.replay` needs): the engine's
     step loop over a `SimRunner` (see the module doc)."""
 
-    def __init__(self, cfg: ModelConfig, config: EngineConfig, answers: Answers, cost: CostModel):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        config: EngineConfig,
+        answers: Answers,
+        cost: CostModel,
+        draft_acceptance: float | None = None,
+        seed: int = 0,
+    ):
+        """`draft_acceptance`: with `config.speculative` on, drafts from `AnswerDrafts` right with this
+        probability each (None: every draft right)."""
         self.model_config, self.config = cfg, config
         self.shape = shape = EngineShape.resolve(config, cfg)
         self.max_model_len = shape.max_model_len
@@ -166,7 +221,19 @@ class SimEngine:
                 allocator=self.allocator,
             )
         pools = EnginePools(shape, self.allocator, self.runner, self.store)
-        self.engine = Engine(None, config, pools=pools, model_config=cfg, clock=self.runner.now)
+        accept = 1.0 if draft_acceptance is None else draft_acceptance
+        drafter = AnswerDrafts(self.runner.answer, accept, cfg.vocab_size, seed)
+        # every draft is verified: a clock of FLOPs cannot tell when a verify step pays (a real one reads
+        # the weights once for all its tokens)
+        self.engine = Engine(
+            None,
+            config,
+            pools=pools,
+            model_config=cfg,
+            clock=self.runner.now,
+            drafter=drafter,
+            step_costs=StepCosts(retry=0),
+        )
         self.scheduler = self.engine.scheduler
         self._ids = itertools.count()
 
@@ -183,6 +250,9 @@ class SimEngine:
     def steps(self) -> int:
         return self.engine.steps
 
+    def speculation_stats(self) -> dict[str, Any]:
+        return self.engine.speculation_stats()
+
     # --- what a replay uses ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerateResult]:
         """Serve every prompt to completion (submitted together, in order); results in prompt order."""
@@ -196,6 +266,7 @@ class SimEngine:
                 i, prompt = queue.popleft()
                 prompt = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)
                 req = Request(f"sim-{next(self._ids)}", prompt, sampling, 0, self.clock)
+                req.drafting = drafting(sampling.speculative, self.config.speculative)
                 reqs[i] = req
                 self.scheduler.add(req)
             self.step()

@@ -40,7 +40,7 @@ from serve.engine.requests import (
 )
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import PrefillJob, Scheduler, prefill_calls
-from serve.engine.speculative import AdaptiveK, DraftSource, SpeculationStats
+from serve.engine.speculative import DraftSource, SpeculationStats, StepCosts, drafting
 from serve.prefix.store import PrefixStore
 
 log = logging.getLogger("jaxhybrid.engine")
@@ -236,10 +236,12 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         model_config: ModelConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
         drafter: DraftSource | None = None,
+        step_costs: StepCosts | None = None,
     ):
         """With `pools` and `model_config` instead of a model: this step loop over pools whose runner
         computes nothing, on a `clock` of its own (the simulator: `serve.bench.simulate`). `drafter`: where
-        speculating requests' drafts come from (default: prompt lookup)."""
+        speculating requests' drafts come from (default: prompt lookup); `step_costs`: what decode steps
+        cost, with and without drafts (default: measured on the engine's clock, `StepCosts`)."""
         self.config = config = dataclasses.replace(config) if config else EngineConfig()
         self.model_config: ModelConfig = model.config if model is not None else model_config
         if pools is None:
@@ -254,6 +256,7 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         self.allocator, self.runner = pools.allocator, pools.runner
         self.store: PrefixStore | None = pools.store
         eos = self.model_config.eos_token_id
+        self.step_costs = step_costs or StepCosts()
         self.scheduler = Scheduler(
             self.shape,
             self.allocator,
@@ -261,6 +264,7 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
             clock,
             drafter=drafter,
             stop_ids=lambda r: stop_tokens(r.params, eos),
+            step_costs=self.step_costs,
         )
         self.speculation = SpeculationStats()  # every request's verify steps, drafted and accepted tokens
         self.requests: dict[str, Request] = {}
@@ -307,9 +311,7 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**31 - 1))
         req = Request(rid, prompt, params, seed, self.clock(), cache_salt)
-        spec = params.speculative or self.config.speculative
-        if spec.enabled:
-            req.drafting = AdaptiveK(spec.num_tokens)
+        req.drafting = drafting(params.speculative, self.config.speculative)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -417,6 +419,7 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         t0 = self.clock()
         ids, logps = self.runner.decode(reqs)
         dt = self.clock() - t0
+        self.step_costs.observe(False, self.shape.decode_rows(len(reqs)), dt)
         for req, token, logp in zip(reqs, ids, logps, strict=True):
             req.num_computed += 1
             req.decode_time += dt
@@ -436,6 +439,7 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         t0 = self.clock()
         verified = self.runner.verify(reqs, drafts)
         dt = self.clock() - t0
+        self.step_costs.observe(True, self.shape.decode_rows(len(reqs)), dt)
         for i, req in enumerate(reqs):
             accepted = int(verified.accepted[i])
             req.decode_time += dt

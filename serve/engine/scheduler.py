@@ -28,7 +28,7 @@ from serve.engine.blocks import BlockAllocator
 from serve.engine.config import EngineShape
 from serve.engine.requests import FinishReason, QueueState, Request, RequestStatus
 from serve.engine.runner import Restore
-from serve.engine.speculative import DraftPlanner, DraftSource, PromptLookup
+from serve.engine.speculative import DraftPlanner, DraftSource, PromptLookup, StepCosts
 from serve.prefix.store import Attachment, Hit, PrefixStore, empty_ledger
 
 
@@ -119,12 +119,13 @@ class Scheduler(DiskLoads):
         clock: Callable[[], float] = time.perf_counter,
         drafter: DraftSource | None = None,
         stop_ids: Callable[[Request], frozenset[int]] = lambda req: frozenset(),
+        step_costs: StepCosts | None = None,
     ):
         """`clock`: when requests finish (the simulator's is simulated seconds). `drafter`: where the decode
         rows of requests that speculate get their drafted tokens; `stop_ids`: the tokens that end a request
-        (drafts stop before them)."""
+        (drafts stop before them); `step_costs`: whether a step's drafts pay (`StepCosts`)."""
         self.shape, self.allocator, self.store, self.clock = shape, allocator, store, clock
-        self.drafts = DraftPlanner(shape, allocator, store, drafter or PromptLookup(), stop_ids)
+        self.drafts = DraftPlanner(shape, allocator, store, drafter or PromptLookup(), stop_ids, step_costs)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: list[Request] = []  # waiting for their prefix to be read from disk

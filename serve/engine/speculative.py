@@ -65,9 +65,10 @@ class Speculation:
 
 
 class DraftSource(Protocol):
-    """Proposes up to `k` tokens to follow `tokens` (a request's prompt and what it generated so far)."""
+    """Proposes up to `k` tokens to follow a request's tokens (`req.tokens`: its prompt and what it generated
+    so far)."""
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]: ...
+    def propose(self, req: Any, k: int) -> list[int]: ...
 
 
 @dataclasses.dataclass
@@ -78,7 +79,11 @@ class PromptLookup:
     min_n: int = 2
     max_n: int = 4
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+    def propose(self, req: Any, k: int) -> list[int]:
+        return self.lookup(req.tokens, k)
+
+    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+        """The drafts for `tokens`."""
         arr = np.asarray(tokens, np.int64)
         size = len(arr)
         for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
@@ -90,12 +95,46 @@ class PromptLookup:
         return []
 
 
+class StepCosts:
+    """Seconds of a decode step by its rows, with and without drafts (an average weighted to recent steps),
+    and whether a step with drafts pays: its expected tokens per second against a plain step's. A verify
+    step runs every row over the longest window, so on hardware where that costs much more than one token
+    (a CPU's MoE reads more experts for more tokens) drafts that stand only now and then lose; until both
+    are measured for a row count it tries the missing one, and it tries drafts again every `retry` steps
+    (0: every step with drafts verifies them). The first step of each kind is not counted: it compiled."""
+
+    def __init__(self, retry: int = 64, weight: float = 0.25):
+        self.retry, self.weight = retry, weight
+        self._seconds: dict[tuple[bool, int], float] = {}
+        self._seen: set[tuple[bool, int]] = set()
+        self._since_verify: dict[int, int] = {}
+
+    def observe(self, verify: bool, rows: int, seconds: float) -> None:
+        key = (verify, rows)
+        self._since_verify[rows] = 0 if verify else self._since_verify.get(rows, 0) + 1
+        if key not in self._seen:
+            self._seen.add(key)
+            return
+        old = self._seconds.get(key)
+        self._seconds[key] = seconds if old is None else old + self.weight * (seconds - old)
+
+    def pays(self, rows: int, expected_tokens: float) -> bool:
+        """Whether a step of `rows` rows that are expected to give `expected_tokens` tokens with drafts
+        should verify them (else it decodes one token a row)."""
+        verify, plain = self._seconds.get((True, rows)), self._seconds.get((False, rows))
+        if verify is None or self._since_verify.get(rows, 0) >= self.retry:
+            return True
+        if plain is None:
+            return False
+        return expected_tokens * plain >= rows * verify
+
+
 class DraftPlanner:
     """The scheduler's part in speculation: which decode rows carry drafts this step, and how many. A row
     drafts within what is left of the step's token budget and of the free blocks (a draft never evicts or
     preempts), never past a checkpoint position of the prefix store or the request's max_tokens, and stops
     before a stop token: whatever of a window stands, the row's checkpoints and its end then fall at the
-    window's end."""
+    window's end. A step verifies its drafts only when that is expected to pay (`StepCosts`)."""
 
     def __init__(
         self,
@@ -104,28 +143,37 @@ class DraftPlanner:
         store: Any,
         drafter: DraftSource,
         stop_ids: Callable[[Any], frozenset[int]],
+        costs: StepCosts | None = None,
     ):
         self.shape, self.allocator, self.store = shape, allocator, store
         self.drafter, self.stop_ids = drafter, stop_ids
+        self.costs = costs or StepCosts()
 
     def plan(self, decode: list[Any], budget: int) -> dict[str, list[int]]:
         """Drafted tokens by request id for `decode` rows of requests that speculate (blocks for them taken
-        from the free ones now)."""
+        from the free ones now), or none when verifying them is not expected to pay."""
         out: dict[str, list[int]] = {}
+        needs: dict[str, int] = {}
+        free, expected = self.allocator.num_free, float(len(decode))
         for req in decode:
             if req.drafting is None or budget <= 0:
                 continue
-            drafts = self._drafts(req, budget)
+            drafts = self._drafts(req, budget, free)
             if not drafts:
                 continue
             need = math.ceil((req.num_computed + 1 + len(drafts)) / self.shape.block_size) - len(req.blocks)
-            if need > 0:
-                req.blocks += self.allocator.allocate(need)
+            needs[req.id], free = max(need, 0), free - max(need, 0)
             out[req.id] = drafts
             budget -= len(drafts)
+            expected += req.drafting.rate * len(drafts)
+        if not out or not self.costs.pays(self.shape.decode_rows(len(decode)), expected):
+            return {}
+        for req in decode:
+            if needs.get(req.id):
+                req.blocks += self.allocator.allocate(needs[req.id])
         return out
 
-    def _drafts(self, req: Any, budget: int) -> list[int]:
+    def _drafts(self, req: Any, budget: int, free: int) -> list[int]:
         n = req.num_computed
         k = min(req.drafting.limit(), self.shape.speculative_tokens, budget)
         k = min(k, req.params.max_tokens - len(req.generated) - 1)
@@ -133,9 +181,16 @@ class DraftPlanner:
             k = min(k, self.store.chunk_limit(req) - 1)
         if k <= 0:
             return []
-        drafts = truncate_at_stop(self.drafter.propose(req.tokens, k)[:k], self.stop_ids(req))
-        room = (len(req.blocks) + self.allocator.num_free) * self.shape.block_size - (n + 1)
+        drafts = truncate_at_stop(self.drafter.propose(req, k)[:k], self.stop_ids(req))
+        room = (len(req.blocks) + free) * self.shape.block_size - (n + 1)
         return drafts[: max(room, 0)]
+
+
+def drafting(params_spec: Speculation | None, default: Speculation) -> AdaptiveK | None:
+    """A new request's draft length state: from its own settings, else the engine's (None: it does not
+    speculate)."""
+    spec = params_spec or default
+    return AdaptiveK(spec.num_tokens) if spec.enabled else None
 
 
 def truncate_at_stop(drafts: list[int], stop_ids: frozenset[int]) -> list[int]:
