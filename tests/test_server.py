@@ -448,6 +448,7 @@ def test_speculative_field(served):
         {"method": "ngram", "num_speculative_tokens": limit + 1},
         {"method": "ngram", "num_speculative_tokens": 2.5},
         {"method": "ngram", "k": 2},
+        "draft",  # this server has no draft model
     ):
         r = served.client.post("/v1/completions", json={**body, "speculative": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "speculative", (bad, r.text)

@@ -185,7 +185,10 @@ NUMBERS = st.one_of(
 def stub_parser() -> RequestParser:
     """The parser of an engine with the `live` server's vocabulary and context, without a model."""
     engine = SimpleNamespace(
-        model_config=SimpleNamespace(vocab_size=512, eos_token_id=1), max_model_len=64, config=EngineConfig()
+        model_config=SimpleNamespace(vocab_size=512, eos_token_id=1),
+        max_model_len=64,
+        config=EngineConfig(),
+        has_draft_model=False,
     )
     return RequestParser(engine, ByteTokenizer(512), "tiny", 4)
 

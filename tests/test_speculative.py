@@ -321,6 +321,49 @@ def test_greedy_tokens_and_logprobs_are_those_without_speculation(model, full_pa
     assert on_engine.steps < off_engine.steps
 
 
+DRAFT = Speculation(DraftMethod.DRAFT, 4)
+
+
+def test_a_draft_model_changes_no_token(model, full_pass):
+    """The model drafting for itself (every draft stands: a step gives k + 1 tokens) and another model with
+    the same vocabulary (most drafts fall): the tokens of the engine without drafts, the full pass's
+    logprobs; rows of both kinds, and rows without drafts, share steps; a pool that preempts makes the draft
+    start over."""
+    ps = prompts([5, 30, 17], seed=12)
+    want = [r.token_ids for r in engine(model).generate(ps, greedy(20, spec=None))]
+    other = HybridLM(load_config("tiny"), rngs=nnx.Rngs(7), dtype=jnp.float32)
+    for draft, num_blocks in ((model, None), (other, None), (model, 9)):
+        eng = Engine(
+            model,
+            EngineConfig(
+                max_slots=4, block_size=8, prefill_chunk=32, max_model_len=256, num_blocks=num_blocks
+            ),
+            draft_model=draft,
+            step_costs=StepCosts(retry=0),
+        )
+        params = [greedy(20, spec=DRAFT), greedy(20, spec=None), greedy(20, spec=NGRAM)]
+        got = eng.generate(ps, params)
+        assert [r.token_ids for r in got] == want
+        for p, r in zip(ps, got, strict=True):
+            assert_matches_full_pass(full_pass, p, r.token_ids, r.logprobs)
+        stats = got[0].stats
+        assert stats["drafted_tokens"] > 0
+        if draft is model and num_blocks is None:
+            assert stats["accepted_tokens"] == stats["drafted_tokens"] >= 12  # 19 tokens in windows of 5
+        if num_blocks:
+            assert sum(r.stats["preemptions"] for r in got) > 0
+
+
+def test_draft_settings_need_a_draft_model(model):
+    with pytest.raises(RequestError, match="no draft model"):
+        engine(model).add_request([5, 6], greedy(spec=DRAFT))
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Engine(model, EngineConfig(speculative=DRAFT))
+    small_vocab = HybridLM(load_config("tiny").replace(vocab_size=256), rngs=nnx.Rngs(0), dtype=jnp.float32)
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(model, EngineConfig(), draft_model=small_vocab)
+
+
 def test_prompt_lookup_drafts_change_no_token(model, full_pass):
     """Prompt lookup on prompts that hold every token (each generated token matches somewhere): drafts at
     nearly every step, most of them wrong on a random model; rows with and without drafts share steps."""

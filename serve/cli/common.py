@@ -141,16 +141,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument(
         "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"
     )
-    from serve.engine.speculative import MAX_SPECULATIVE_TOKENS, DraftMethod
+    from serve.engine.speculative import MAX_SPECULATIVE_TOKENS
 
     spec = engine_default("speculative")
     e.add_argument(
         "--speculative",
-        choices=[m.value for m in DraftMethod],
+        metavar="off|ngram|draft:DIR",
         default=spec.method.value,
         help="speculative decoding for requests that do not choose (the API's 'speculative' field): ngram "
         "drafts the tokens that followed the latest earlier match of the last few tokens (prompt lookup), "
-        f"verified in the decode step, the same tokens as without (default {spec.method.value})",
+        "draft:DIR those of a smaller model with the same vocabulary (a checkpoint directory; requests may "
+        "then also ask for 'draft'); the drafts are verified in the decode step, the same tokens as without "
+        f"(default {spec.method.value})",
     )
     e.add_argument(
         "--num-speculative-tokens",
@@ -164,13 +166,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 def speculation(args: argparse.Namespace) -> Any:
     """The engine's `Speculation` from --speculative / --num-speculative-tokens (UsageError when invalid)."""
-    from serve.engine.speculative import Speculation, SpeculationError
+    from serve.engine.speculative import DraftMethod, Speculation, SpeculationError
     from serve.models import UsageError
 
+    method = args.speculative.split(":", 1)[0] if args.speculative.startswith("draft:") else args.speculative
+    if method == DraftMethod.DRAFT.value and args.speculative == method:
+        raise UsageError("--speculative draft needs the draft model's directory: draft:DIR")
     try:
-        return Speculation.parse(args.speculative, args.num_speculative_tokens)
+        return Speculation.parse(method, args.num_speculative_tokens)
     except SpeculationError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(f"--speculative: {exc}") from None
+
+
+def load_draft_model(args: argparse.Namespace, multi: bool = False) -> Any:
+    """The draft model `--speculative draft:DIR` names (in the model's dtype), or None."""
+    from serve.models import UsageError
+
+    if not args.speculative.startswith("draft:"):
+        return None
+    if multi or getattr(args, "mesh", None):
+        raise UsageError("--speculative draft:DIR runs on one device (not with --mesh or several processes)")
+    import jax.numpy as jnp
+
+    from jaxhybrid.weights import load_pretrained
+
+    directory = args.speculative.split(":", 1)[1]
+    if not Path(directory).is_dir():
+        raise UsageError(f"--speculative draft:{directory}: no such directory")
+    return load_pretrained(directory, dtype=jnp.dtype(args.dtype), progress=None)
 
 
 def setup_logging(level: str) -> None:

@@ -16,6 +16,7 @@ from serve.cli.common import (
     add_config_arg,
     add_engine_args,
     add_prefix_args,
+    load_draft_model,
     prefix_config,
     setup_compile_cache,
     speculation,
@@ -71,6 +72,7 @@ def run_replicated(args: argparse.Namespace, model: Any, mesh: Any, tokenizer: A
     from serve.engine.engine import Engine
     from serve.engine.replicated import ReplicatedEngine, check_engine_config
 
+    load_draft_model(args, multi=True)  # refused: one device only
     rep = ReplicatedEngine(Engine(model, check_engine_config(engine_config(args)), mesh=mesh))
     if not rep.is_leader:
         steps = rep.follow()
@@ -197,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
                 return 0
         else:
             requests = collect_requests(args, tokenizer)
-            engine = Engine(model, engine_config(args), mesh=mesh)
+            engine = Engine(model, engine_config(args), mesh=mesh, draft_model=load_draft_model(args))
             try:
                 for prompt, params, _ in requests:  # validate every line before serving any
                     engine.validate(prompt, params)

@@ -24,6 +24,7 @@ from serve.cli.common import (
     add_config_arg,
     add_engine_args,
     add_prefix_args,
+    load_draft_model,
     setup_compile_cache,
     setup_logging,
 )
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
             from serve.engine.replicated import check_engine_config
 
             cfg = check_engine_config(cfg)
-        engine = Engine(model, cfg, mesh=mesh)
+        engine = Engine(model, cfg, mesh=mesh, draft_model=load_draft_model(args, multi))
     except (UsageError, ConfigError, TokenizerError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

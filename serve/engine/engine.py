@@ -40,10 +40,30 @@ from serve.engine.requests import (
 )
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import PrefillJob, Scheduler, prefill_calls
-from serve.engine.speculative import DraftSource, SpeculationStats, StepCosts, drafting
+from serve.engine.speculative import (
+    Drafters,
+    DraftMethod,
+    DraftSource,
+    PromptLookup,
+    SpeculationStats,
+    StepCosts,
+    drafting,
+)
 from serve.prefix.store import PrefixStore
 
 log = logging.getLogger("jaxhybrid.engine")
+
+
+def draft_source(model: HybridLM, target: ModelConfig, shape: EngineShape) -> DraftSource:
+    """The draft model's `DraftSource` for an engine of `shape` (its vocabulary must be the target's)."""
+    from serve.engine.drafting import DraftModel
+
+    if model.config.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({model.config.vocab_size}) differs from the model's "
+            f"({target.vocab_size})"
+        )
+    return DraftModel(model, shape)
 
 
 class EngineAPI(Protocol):
@@ -52,6 +72,7 @@ class EngineAPI(Protocol):
     model_config: ModelConfig
     config: EngineConfig
     max_model_len: int
+    has_draft_model: bool  # requests may draft with speculative method "draft"
 
     def add_request(
         self,
@@ -237,11 +258,14 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         clock: Callable[[], float] = time.perf_counter,
         drafter: DraftSource | None = None,
         step_costs: StepCosts | None = None,
+        draft_model: HybridLM | None = None,
     ):
         """With `pools` and `model_config` instead of a model: this step loop over pools whose runner
         computes nothing, on a `clock` of its own (the simulator: `serve.bench.simulate`). `drafter`: where
         speculating requests' drafts come from (default: prompt lookup); `step_costs`: what decode steps
-        cost, with and without drafts (default: measured on the engine's clock, `StepCosts`)."""
+        cost, with and without drafts (default: measured on the engine's clock, `StepCosts`);
+        `draft_model`: a smaller model with the same vocabulary that requests may draft with
+        (`serve.engine.drafting`)."""
         self.config = config = dataclasses.replace(config) if config else EngineConfig()
         self.model_config: ModelConfig = model.config if model is not None else model_config
         if pools is None:
@@ -257,6 +281,15 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         self.store: PrefixStore | None = pools.store
         eos = self.model_config.eos_token_id
         self.step_costs = step_costs or StepCosts()
+        self.has_draft_model = draft_model is not None
+        if drafter is None:
+            drafter = Drafters({DraftMethod.NGRAM: PromptLookup()})
+            if draft_model is not None:
+                drafter.by_method[DraftMethod.DRAFT] = draft_source(
+                    draft_model, self.model_config, self.shape
+                )
+        if config.speculative.method is DraftMethod.DRAFT and not self.has_draft_model:
+            raise ValueError("speculative method 'draft' needs a draft model")
         self.scheduler = Scheduler(
             self.shape,
             self.allocator,
@@ -323,9 +356,11 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
     def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         vocab, usable = self.model_config.vocab_size, self.allocator.usable
         prompt = check_request(prompt_ids, params, vocab, self.max_model_len, self.shape.block_size, usable)
-        most = self.shape.speculative_tokens
-        if params.speculative is not None and params.speculative.num_tokens > most:
+        most, spec = self.shape.speculative_tokens, params.speculative
+        if spec is not None and spec.num_tokens > most:
             raise RequestError(f"num_speculative_tokens must be at most {most} on this server")
+        if spec is not None and spec.method is DraftMethod.DRAFT and not self.has_draft_model:
+            raise RequestError("speculative method 'draft': this server has no draft model")
         return prompt
 
     def abort(self, request_id: str) -> None:

@@ -99,6 +99,10 @@ class ReplicatedEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def has_draft_model(self) -> bool:
+        return self.engine.has_draft_model
+
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self.engine.validate(prompt_ids, params)
 

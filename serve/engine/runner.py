@@ -122,7 +122,7 @@ def _run_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
     scanned = isinstance(model_def, ScanDefs)
 
     def run(params, kda_pools, mla_pools, tokens, slot_ids, block_tables, start, num_valid):
-        cache = _row_caches(layer_types, kda_pools, mla_pools, slot_ids, block_tables, start, scanned)
+        cache = row_caches(layer_types, kda_pools, mla_pools, slot_ids, block_tables, start, scanned)
         if scanned:
             logits, new = forward_scanned(model_def, params, tokens, cache, num_valid)
         else:
@@ -143,7 +143,7 @@ def _run_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
     return run
 
 
-def _row_caches(
+def row_caches(
     layer_types: tuple[str, ...],
     kda_pools: Any,
     mla_pools: Any,
@@ -189,7 +189,7 @@ def _verify_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
         top_p,
         keys,
     ):
-        cache = _row_caches(layer_types, kda_pools, mla_pools, slot_ids, block_tables, start)
+        cache = row_caches(layer_types, kda_pools, mla_pools, slot_ids, block_tables, start)
         model = nnx.merge(model_def, params)
         logits, new = model.forward_cached(tokens, cache, num_valid, keep_states=True)
         num_drafts = jnp.maximum(num_valid - 1, 0)

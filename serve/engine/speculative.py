@@ -27,6 +27,7 @@ MAX_SPECULATIVE_TOKENS = 15
 class DraftMethod(enum.StrEnum):
     OFF = "off"
     NGRAM = "ngram"  # prompt lookup: the tokens that followed the latest earlier match of the last n tokens
+    DRAFT = "draft"  # the server's draft model (`serve.engine.drafting`)
 
 
 class SpeculationError(ValueError):
@@ -190,7 +191,17 @@ def drafting(params_spec: Speculation | None, default: Speculation) -> AdaptiveK
     """A new request's draft length state: from its own settings, else the engine's (None: it does not
     speculate)."""
     spec = params_spec or default
-    return AdaptiveK(spec.num_tokens) if spec.enabled else None
+    return AdaptiveK(spec.num_tokens, spec.method) if spec.enabled else None
+
+
+class Drafters:
+    """The draft source of each method (a request drafts from its own method's)."""
+
+    def __init__(self, by_method: dict[DraftMethod, DraftSource]):
+        self.by_method = by_method
+
+    def propose(self, req: Any, k: int) -> list[int]:
+        return self.by_method[req.drafting.method].propose(req, k)
 
 
 def truncate_at_stop(drafts: list[int], stop_ids: frozenset[int]) -> list[int]:
@@ -209,6 +220,7 @@ class AdaptiveK:
     pause that doubles each time (up to `longest_pause`) and resets once drafts pay again."""
 
     most: int
+    method: DraftMethod = DraftMethod.NGRAM
     k: int = 0
     rate: float = 1.0
     paused: int = 0

@@ -11,7 +11,7 @@ from typing import Any
 from serve.engine.engine import EngineAPI
 from serve.engine.requests import RequestError, check_cache_salt
 from serve.engine.sampling import SamplingError, SamplingParams
-from serve.engine.speculative import Speculation, SpeculationError
+from serve.engine.speculative import DraftMethod, Speculation, SpeculationError
 from serve.http.errors import APIError, show
 
 # Fields the OpenAI API defines that do not change what this server computes: accepted (type-checked) and
@@ -153,6 +153,7 @@ class RequestParser:
         self.vocab = engine.model_config.vocab_size
         self.context = engine.max_model_len
         self.speculative_tokens = engine.config.speculative.num_tokens  # a request's default and its limit
+        self.has_draft_model = engine.has_draft_model
         self.default_max_tokens = default_max_tokens
         self.eos = engine.model_config.eos_token_id
 
@@ -211,6 +212,10 @@ class RequestParser:
             spec.validate(self.speculative_tokens)
         except SpeculationError as exc:
             raise bad(f"'speculative': {exc}", "speculative") from None
+        if spec.method is DraftMethod.DRAFT and not self.has_draft_model:
+            raise bad(
+                "'speculative': this server has no draft model (serve --speculative draft:DIR)", "speculative"
+            )
         return spec
 
     def _stop(self, body: dict) -> tuple[tuple[str, ...], tuple[int, ...]]:
