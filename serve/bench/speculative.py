@@ -80,9 +80,13 @@ def timing(obj: Any, name: str, totals: dict[str, float]) -> Iterator[None]:
         setattr(obj, name, fn)
 
 
-def one_pass(model: Any, ids: list[list[int]], args: argparse.Namespace, method: str) -> dict[str, Any]:
-    """Serve `ids` greedily (a warm-up pass, then the timed one) with speculation `method`."""
-    from serve.engine.engine import Engine, EngineConfig
+def one_pass(
+    model: Any, ids: list[list[int]], args: argparse.Namespace, method: str, draft: Any = None
+) -> dict[str, Any]:
+    """Serve `ids` greedily (a warm-up pass, then the timed one) with speculation `method` (`draft`: the
+    draft model of method "draft")."""
+    from serve.engine.config import EngineShape
+    from serve.engine.engine import Engine, EngineConfig, draft_source
     from serve.engine.sampling import SamplingParams
     from serve.engine.speculative import PromptLookup, Speculation
 
@@ -91,7 +95,10 @@ def one_pass(model: Any, ids: list[list[int]], args: argparse.Namespace, method:
     config = EngineConfig(
         max_slots=len(ids), max_model_len=longest, prefix=None, speculative=spec, kv_dtype=args.dtype
     )
-    drafter = PromptLookup()
+    if method == "draft":
+        drafter = draft_source(draft, model.config, EngineShape.resolve(config, model.config))
+    else:
+        drafter = PromptLookup()
     engine = Engine(model, config, drafter=drafter)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(ids, params)  # compiles every program the timed pass meets (the same steps)
@@ -121,43 +128,47 @@ def one_pass(model: Any, ids: list[list[int]], args: argparse.Namespace, method:
     }
 
 
-def measure(model: Any, tokenizer: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
-    rows = []
+def measure(model: Any, tokenizer: Any, args: argparse.Namespace, draft: Any = None) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     for workload in args.workloads:
         texts = prompts(workload, args.prompt_chars)
         for batch in args.batch:
             ids = [tokenizer.encode(texts[i % len(texts)]) for i in range(batch)]
             off = one_pass(model, ids, args, "off")
-            on = one_pass(model, ids, args, "ngram")
-            drafted = on["spec_drafted"]
-            rows.append(
-                {
-                    "workload": workload,
-                    "batch": batch,
-                    "prompt_tokens": sum(len(p) for p in ids) // batch,
-                    "new_tokens": args.new_tokens,
-                    "off_tokens_per_s": round(off["decode_tokens_per_s"], 1),
-                    "ngram_tokens_per_s": round(on["decode_tokens_per_s"], 1),
-                    "ratio": round(on["decode_tokens_per_s"] / off["decode_tokens_per_s"], 3),
-                    "identical": on["tokens"] == off["tokens"],
-                    "drafted": drafted,
-                    "accepted": on["spec_accepted"],
-                    "acceptance": round(on["spec_accepted"] / drafted, 3) if drafted else None,
-                    "mean_accepted": round(on["spec_mean_accepted"], 2),
-                    "windows": on["spec_windows"],
-                    "draft_s": round(on["draft_s"], 4),
-                    "verify_s": round(on["verify_s"], 4),
-                    "plain_decode_s": round(on["plain_decode_s"], 4),
-                    "decode_s": round(on["decode_s"], 4),
-                    "off_decode_s": round(off["decode_s"], 4),
-                }
-            )
-            print(f"{workload} batch {batch}: ratio {rows[-1]['ratio']}", file=sys.stderr)
+            for method in ["ngram"] + (["draft"] if draft is not None else []):
+                rows.append(row(workload, batch, ids, off, one_pass(model, ids, args, method, draft), method))
+                print(f"{workload} batch {batch} {method}: ratio {rows[-1]['ratio']}", file=sys.stderr)
     return rows
+
+
+def row(workload: str, batch: int, ids: list, off: dict, on: dict, method: str) -> dict[str, Any]:
+    drafted = on["spec_drafted"]
+    return {
+        "workload": workload,
+        "method": method,
+        "batch": batch,
+        "prompt_tokens": sum(len(p) for p in ids) // batch,
+        "new_tokens": len(off["tokens"][0]),
+        "off_tokens_per_s": round(off["decode_tokens_per_s"], 1),
+        "ngram_tokens_per_s": round(on["decode_tokens_per_s"], 1),
+        "ratio": round(on["decode_tokens_per_s"] / off["decode_tokens_per_s"], 3),
+        "identical": on["tokens"] == off["tokens"],
+        "drafted": drafted,
+        "accepted": on["spec_accepted"],
+        "acceptance": round(on["spec_accepted"] / drafted, 3) if drafted else None,
+        "mean_accepted": round(on["spec_mean_accepted"], 2),
+        "windows": on["spec_windows"],
+        "draft_s": round(on["draft_s"], 4),
+        "verify_s": round(on["verify_s"], 4),
+        "plain_decode_s": round(on["plain_decode_s"], 4),
+        "decode_s": round(on["decode_s"], 4),
+        "off_decode_s": round(off["decode_s"], 4),
+    }
 
 
 COLUMNS = [
     "workload",
+    "method",
     "batch",
     "prompt_tokens",
     "off_tokens_per_s",
@@ -182,7 +193,16 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = (
         load_tokenizer(args.model, model.config) if args.model else ByteTokenizer(model.config.vocab_size)
     )
-    rows = measure(model, tokenizer, args)
+    draft = None
+    if args.draft_model == "self":
+        draft = model
+    elif args.draft_model:
+        import jax.numpy as jnp
+
+        from jaxhybrid.weights import load_pretrained
+
+        draft = load_pretrained(args.draft_model, dtype=jnp.dtype(args.dtype), progress=None)
+    rows = measure(model, tokenizer, args, draft)
     result = {
         "bench": "speculative",
         "model": args.model or args.config,
@@ -215,5 +235,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="k (default 4)")
     p.add_argument("--prompt-chars", type=int, default=4000, help="longest prompt in characters")
+    p.add_argument(
+        "--draft-model",
+        metavar="DIR|self",
+        default=None,
+        help="also the draft model in DIR (the same vocabulary); self: the model drafting for itself (every "
+        "draft stands: the most speculation can give here)",
+    )
     add_out_arg(p)
     p.set_defaults(func=run)

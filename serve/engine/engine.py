@@ -216,12 +216,35 @@ class AheadOfUse:
 
 
 class Accounts:
-    """What the engine holds and did: the memory ledger, its bytes, and speculative decoding's counts."""
+    """What the engine holds and did: its requests and slots, the memory ledger, its bytes, and speculative
+    decoding's counts."""
 
     scheduler: Scheduler
     pools: EnginePools
+    shape: EngineShape
     speculation: SpeculationStats
     model_bytes: int
+
+    # views for callers that inspect (tests, benchmarks)
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> Any:
+        return self.scheduler.waiting
+
+    @property
+    def free_slots(self) -> list[int]:
+        return self.scheduler.free_slots
+
+    @property
+    def block_bytes(self) -> int:
+        return self.shape.block_bytes
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        return self.shape.state_bytes
 
     def ledger(self) -> dict[str, Any]:
         """Every byte the engine and its prefix store hold, and what reuse saved or cost."""
@@ -281,7 +304,7 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         self.store: PrefixStore | None = pools.store
         eos = self.model_config.eos_token_id
         self.step_costs = step_costs or StepCosts()
-        self.has_draft_model = draft_model is not None
+        self.has_draft_model = draft_model is not None or drafter is not None  # (a drafter drafts for all)
         if drafter is None:
             drafter = Drafters({DraftMethod.NGRAM: PromptLookup()})
             if draft_model is not None:
@@ -305,27 +328,6 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         self._seeds = np.random.default_rng(config.seed)
         self.steps = 0
         self._unreported: dict[str, RequestOutput] = {}  # produced by a step that then raised
-
-    # views for callers that inspect (tests, benchmarks)
-    @property
-    def running(self) -> list[Request]:
-        return self.scheduler.running
-
-    @property
-    def waiting(self) -> Any:
-        return self.scheduler.waiting
-
-    @property
-    def free_slots(self) -> list[int]:
-        return self.scheduler.free_slots
-
-    @property
-    def block_bytes(self) -> int:
-        return self.shape.block_bytes
-
-    @property
-    def state_bytes_per_slot(self) -> int:
-        return self.shape.state_bytes
 
     # --- requests -----------------------------------------------------------------------------------------
     def add_request(
