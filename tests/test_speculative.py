@@ -21,6 +21,7 @@ from serve.engine.sampling import SamplingParams, batch_arrays, sample, verify
 from serve.engine.speculative import (
     AdaptiveK,
     DraftMethod,
+    NgramIndex,
     PromptLookup,
     Speculation,
     SpeculationError,
@@ -217,6 +218,25 @@ def test_prompt_lookup_takes_the_latest_longest_match():
     assert lookup([5, 6, 7], 4) == []
     assert lookup([4, 5, 4], 4) == [5, 4]  # the 1-gram, up to the end
     assert PromptLookup(min_n=2).lookup([4, 5, 4], 4) == []
+
+
+def _latest_match(tokens, k, sizes=range(2, 5)):
+    """The oracle: the latest earlier occurrence of the longest suffix, by brute force."""
+    for n in reversed(sizes):
+        if len(tokens) <= n:
+            continue
+        starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[len(tokens) - n :]]
+        if starts:
+            return tokens[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 5))
+def test_the_ngram_index_kept_up_to_date_finds_the_latest_match(tokens, k):
+    index = NgramIndex(range(2, 5))
+    for end in range(1, len(tokens) + 1):  # as a request grows, one step at a time
+        assert index.lookup(tokens[:end], k) == _latest_match(tokens[:end], k)
 
 
 def test_drafts_stop_before_a_stop_token():

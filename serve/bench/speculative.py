@@ -101,31 +101,35 @@ def one_pass(
         drafter = PromptLookup()
     engine = Engine(model, config, drafter=drafter)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    engine.generate(ids, params)  # compiles every program the timed pass meets (the same steps)
-    totals: dict[str, float] = {}
-    engine.speculation = type(engine.speculation)()
-    with (
-        timing(engine.runner, "prefill_rows", totals),
-        timing(engine.runner, "decode", totals),
-        timing(engine.runner, "verify", totals),
-        timing(drafter, "propose", totals),
-    ):
-        t0 = time.perf_counter()
-        results = engine.generate(ids, params)
-        wall = time.perf_counter() - t0
-    decode_s = wall - totals.get("prefill_rows", 0.0)
-    decoded = sum(len(r.token_ids) - 1 for r in results)
-    stats = engine.speculation_stats()
-    return {
-        "tokens": [r.token_ids for r in results],
-        "decode_tokens_per_s": decoded / decode_s,
-        "decode_s": decode_s,
-        "steps": engine.steps,
-        "draft_s": totals.get("propose", 0.0),
-        "verify_s": totals.get("verify", 0.0),
-        "plain_decode_s": totals.get("decode", 0.0),
-        **{f"spec_{k}": v for k, v in stats.items()},
-    }
+    engine.generate(ids, params)  # compiles every program the timed passes meet
+    best: dict[str, Any] | None = None
+    for _ in range(args.repeats):  # the fastest pass: the machine's other work only ever slows one down
+        totals: dict[str, float] = {}
+        engine.speculation = type(engine.speculation)()
+        with (
+            timing(engine.runner, "prefill_rows", totals),
+            timing(engine.runner, "decode", totals),
+            timing(engine.runner, "verify", totals),
+            timing(drafter, "propose", totals),
+        ):
+            t0 = time.perf_counter()
+            results = engine.generate(ids, params)
+            wall = time.perf_counter() - t0
+        decode_s = wall - totals.get("prefill_rows", 0.0)
+        decoded = sum(len(r.token_ids) - 1 for r in results)
+        stats = engine.speculation_stats()
+        out = {
+            "tokens": [r.token_ids for r in results],
+            "decode_tokens_per_s": decoded / decode_s,
+            "decode_s": decode_s,
+            "draft_s": totals.get("propose", 0.0),
+            "verify_s": totals.get("verify", 0.0),
+            "plain_decode_s": totals.get("decode", 0.0),
+            **{f"spec_{k}": v for k, v in stats.items()},
+        }
+        if best is None or out["decode_s"] < best["decode_s"]:
+            best = out
+    return best
 
 
 def measure(model: Any, tokenizer: Any, args: argparse.Namespace, draft: Any = None) -> list[dict[str, Any]]:
@@ -235,6 +239,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="k (default 4)")
     p.add_argument("--prompt-chars", type=int, default=4000, help="longest prompt in characters")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes of each; the fastest counts (3)")
     p.add_argument(
         "--draft-model",
         metavar="DIR|self",

@@ -77,7 +77,11 @@ class DraftRunner(Runner):
     def run_ahead(self, view: _View, first: int, steps: int) -> list[int]:
         """`steps` greedy tokens after `first` (at position view.num_computed), leaving the KDA pools as they
         were."""
-        width = self.shape.table_width(math.ceil((view.num_computed + steps) / self.shape.block_size))
+        # room for the steps, within the widest table (what does not fit is written to the scratch block)
+        need = min(
+            math.ceil((view.num_computed + steps) / self.shape.block_size), self.shape.table_buckets[-1]
+        )
+        width = self.shape.table_width(need)
         table = np.zeros((1, width), np.int32)
         table[0, : min(len(view.blocks), width)] = view.blocks[:width]
         kda, mla = self._split_pools()
@@ -111,7 +115,9 @@ class DraftModel:
         first = int(np.asarray(jnp.argmax(logits[0])))
         if k <= 1:
             return [first][:k]
-        return [first, *self.runner.run_ahead(view, first, k - 1)]
+        # always the engine's most drafts less one: one program per block-table width, whatever k is now
+        ahead = self.runner.run_ahead(view, first, self.shape.speculative_tokens - 1)
+        return [first, *ahead[: k - 1]]
 
     def _catch_up_view(self, req: Any) -> _View:
         """The request as the draft sees it, from where its cache still holds the request's tokens (the same

@@ -117,6 +117,7 @@ class Request:
     indexed_blocks: int = 0  # its blocks the prefix store has indexed since it got them
     drafting: AdaptiveK | None = None  # how many tokens it may draft (None: it does not speculate)
     speculation: SpeculationStats = dataclasses.field(default_factory=SpeculationStats)
+    ngrams: Any = None  # its prompt-lookup index (`serve.engine.speculative.NgramIndex`), once it drafts
 
     @property
     def tokens(self) -> list[int]:

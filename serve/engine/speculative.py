@@ -17,8 +17,6 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import numpy as np
-
 # The most drafted tokens a step may verify per row: its program's length - 1, so that a verified window
 # attends as a decode step does (`jaxhybrid.layers.mla.ABSORBED_MAX_TOKENS`).
 MAX_SPECULATIVE_TOKENS = 15
@@ -73,27 +71,45 @@ class DraftSource(Protocol):
 
 
 @dataclasses.dataclass
+@dataclasses.dataclass
+class NgramIndex:
+    """The latest start of every n-gram (n in `sizes`) of a growing token list that has a token after it,
+    brought up to date in the time of the tokens added since the last call."""
+
+    sizes: range
+    latest: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
+    size: int = 0  # the list's length when last brought up to date
+
+    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+        """The k tokens after the latest earlier occurrence of the longest suffix of `tokens` that has one."""
+        for n in self.sizes:
+            for start in range(max(0, self.size - n), max(0, len(tokens) - n)):
+                self.latest[tuple(tokens[start : start + n])] = start
+        self.size = len(tokens)
+        for n in reversed(self.sizes):
+            start = self.latest.get(tuple(tokens[len(tokens) - n :])) if len(tokens) > n else None
+            if start is not None:
+                return [int(t) for t in tokens[start + n : start + n + k]]
+        return []
+
+
+@dataclasses.dataclass
 class PromptLookup:
     """Prompt-lookup drafts (vLLM's `ngram`): for n from `max_n` down to `min_n`, find the latest earlier
-    occurrence of the last n tokens and propose the k tokens that followed it."""
+    occurrence of the last n tokens and propose the k tokens that followed it. Each request keeps its own
+    index of n-grams (`Request.ngrams`), extended by the tokens it gained since its last step."""
 
     min_n: int = 2
     max_n: int = 4
 
     def propose(self, req: Any, k: int) -> list[int]:
-        return self.lookup(req.tokens, k)
+        if req.ngrams is None:
+            req.ngrams = NgramIndex(range(self.min_n, self.max_n + 1))
+        return req.ngrams.lookup(req.tokens, k)
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
-        """The drafts for `tokens`."""
-        arr = np.asarray(tokens, np.int64)
-        size = len(arr)
-        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(arr[: size - 1], n)  # starts before the end
-            hits = np.flatnonzero((windows == arr[size - n :]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return [int(t) for t in arr[start : start + k]]
-        return []
+        """The drafts for `tokens` (from a new index)."""
+        return NgramIndex(range(self.min_n, self.max_n + 1)).lookup(list(tokens), k)
 
 
 class StepCosts:
@@ -156,10 +172,14 @@ class DraftPlanner:
         out: dict[str, list[int]] = {}
         needs: dict[str, int] = {}
         free, expected = self.allocator.num_free, float(len(decode))
+        limits = {r.id: r.drafting.limit() for r in decode if r.drafting is not None}
+        best = len(decode) + sum(r.drafting.rate * limits[r.id] for r in decode if r.id in limits)
+        if not limits or not self.costs.pays(self.shape.decode_rows(len(decode)), best):
+            return out  # not even every draft standing as often as before would pay: propose none
         for req in decode:
-            if req.drafting is None or budget <= 0:
+            if req.id not in limits or budget <= 0:
                 continue
-            drafts = self._drafts(req, budget, free)
+            drafts = self._drafts(req, min(budget, limits[req.id]), free)
             if not drafts:
                 continue
             need = math.ceil((req.num_computed + 1 + len(drafts)) / self.shape.block_size) - len(req.blocks)
@@ -176,7 +196,7 @@ class DraftPlanner:
 
     def _drafts(self, req: Any, budget: int, free: int) -> list[int]:
         n = req.num_computed
-        k = min(req.drafting.limit(), self.shape.speculative_tokens, budget)
+        k = min(self.shape.speculative_tokens, budget)
         k = min(k, req.params.max_tokens - len(req.generated) - 1)
         if self.store is not None:
             k = min(k, self.store.chunk_limit(req) - 1)
