@@ -144,3 +144,19 @@ def test_bench_reference_without_transformers_is_one_error_line(capsys, monkeypa
 def test_bench_reference_needs_a_model_or_make_small(capsys):
     assert main(["bench", "reference"]) == 2
     assert "--model DIR" in capsys.readouterr().err
+
+
+def test_bench_speculative_reports_what_each_method_drafted_and_the_same_tokens(tmp_path):
+    """On tiny (float32): each method's tokens are those without speculation; the model drafting for itself
+    has every draft it verified accepted (the step gate may have stopped it drafting: it costs what it saves);
+    the counts add up."""
+    out = tmp_path / "spec.json"
+    argv = ["bench", "speculative", "--config", "tiny", "--workloads", "edit", "--new-tokens", "12"]
+    argv += ["--repeats", "1", "--prompt-chars", "300", "--draft-model", "self", "--out", str(out)]
+    assert main(argv) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"ngram", "draft"} and all(r["identical"] for r in rows.values())
+    draft = rows["draft"]
+    assert draft["accepted"] == draft["drafted"]
+    windows = draft["windows"]
+    assert draft["mean_accepted"] == (round(draft["accepted"] / windows, 2) if windows else 0)

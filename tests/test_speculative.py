@@ -278,6 +278,13 @@ def test_step_costs_verify_only_what_pays():
     costs.observe(False, 1, 1.0)
     assert costs.pays(1, 1.0)  # `retry` plain steps since drafts were last verified: try again
     assert StepCosts(retry=0).pays(1, 0.0)
+    drafting = StepCosts()  # a draft model's time counts toward the step it drafted for
+    for verified in (True, False):
+        drafting.observe(verified, 2, 0.0)
+    drafting.drafted(3.0)
+    drafting.observe(True, 2, 1.0)
+    drafting.observe(False, 2, 1.0)
+    assert drafting.pays(2, 8.0) and not drafting.pays(2, 7.9)
 
 
 def test_drafts_that_do_not_pay_are_not_verified(model):

@@ -125,7 +125,9 @@ class Scheduler(DiskLoads):
         rows of requests that speculate get their drafted tokens; `stop_ids`: the tokens that end a request
         (drafts stop before them); `step_costs`: whether a step's drafts pay (`StepCosts`)."""
         self.shape, self.allocator, self.store, self.clock = shape, allocator, store, clock
-        self.drafts = DraftPlanner(shape, allocator, store, drafter or PromptLookup(), stop_ids, step_costs)
+        self.drafts = DraftPlanner(
+            shape, allocator, store, drafter or PromptLookup(), stop_ids, step_costs, clock
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: list[Request] = []  # waiting for their prefix to be read from disk

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -118,15 +119,22 @@ class StepCosts:
     step runs every row over the longest window, so on hardware where that costs much more than one token
     (a CPU's MoE reads more experts for more tokens) drafts that stand only now and then lose; until both
     are measured for a row count it tries the missing one, and it tries drafts again every `retry` steps
-    (0: every step with drafts verifies them). The first step of each kind is not counted: it compiled."""
+    (0: every step with drafts verifies them). The first step of each kind is not counted: it compiled.
+    Drafting counts toward the step it drafted for (a draft model runs programs of its own)."""
 
     def __init__(self, retry: int = 64, weight: float = 0.25):
         self.retry, self.weight = retry, weight
         self._seconds: dict[tuple[bool, int], float] = {}
         self._seen: set[tuple[bool, int]] = set()
         self._since_verify: dict[int, int] = {}
+        self._drafting = 0.0
+
+    def drafted(self, seconds: float) -> None:
+        """Time spent drafting for the coming step."""
+        self._drafting += seconds
 
     def observe(self, verify: bool, rows: int, seconds: float) -> None:
+        seconds, self._drafting = seconds + self._drafting, 0.0
         key = (verify, rows)
         self._since_verify[rows] = 0 if verify else self._since_verify.get(rows, 0) + 1
         if key not in self._seen:
@@ -161,10 +169,11 @@ class DraftPlanner:
         drafter: DraftSource,
         stop_ids: Callable[[Any], frozenset[int]],
         costs: StepCosts | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.shape, self.allocator, self.store = shape, allocator, store
         self.drafter, self.stop_ids = drafter, stop_ids
-        self.costs = costs or StepCosts()
+        self.costs, self.clock = costs or StepCosts(), clock
 
     def plan(self, decode: list[Any], budget: int) -> dict[str, list[int]]:
         """Drafted tokens by request id for `decode` rows of requests that speculate (blocks for them taken
@@ -176,6 +185,7 @@ class DraftPlanner:
         best = len(decode) + sum(r.drafting.rate * limits[r.id] for r in decode if r.id in limits)
         if not limits or not self.costs.pays(self.shape.decode_rows(len(decode)), best):
             return out  # not even every draft standing as often as before would pay: propose none
+        t0 = self.clock()
         for req in decode:
             if req.id not in limits or budget <= 0:
                 continue
@@ -187,6 +197,7 @@ class DraftPlanner:
             out[req.id] = drafts
             budget -= len(drafts)
             expected += req.drafting.rate * len(drafts)
+        self.costs.drafted(self.clock() - t0)
         if not out or not self.costs.pays(self.shape.decode_rows(len(decode)), expected):
             return {}
         for req in decode:
