@@ -1,6 +1,8 @@
 """Speculative decoding: drafted tokens verified in the decode batch change no token (greedy), keep the
 sampled distribution, and leave every state, checkpoint and block as a run that never speculated."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_windows
 from jaxhybrid.ops.kda import kda_recurrent, kda_recurrent_states
+from serve.engine.config import ProgramShape
 from serve.engine.engine import Engine, EngineConfig, RequestError
 from serve.engine.sampling import SamplingParams, batch_arrays, sample, verify
 from serve.engine.speculative import (
@@ -28,6 +31,7 @@ from serve.engine.speculative import (
     StepCosts,
     truncate_at_stop,
 )
+from serve.engine.warmup import WarmupLevel, warmup_plan
 from serve.prefix.store import PrefixStoreConfig
 
 NGRAM = Speculation(DraftMethod.NGRAM, 4)
@@ -308,6 +312,28 @@ def test_drafts_that_do_not_pay_are_not_verified(model):
     )
     assert eng.generate([p], greedy(40))[0].token_ids == want
     assert 2 <= eng.speculation.steps <= 4 < drafter.proposed
+
+
+def test_the_warm_up_compiles_the_verify_programs_a_step_then_finds(model):
+    """An engine whose requests speculate by default: the warm-up's plan holds its verify programs, compiled
+    ahead of use they are the ones its steps run (found by key: nothing compiles during the requests)."""
+    config = EngineConfig(max_slots=2, block_size=8, prefill_chunk=32, max_model_len=64, speculative=NGRAM)
+    p = prompts([9], seed=3)[0]
+    want = Engine(model, dataclasses.replace(config, speculative=Speculation())).generate(
+        [p], greedy(12, None)
+    )
+    eng = Engine(model, config, drafter=Continuations([p + want[0].token_ids]), step_costs=StepCosts(retry=0))
+    verify = [
+        x for x in warmup_plan(eng.shape, WarmupLevel.DECODE) if isinstance(x, ProgramShape) and x.verify
+    ]
+    assert verify == eng.shape.verify_programs() and len(verify) == 2 * len(eng.shape.table_buckets)
+    assert all(eng.compile_program(x) for x in verify)
+    eng.compile_helpers()
+    for x in eng.shape.decode_programs() + eng.shape.prefill_programs():
+        eng.compile_program(x)
+    before = eng.compiled_programs()
+    assert eng.generate([p], greedy(12, None))[0].token_ids == want[0].token_ids
+    assert eng.speculation.steps > 0 and eng.compiled_programs() == before
 
 
 def test_settings_are_checked():

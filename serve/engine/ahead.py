@@ -23,6 +23,7 @@ class AheadOfTime:
     pools: Any
     pool_shardings: Any
     programs: Any
+    params: Any
     _executables: Any
 
     def compiled_programs(self) -> frozenset[ProgramShape]:
@@ -44,7 +45,7 @@ class AheadOfTime:
         than later ones (about 0.15 s for the shipped model), and the first request should not pay that
         either."""
         fresh = self._executables.compile(program, *self._ahead_args(program), tier)
-        if fresh and run_once:
+        if fresh and run_once and not program.verify:
             rows = program.rows
             jax.block_until_ready(
                 self.run_program(
@@ -65,10 +66,15 @@ class AheadOfTime:
     def _ahead_args(self, program: ProgramShape) -> tuple[str, Any, tuple[Any, ...]]:
         """(name, jitted model function, its arguments as shapes) of `program`."""
         rows = program.rows
-        run, params = self._program(program.length)
+        run, params = (self.programs.verify, self.params) if program.verify else self._program(program.length)
         kda, mla = self._split_specs()
         ints = [(rows, program.length), (rows,), (rows, program.width), (rows,), (rows,)]
         args = tuple(jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ints)
+        if program.verify:  # each position's sampling settings and key, as `Runner.verify` passes them
+            n = rows * program.length
+            f32, i32 = jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.int32)
+            keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), n))
+            args += (f32, i32, f32, keys)
         return self._program_name(run), run, (params, kda, mla, *args)
 
     def compile_helpers(

@@ -155,6 +155,7 @@ class EngineShape:
     scan_layers: str = "auto"  # which programs scan the repeated layer groups (`scan_mode`)
     tiered_compile: bool = False  # EngineConfig.tiered_compile
     speculative_tokens: int = 4  # the most drafted tokens a verify step carries per row
+    speculates: bool = False  # requests speculate unless they say otherwise (the warm-up compiles `verify`)
 
     def decode_rows(self, running: int) -> int:
         return next(b for b in self.decode_buckets if b >= running)
@@ -192,6 +193,15 @@ class EngineShape:
     def decode_programs(self) -> list[ProgramShape]:
         """Every decode program the engine can run, narrow tables (short contexts) first."""
         return [ProgramShape(rows, 1, w) for w in self.table_buckets for rows in self.decode_buckets]
+
+    def verify_programs(self) -> list[ProgramShape]:
+        """Every verify program (a decode step whose rows carry drafts), narrow tables first."""
+        length = self.speculative_tokens + 1
+        return [
+            ProgramShape(rows, length, w, verify=True)
+            for w in self.table_buckets
+            for rows in self.decode_buckets
+        ]
 
     def prefill_programs(self) -> list[ProgramShape]:
         """Every prefill program the engine can run, narrow tables first. A chunk of bucket b holds more
@@ -242,4 +252,5 @@ class EngineShape:
             scan_layers=config.scan_layers,
             tiered_compile=config.tiered_compile,
             speculative_tokens=config.speculative.num_tokens,
+            speculates=config.speculative.enabled,
         )

@@ -128,10 +128,11 @@ def first_request_key(program: ProgramShape) -> tuple[bool, int, int, int]:
 def warmup_plan(shape: EngineShape, level: WarmupLevel) -> list[WarmupItem]:
     """What `level` compiles, in order (`first_request_key`): the helpers of one row, the one-row model
     programs, the helpers of the other batch sizes, the batched model programs; with the tiered compile
-    (`EngineShape.tiered_compile`) the one-row decode step of the narrowest table at the quick tier first."""
+    (`EngineShape.tiered_compile`) the one-row decode step of the narrowest table at the quick tier first.
+    An engine whose requests speculate by default compiles its verify programs beside the decode steps."""
     if level is WarmupLevel.NONE:
         return []
-    programs = shape.decode_programs()
+    programs = shape.decode_programs() + (shape.verify_programs() if shape.speculates else [])
     if level is WarmupLevel.ALL:
         programs += shape.prefill_programs()
     programs.sort(key=first_request_key)
