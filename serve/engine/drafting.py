@@ -4,8 +4,9 @@ The draft model has pools of its own (KDA states by slot, latent KV addressed th
 tables: the same block ids in a pool of its own), and its cache only ever holds real tokens. To draft k
 tokens for a request whose target has computed n tokens and sampled the next, it first runs the tokens its
 cache lacks (the sampled one, and the drafts the target accepted last step) as one prefill-like chunk, whose
-last logits give the first draft, then k - 1 greedy steps in one program that carries its KDA states through
-the steps without writing them back: so nothing is rolled back, the next step starts from real tokens again.
+last logits give the first draft, then greedy steps in one program (always the engine's most drafts less
+one, cut to k) that carries its KDA states through the steps without writing them back: so nothing is rolled
+back, the next step starts from real tokens again.
 The KV those k - 1 steps write lies beyond the request's length (a position without a block writes into the
 scratch block), where the next catch-up writes over it. Drafts are greedy (a point mass), which the target's
 rejection sampling takes for any temperature.
