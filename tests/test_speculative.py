@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from oracles import FullPass, assert_matches_full_pass, log_softmax
 from scipy import stats
 
-from jaxhybrid.cache import kda_state_bytes
+from jaxhybrid.cache import kda_state_bytes, mla_kv_bytes
 from jaxhybrid.config import load_config
-from jaxhybrid.model import HybridLM
+from jaxhybrid.model import HybridLM, held_bytes
 from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_windows
 from jaxhybrid.ops.kda import kda_recurrent, kda_recurrent_states
 from serve.engine.config import ProgramShape
@@ -401,6 +401,11 @@ def test_a_draft_model_changes_no_token(model, full_pass):
             assert_matches_full_pass(full_pass, p, r.token_ids, r.logprobs)
         stats = got[0].stats
         assert stats["drafted_tokens"] > 0
+        # the draft's weights and pools: its states for 4 slots, its latent KV for the engine's blocks
+        cfg = draft.config
+        pools = 4 * kda_state_bytes(cfg, jnp.float32)["total"]
+        pools += eng.shape.num_blocks * mla_kv_bytes(cfg, 8, jnp.float32)
+        assert eng.memory()["draft_model_bytes"] == held_bytes(draft) + pools
         if draft is model and num_blocks is None:
             assert stats["accepted_tokens"] == stats["drafted_tokens"] >= 12  # 19 tokens in windows of 5
         if num_blocks:

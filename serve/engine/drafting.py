@@ -105,6 +105,11 @@ class DraftModel:
         self.shape = shape
         self._progress: dict[int, _Progress] = {}  # by slot: what the draft's cache holds for its request
 
+    def held_bytes(self) -> int:
+        """Bytes the draft model holds: its weights and its pools."""
+        arrays = jax.tree.leaves((self.runner.params, self.runner.pools))
+        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays)
+
     def propose(self, req: Any, k: int) -> list[int]:
         view = self._catch_up_view(req)
         logits = None

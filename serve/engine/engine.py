@@ -54,7 +54,7 @@ from serve.prefix.store import PrefixStore
 log = logging.getLogger("jaxhybrid.engine")
 
 
-def draft_source(model: HybridLM, target: ModelConfig, shape: EngineShape) -> DraftSource:
+def draft_source(model: HybridLM, target: ModelConfig, shape: EngineShape) -> Any:
     """The draft model's `DraftSource` for an engine of `shape` (its vocabulary must be the target's)."""
     from serve.engine.drafting import DraftModel
 
@@ -224,6 +224,7 @@ class Accounts:
     shape: EngineShape
     speculation: SpeculationStats
     model_bytes: int
+    draft: Any  # the draft model's DraftModel, or None
 
     # views for callers that inspect (tests, benchmarks)
     @property
@@ -263,7 +264,10 @@ class Accounts:
 
     def memory(self) -> dict[str, Any]:
         """Bytes held by the engine: KV blocks (used/free), live KDA states, and per running request."""
-        return {**self.pools.memory(self.running, self.scheduler.memory_of), "model_bytes": self.model_bytes}
+        out = {**self.pools.memory(self.running, self.scheduler.memory_of), "model_bytes": self.model_bytes}
+        if self.draft is not None:
+            out["draft_model_bytes"] = self.draft.held_bytes()  # its weights and its own pools
+        return out
 
 
 class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
@@ -305,12 +309,11 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         eos = self.model_config.eos_token_id
         self.step_costs = step_costs or StepCosts()
         self.has_draft_model = draft_model is not None or drafter is not None  # (a drafter drafts for all)
+        self.draft = None if draft_model is None else draft_source(draft_model, self.model_config, self.shape)
         if drafter is None:
             drafter = Drafters({DraftMethod.NGRAM: PromptLookup()})
-            if draft_model is not None:
-                drafter.by_method[DraftMethod.DRAFT] = draft_source(
-                    draft_model, self.model_config, self.shape
-                )
+            if self.draft is not None:
+                drafter.by_method[DraftMethod.DRAFT] = self.draft
         if config.speculative.method is DraftMethod.DRAFT and not self.has_draft_model:
             raise ValueError("speculative method 'draft' needs a draft model")
         self.scheduler = Scheduler(
