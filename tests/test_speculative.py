@@ -311,7 +311,7 @@ def test_drafts_that_do_not_pay_are_not_verified(model):
         step_costs=ThreeTimes(retry=1000),
     )
     assert eng.generate([p], greedy(40))[0].token_ids == want
-    assert 2 <= eng.speculation.steps <= 4 < drafter.proposed
+    assert 2 <= eng.speculation.windows <= 4 < drafter.proposed
 
 
 def test_the_warm_up_compiles_the_verify_programs_a_step_then_finds(model):
@@ -333,7 +333,7 @@ def test_the_warm_up_compiles_the_verify_programs_a_step_then_finds(model):
         eng.compile_program(x)
     before = eng.compiled_programs()
     assert eng.generate([p], greedy(12, None))[0].token_ids == want[0].token_ids
-    assert eng.speculation.steps > 0 and eng.compiled_programs() == before
+    assert eng.speculation.windows > 0 and eng.compiled_programs() == before
 
 
 def test_settings_are_checked():

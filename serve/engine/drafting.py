@@ -71,10 +71,6 @@ def _ahead(graphdef: Any, layer_types: tuple[str, ...], steps: int) -> Any:
 class DraftRunner(Runner):
     """The draft model's pools and programs: the runner's, and the run-ahead of greedy steps."""
 
-    def __init__(self, model: HybridLM, shape: EngineShape):
-        super().__init__(model, shape)
-        self._graphdef = nnx.split(model)[0]
-
     def run_ahead(self, view: _View, first: int, steps: int) -> list[int]:
         """`steps` greedy tokens after `first` (at position view.num_computed), leaving the KDA pools as they
         were."""
@@ -86,13 +82,10 @@ class DraftRunner(Runner):
         table = np.zeros((1, width), np.int32)
         table[0, : min(len(view.blocks), width)] = view.blocks[:width]
         kda, mla = self._split_pools()
-        fn = _ahead(self._graphdef, self.model_config.layer_types, steps)
+        fn = _ahead(self.graphdef, self.model_config.layer_types, steps)
         host = ([[first]], [view.slot], table, [view.num_computed], [1])
         out, mla = fn(self.params, kda, mla, *(jnp.asarray(np.asarray(a, np.int32)) for a in host))
-        kda_it, mla_it = iter(kda), iter(mla)
-        self.pools = tuple(
-            next(kda_it) if kind == "kda" else next(mla_it) for kind in self.model_config.layer_types
-        )
+        self._set_pools(kda, mla)
         return [int(t) for t in np.asarray(out)[0]]
 
 
@@ -119,8 +112,8 @@ class DraftModel:
             view.num_computed += n
         self._progress[req.slot] = _Progress(req.id, view.num_computed, self._held(view))
         first = int(np.asarray(jnp.argmax(logits[0])))
-        if k <= 1:
-            return [first][:k]
+        if k == 1:
+            return [first]
         # always the engine's most drafts less one: one program per block-table width, whatever k is now
         ahead = self.runner.run_ahead(view, first, self.shape.speculative_tokens - 1)
         return [first, *ahead[: k - 1]]

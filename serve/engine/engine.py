@@ -254,13 +254,7 @@ class Accounts:
     def speculation_stats(self) -> dict[str, Any]:
         """Speculative decoding so far: windows verified (steps of a request with drafts), drafted and
         accepted tokens, accepted drafts per window."""
-        s = self.speculation
-        return {
-            "windows": s.steps,
-            "drafted": s.drafted,
-            "accepted": s.accepted,
-            "mean_accepted": s.mean_accepted,
-        }
+        return {**dataclasses.asdict(self.speculation), "mean_accepted": self.speculation.mean_accepted}
 
     def memory(self) -> dict[str, Any]:
         """Bytes held by the engine: KV blocks (used/free), live KDA states, and per running request."""
@@ -461,14 +455,8 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         dt = self.clock() - t0
         self.step_costs.observe(False, self.shape.decode_rows(len(reqs)), dt)
         for req, token, logp in zip(reqs, ids, logps, strict=True):
-            req.num_computed += 1
             req.decode_time += dt
-            try:
-                if self.store is not None:
-                    self.store.on_computed(req, self.runner)
-                self._append(req, int(token), float(logp), outputs)
-            except Exception as exc:  # noqa: BLE001 - e.g. a checkpoint that could not be kept
-                self._fail(req, exc, outputs)
+            self._take(req, [int(token)], [float(logp)], outputs)
 
     def _verify(
         self, reqs: list[Request], drafts: list[list[int]], outputs: dict[str, RequestOutput]
@@ -487,16 +475,25 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
                 req.drafting.record(len(drafts[i]), accepted)
                 req.speculation.add(len(drafts[i]), accepted)
                 self.speculation.add(len(drafts[i]), accepted)
-            try:
-                for j in range(accepted + 1):
-                    req.num_computed += 1
-                    if self.store is not None:
-                        self.store.on_computed(req, self.runner)
-                    self._append(req, int(verified.tokens[i, j]), float(verified.logprobs[i, j]), outputs)
-                    if req.finished:
-                        break
-            except Exception as exc:  # noqa: BLE001 - e.g. a checkpoint that could not be kept
-                self._fail(req, exc, outputs)
+            tokens = [int(t) for t in verified.tokens[i, : accepted + 1]]
+            self._take(req, tokens, [float(x) for x in verified.logprobs[i, : accepted + 1]], outputs)
+
+    def _take(
+        self, req: Request, tokens: list[int], logprobs: list[float], outputs: dict[str, RequestOutput]
+    ) -> None:
+        """`req` computed its next len(tokens) positions and sampled `tokens` after them: one at a time, the
+        prefix store sees each position and the token is appended (until the request ends). A failure here
+        is this request's alone (e.g. a checkpoint that could not be kept)."""
+        try:
+            for token, logprob in zip(tokens, logprobs, strict=True):
+                req.num_computed += 1
+                if self.store is not None:
+                    self.store.on_computed(req, self.runner)
+                self._append(req, token, logprob, outputs)
+                if req.finished:
+                    break
+        except Exception as exc:  # noqa: BLE001
+            self._fail(req, exc, outputs)
 
     def _prefill(self, jobs: list[PrefillJob], outputs: dict[str, RequestOutput]) -> None:
         """One program call for `jobs`; the requests whose prompt it finished sample their first token."""

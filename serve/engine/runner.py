@@ -254,6 +254,7 @@ class Runner(AheadOfTime):
         self.shape = shape
         self.model_config = cfg = model.config
         graphdef, state = nnx.split(model)
+        self.graphdef = graphdef  # the model's static structure (a subclass's programs merge it too)
         # plain nested dicts of arrays: a call flattens them in C++, where a State of nnx Variables is
         # flattened in Python, one Variable at a time (about 1 ms a decode step for `small`'s 286 arrays)
         self.params = state.to_pure_dict()
@@ -337,16 +338,21 @@ class Runner(AheadOfTime):
         """Call the model program `fn` (jitted function, its parameters) compiled for `program` on the host
         arrays (tokens, slot ids, block tables, start, valid) and `extra` device arguments; write the rows'
         states and take the new pools. Returns the program's first output."""
-        kinds = self.model_config.layer_types
         kda, mla = self._split_pools()
         # int32 on the host: no conversion on the device
         tokens_, slots, tables_, start_, valid_ = (jnp.asarray(np.asarray(a, np.int32)) for a in host)
         inputs = (*fn, kda, mla, tokens_, slots, tables_, start_, valid_, *extra)
         run, write_rows = self._compiled_program(program, inputs)
         out, rows, mla = run(*inputs[1:])
-        kda_it, mla_it = iter(write_rows(kda, slots, rows)), iter(mla)
-        self.pools = tuple(next(kda_it) if kind == "kda" else next(mla_it) for kind in kinds)
+        self._set_pools(write_rows(kda, slots, rows), mla)
         return out
+
+    def _set_pools(self, kda: tuple[Any, ...], mla: tuple[Any, ...]) -> None:
+        """The engine's pools from the KDA and the MLA pools (`_split_pools`' inverse), in layer order."""
+        kda_it, mla_it = iter(kda), iter(mla)
+        self.pools = tuple(
+            next(kda_it) if kind == "kda" else next(mla_it) for kind in self.model_config.layer_types
+        )
 
     def _compiled_program(self, program: ProgramShape, inputs: tuple[Any, ...]) -> tuple[Any, Any]:
         """(model program, rows' write) compiled for `program`; `inputs`: the jitted model function, then

@@ -3,7 +3,7 @@
 A decode row may carry up to k tokens drafted to follow its last sampled one; the runner's `verify` program
 checks them all in one call (`serve.engine.sampling.verify`) and leaves the row's KDA state, conv window and
 latent KV as if it had decoded only the tokens that stand. The scheduler decides how many a row may draft
-(`draft_limit`): never past a position where the prefix store checkpoints, past max_tokens, or into blocks
+(`DraftPlanner`): never past a position where the prefix store checkpoints, past max_tokens, or into blocks
 it would have to evict or preempt for; and drafts stop before a stop token. So every event that reads a
 row's state (a checkpoint, the end of a sequence) falls at the end of its verified window, whose state is
 the one written.
@@ -21,6 +21,9 @@ from typing import Any, Protocol
 # The most drafted tokens a step may verify per row: its program's length - 1, so that a verified window
 # attends as a decode step does (`jaxhybrid.layers.mla.ABSORBED_MAX_TOKENS`).
 MAX_SPECULATIVE_TOKENS = 15
+
+
+FIRST_PAUSE = 8  # the steps a request stops drafting for the first time its drafts stop paying
 
 
 class DraftMethod(enum.StrEnum):
@@ -255,7 +258,7 @@ class AdaptiveK:
     k: int = 0
     rate: float = 1.0
     paused: int = 0
-    pause: int = 8
+    pause: int = FIRST_PAUSE
     floor: float = 0.25
     longest_pause: int = 256
 
@@ -278,23 +281,23 @@ class AdaptiveK:
             self.paused, self.rate = self.pause, self.floor
             self.pause = min(2 * self.pause, self.longest_pause)
         elif accepted:
-            self.pause = 8
+            self.pause = FIRST_PAUSE
 
 
 @dataclasses.dataclass
 class SpeculationStats:
-    """A request's (or an engine's) drafting so far: verify steps, drafted and accepted tokens."""
+    """A request's (or an engine's) drafting so far: verified windows, drafted and accepted tokens."""
 
-    steps: int = 0
+    windows: int = 0  # steps of a request that carried drafts
     drafted: int = 0
     accepted: int = 0
 
     def add(self, drafted: int, accepted: int) -> None:
-        self.steps += 1
+        self.windows += 1
         self.drafted += drafted
         self.accepted += accepted
 
     @property
     def mean_accepted(self) -> float:
         """Accepted drafts per verify step (the tokens a step gave beyond one)."""
-        return self.accepted / self.steps if self.steps else 0.0
+        return self.accepted / self.windows if self.windows else 0.0
