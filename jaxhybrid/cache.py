@@ -94,12 +94,36 @@ def init_cache(
     return tuple(out)
 
 
-def kda_state_bytes(cfg: ModelConfig, dtype: jnp.dtype = jnp.bfloat16) -> dict[str, int]:
-    """Bytes of one sequence's live KDA state over all KDA layers (recurrent fp32 + conv in `dtype`)."""
-    itemsize = np.dtype(dtype).itemsize
-    recurrent = cfg.num_kda_layers * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
-    conv = cfg.num_kda_layers * 3 * cfg.kda_proj_dim * (cfg.short_conv_kernel_size - 1) * itemsize
+def kda_state_bytes(
+    cfg: ModelConfig, dtype: jnp.dtype = jnp.bfloat16, checkpoint_dtype: jnp.dtype | None = None
+) -> dict[str, int]:
+    """Bytes of one sequence's live KDA state over all KDA layers (recurrent fp32 + conv in `dtype`); with
+    `checkpoint_dtype`, of a state checkpoint kept at that precision (`narrowed`)."""
+    conv_dtype, state_dtype = np.dtype(dtype), np.dtype(np.float32)
+    if checkpoint_dtype is not None:
+        conv_dtype, state_dtype = (
+            narrowed(conv_dtype, checkpoint_dtype),
+            narrowed(state_dtype, checkpoint_dtype),
+        )
+    recurrent = cfg.num_kda_layers * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim
+    conv = cfg.num_kda_layers * 3 * cfg.kda_proj_dim * (cfg.short_conv_kernel_size - 1)
+    recurrent, conv = recurrent * state_dtype.itemsize, conv * conv_dtype.itemsize
     return {"recurrent": recurrent, "conv": conv, "total": recurrent + conv}
+
+
+# What a state checkpoint may be kept in (`--checkpoint-dtype`): float32 keeps it exact; bfloat16 halves the
+# recurrent state's bytes (and an fp32 conv window's) at the cost of a rounding on resume.
+CHECKPOINT_DTYPES = ("float32", "bfloat16")
+
+
+def narrowed(dtype: jnp.dtype, checkpoint_dtype: jnp.dtype | str | None) -> np.dtype:
+    """The dtype an array of `dtype` is kept in by a checkpoint of `checkpoint_dtype`: that one where it is
+    narrower, else its own (a checkpoint never widens what it copies)."""
+    dtype = np.dtype(dtype)
+    if checkpoint_dtype is None:
+        return dtype
+    ck = np.dtype(checkpoint_dtype)
+    return ck if ck.itemsize < dtype.itemsize else dtype
 
 
 def mla_kv_bytes(cfg: ModelConfig, tokens: int, dtype: jnp.dtype = jnp.bfloat16) -> int:
@@ -139,15 +163,20 @@ class CheckpointBytes:
 
     @classmethod
     def at(
-        cls, cfg: ModelConfig, positions: Iterable[int], block_size: int, dtype: jnp.dtype = jnp.bfloat16
+        cls,
+        cfg: ModelConfig,
+        positions: Iterable[int],
+        block_size: int,
+        dtype: jnp.dtype = jnp.bfloat16,
+        checkpoint_dtype: jnp.dtype | None = None,
     ) -> CheckpointBytes:
-        """Checkpoints at `positions` with KV blocks of `block_size` tokens."""
+        """Checkpoints at `positions` with KV blocks of `block_size` tokens (states in `checkpoint_dtype`)."""
         positions = list(positions)
         tails = sum(1 for p in positions if p % block_size)
         return cls(
             count=len(positions),
             tails=tails,
-            state_bytes=len(positions) * kda_state_bytes(cfg, dtype)["total"],
+            state_bytes=len(positions) * kda_state_bytes(cfg, dtype, checkpoint_dtype)["total"],
             tail_kv_bytes=tails * mla_kv_bytes(cfg, block_size, dtype),
         )
 
@@ -159,18 +188,21 @@ def memory_report(
     dtype: jnp.dtype = jnp.bfloat16,
     hbm_bytes: int | None = None,
     checkpoints: CheckpointBytes | None = None,
+    checkpoint_dtype: jnp.dtype | None = None,
 ) -> dict[str, int | float | None]:
     """The analytic per-sequence ledger at `context` tokens: MLA KV, KDA live state, state checkpoints every
-    `interval` tokens (floor(context / interval) of them, states only), against an all-MLA model of the same
-    depth. `checkpoints`: what is held instead (e.g. a chat's every kind, `serve.prefix.ledger`)."""
+    `interval` tokens (floor(context / interval) of them, states only, kept in `checkpoint_dtype`), against
+    an all-MLA model of the same depth. `checkpoints`: what is held instead (e.g. a chat's every kind,
+    `serve.prefix.ledger`)."""
     if context < 1:
         raise ValueError(f"context must be positive, got {context}")
     if interval is not None and interval < 1:
         raise ValueError(f"interval must be positive, got {interval}")
     per = cache_bytes_per_sequence(cfg, context, dtype)
+    ck_state = kda_state_bytes(cfg, dtype, checkpoint_dtype)
     if checkpoints is None:
         n = context // interval if interval else 0
-        checkpoints = CheckpointBytes(n, 0, n * per["state_bytes"], 0)
+        checkpoints = CheckpointBytes(n, 0, n * ck_state["total"], 0)
     num_checkpoints, checkpoint_bytes = checkpoints.count, checkpoints.nbytes
     all_mla = cfg.num_hidden_layers * context * cfg.latent_dim * np.dtype(dtype).itemsize
     total = per["kv_bytes"] + per["state_bytes"] + checkpoint_bytes
@@ -185,7 +217,8 @@ def memory_report(
         "conv_state_bytes": per["conv_state_bytes"],
         "num_checkpoints": num_checkpoints,
         "checkpoint_bytes": checkpoint_bytes,
-        "checkpoint_recurrent_bytes": num_checkpoints * per["recurrent_state_bytes"],
+        "checkpoint_dtype": narrowed(np.float32, checkpoint_dtype).name,
+        "checkpoint_recurrent_bytes": num_checkpoints * ck_state["recurrent"],
         "checkpoint_tail_kv_bytes": checkpoints.tail_kv_bytes,
         "total_bytes": total,
         "all_mla_kv_bytes": all_mla,
@@ -227,6 +260,7 @@ def layout_report(
     interval: int | None,
     dtype: jnp.dtype = jnp.bfloat16,
     hbm_bytes: int | None = None,
+    checkpoint_dtype: jnp.dtype | None = None,
 ) -> list[dict[str, int | float | str | None]]:
     """`memory_report` for the config's own layout and each of LAYOUTS at each context: the per-sequence
     bytes of the same depth and widths with every KDA:MLA mix, with and without state checkpoints every
@@ -236,7 +270,9 @@ def layout_report(
     variants += [(name, with_layout(cfg, ratio)) for name, ratio in LAYOUTS]
     for name, variant in variants:
         for context in contexts:
-            rep = memory_report(variant, context, interval, dtype, hbm_bytes)
+            rep = memory_report(
+                variant, context, interval, dtype, hbm_bytes, checkpoint_dtype=checkpoint_dtype
+            )
             rows.append(
                 {
                     "layout": name,

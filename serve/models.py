@@ -54,6 +54,19 @@ class DtypeChoice:
         return f"{self.dtype} ({self.reason})"
 
 
+def add_checkpoint_dtype_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    from jaxhybrid.cache import CHECKPOINT_DTYPES
+
+    p.add_argument(
+        "--checkpoint-dtype",
+        choices=CHECKPOINT_DTYPES,
+        default="float32",
+        help="precision of the KDA state (and conv window) in prefix-store checkpoints, in every tier: "
+        "float32 resumes exactly (default); bfloat16 halves a checkpoint's recurrent state and rounds it "
+        "once on resume (BENCHMARKS.md: 'Checkpoints in bfloat16' says what that changes)",
+    )
+
+
 def checkpoint_dir(source: str | None) -> Path | None:
     """The checkpoint directory `source` names (a directory with weights, or its config.json), else None."""
     if not source:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, NamedSharding
 
+from jaxhybrid.cache import kda_state_bytes, narrowed
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.scan import layout_of
 from serve.engine.config import EngineConfig, EngineShape, scan_mode
@@ -64,6 +65,7 @@ class PlanRequest:
     prefill_chunk: int = 512
     checkpoint_interval: int = 0  # 0: no state checkpoints
     device_cache_bytes: int | None = None  # cap on checkpoint bytes on the device (None: every sequence's)
+    checkpoint_dtype: str = "float32"  # what the checkpoints keep the states in (`--checkpoint-dtype`)
     scan_layers: str = "auto"
     mesh: dict[str, int] | None = None  # only this replica mesh (expert, tensor)
 
@@ -248,20 +250,29 @@ class Planner:
         )
         return EngineShape.resolve(config, self.cfg)
 
-    def pool_bytes(self, shape: EngineShape, mesh: AbstractMesh) -> tuple[int, int]:
-        """(KV pool, KDA state pools) bytes one device holds of the engine's pools."""
+    def pool_bytes(
+        self, shape: EngineShape, mesh: AbstractMesh, checkpoint_dtype: str = "float32"
+    ) -> tuple[int, int]:
+        """(KV pool, KDA state pools) bytes one device holds of the engine's pools; the states kept in
+        `checkpoint_dtype` (a checkpoint's copy of them)."""
         key = (shape.slots, shape.num_blocks, shape.block_size, shape.kv_dtype.name, tuple(mesh.axis_sizes))
+        key += (checkpoint_dtype,)
         if key not in self._pools:
-            self._pools[key] = self._pool_bytes(shape, mesh)
+            self._pools[key] = self._pool_bytes(shape, mesh, checkpoint_dtype)
         return self._pools[key]
 
-    def _pool_bytes(self, shape: EngineShape, mesh: AbstractMesh) -> tuple[int, int]:
+    def _pool_bytes(self, shape: EngineShape, mesh: AbstractMesh, checkpoint_dtype: str) -> tuple[int, int]:
         structs = jax.eval_shape(lambda: empty_pools(self.cfg, shape))
+        narrow = lambda s: jax.ShapeDtypeStruct(s.shape, narrowed(s.dtype, checkpoint_dtype))  # noqa: E731
         shardings = pool_shardings(
             self.cfg, mesh, slots=shape.slots, num_blocks=shape.num_blocks, block_size=shape.block_size
         )
         kinds = self.cfg.layer_types
-        kda = [(s, sh) for k, s, sh in zip(kinds, structs, shardings, strict=True) if k == "kda"]
+        kda = [
+            (jax.tree.map(narrow, s), sh)
+            for k, s, sh in zip(kinds, structs, shardings, strict=True)
+            if k == "kda"
+        ]
         mla = [(s, sh) for k, s, sh in zip(kinds, structs, shardings, strict=True) if k != "kda"]
         return (
             tree_shard_nbytes([s for s, _ in mla], [sh for _, sh in mla]),
@@ -283,11 +294,13 @@ class Planner:
         shape = self.engine_shape(req, slots)
         kv, states = self.pool_bytes(shape, mesh)
         checkpoints = 0
+        checkpoint_bytes = kda_state_bytes(self.cfg, shape.kv_dtype, req.checkpoint_dtype)["total"]
         if req.checkpoint_interval:
             checkpoints = slots * (req.context // req.checkpoint_interval)
             if req.device_cache_bytes is not None:
-                checkpoints = min(checkpoints, req.device_cache_bytes // shape.state_bytes)
-        one_slot = self.pool_bytes(self.engine_shape(req, 1), mesh)[1]  # a checkpoint: one slot, not split
+                checkpoints = min(checkpoints, req.device_cache_bytes // checkpoint_bytes)
+        # a checkpoint: one slot's states, not split, in the checkpoints' dtype
+        one_slot = self.pool_bytes(self.engine_shape(req, 1), mesh, req.checkpoint_dtype)[1]
         rows = DeviceBytes(
             experts=weights.experts,
             other_weights=weights.other,
@@ -297,7 +310,7 @@ class Planner:
             checkpoints=checkpoints * one_slot,
             activations=activation_bytes(self.cfg, mesh, shape, self.shapes(req.dtype, req.packed).packed),
         )
-        return rows, shape, checkpoints, checkpoints * shape.state_bytes
+        return rows, shape, checkpoints, checkpoints * checkpoint_bytes
 
     def mesh_plan(self, req: PlanRequest, tensor: int, expert: int, slots: int) -> MeshPlan:
         """The bytes per device of `slots` sequences on a replica of (expert, tensor), fitting or not."""

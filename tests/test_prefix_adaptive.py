@@ -30,11 +30,12 @@ def full_pass(model):
     return FullPass(model)
 
 
-def engine(model, policy, interval=1024, **kw):
+def engine(model, policy, interval=1024, prefill_chunk=32, **kw):
     prefix = PrefixStoreConfig(checkpoint_policy=policy, checkpoint_interval=interval, **kw)
-    return Engine(
-        model, EngineConfig(max_slots=4, block_size=BS, prefill_chunk=32, max_model_len=256, prefix=prefix)
+    config = EngineConfig(
+        max_slots=4, block_size=BS, prefill_chunk=prefill_chunk, max_model_len=256, prefix=prefix
     )
+    return Engine(model, config)
 
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=True)
@@ -71,16 +72,18 @@ def test_requests_that_wait_together_compute_a_shared_prefix_once(model, full_pa
 
 
 def test_a_prompt_that_leaves_cached_blocks_checkpoints_its_junction(model, full_pass):
-    """One after another, three prompts behind the same 75-token prefix: the second finds the first's
-    blocks (9 full ones, 72 tokens) but no state there, computes from 0 and checkpoints at 72 (a junction);
-    the third resumes at 72. With the fixed policy the third computes everything again."""
+    """One after another, three prompts behind the same 75-token prefix: the second finds the first's blocks
+    but no state there. With the adaptive policy the first's blocks were indexed with their tokens, so the
+    second sees the shared part end at token 75 (inside the tenth block), computes from 0 and checkpoints
+    there (a junction); the third resumes at 75. With the fixed policy only the 9 full blocks (72 tokens)
+    match, and the third computes everything again."""
     prompts = prompts_sharing(75, 6, 3, seed=1)
-    for policy, third_hit in (("fixed", 0), ("adaptive", 72)):
+    for policy, shared, third_hit in (("fixed", 72, 0), ("adaptive", 75, 75)):
         eng = engine(model, policy)
         results = [eng.generate([p], GREEDY)[0] for p in prompts]
         assert [r.stats["prefix_hit_tokens"] for r in results] == [0, 0, third_hit]
         assert results[2].stats["prefill_tokens_computed"] == 81 - third_hit
-        assert results[1].stats["recomputed_tokens"] == 72  # matched 72 cached tokens, resumed from none
+        assert results[1].stats["recomputed_tokens"] == shared  # matched cached tokens, resumed from none
         junctions = eng.ledger()["checkpoints_by_kind"]["junction"]["device"]
         assert junctions == (1 if policy == "adaptive" else 0)
         for prompt, res in zip(prompts, results, strict=True):
@@ -185,3 +188,20 @@ def test_adaptive_decode_hashes_each_block_once(model, monkeypatch):
     eng.generate([prompt], SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
     blocks = (len(prompt) + new) // bs
     assert len(calls) <= 2 * blocks + 8, len(calls)
+
+
+def test_a_prefill_chunk_ending_on_a_checkpoint_still_indexes_its_blocks_tails(model, full_pass):
+    """A 32-token prompt whose every prefill chunk ends on a checkpoint (interval 16: at 16 and at 32, its
+    end) still records each full block's tokens, so a prompt leaving it at token 20, inside a block, finds the
+    exact token: it is cut and checkpointed there (a junction at 20, not the block boundary 16), and the next
+    prompt leaving at 20 resumes at 20."""
+    rng = np.random.default_rng(7)
+    first = rng.integers(3, 400, 32).tolist()
+    second = first[:20] + rng.integers(400, 450, 6).tolist()
+    third = first[:20] + rng.integers(450, 500, 6).tolist()
+    eng = engine(model, "adaptive", interval=16, prefill_chunk=16)
+    results = [eng.generate([p], GREEDY)[0] for p in (first, second, third)]
+    assert [r.stats["prefix_hit_tokens"] for r in results] == [0, 16, 20]
+    assert eng.ledger()["checkpoints_by_kind"]["junction"]["device"] == 1
+    for prompt, res in zip((first, second, third), results, strict=True):
+        assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)

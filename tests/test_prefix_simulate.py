@@ -40,6 +40,9 @@ CASES = {
     "ends + interval 8, budgets that demote and drop": dict(
         checkpoint_interval=8, device_bytes=25_000, host_bytes=45_000
     ),
+    "ends + interval 8 in bfloat16, budgets that demote and drop": dict(
+        checkpoint_interval=8, device_bytes=12_500, host_bytes=22_500, checkpoint_dtype="bfloat16"
+    ),
 }
 
 

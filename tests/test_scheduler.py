@@ -36,6 +36,7 @@ def shape(slots=2, num_blocks=64, chunk=8, budget=None, max_len=256, bs=BS, rows
         kv_dtype=jnp.dtype("float32"),
         block_bytes=100,
         state_bytes=1000,
+        checkpoint_bytes=1000,
         buckets=prefill_buckets(chunk),
         table_buckets=table_buckets(max_len // bs),
         decode_buckets=decode_buckets(slots),

@@ -41,6 +41,7 @@ from typing import Any
 
 from serve.bench.common import add_out_arg, compile_watch, emit, environment
 from serve.bench.workloads import FAMILIES, Replay, Workload, replay
+from serve.models import add_checkpoint_dtype_arg
 from serve.report import fmt_bytes, print_table
 
 HOST_CACHE_MB = 4096.0  # --host-cache-mb without --budgets (with them: 0, the budget is all there is)
@@ -117,7 +118,7 @@ def settings(args: argparse.Namespace) -> list[Setting]:
     evictions = args.eviction.split(",") if args.eviction else [None]
     out = [Setting("off", "off")]
     for budget in budgets(args) or [None]:
-        mem = memory(args, budget)
+        mem = {**memory(args, budget), "checkpoint_dtype": args.checkpoint_dtype}
         for eviction in evictions if "fixed" in policies else []:
             tag = f" ({eviction})" if len(evictions) > 1 else ""  # None: the policy's own (lru), as serve
             for at_ends, spacing in ((False, intervals), (True, ends)):
@@ -411,6 +412,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "prefix", help="seeded workload replays over prefix-store settings and budgets", description=__doc__
     )
     p.add_argument("--config", default="tiny", help="config name or path (default tiny)")
+    add_checkpoint_dtype_arg(p)
     p.add_argument(
         "--workload",
         default="chat",

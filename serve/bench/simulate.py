@@ -216,7 +216,7 @@ class SimEngine:
                 config.prefix,
                 block_size=shape.block_size,
                 block_bytes=shape.block_bytes,
-                state_bytes=shape.state_bytes,
+                state_bytes=shape.checkpoint_bytes,
                 fingerprint=hashlib.sha256(f"simulated:{cfg.name}".encode()).digest(),
                 allocator=self.allocator,
             )

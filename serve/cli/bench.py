@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from serve.bench import (
+    checkpoint_dtype,
     compare,
     decode,
     load,
@@ -19,7 +20,21 @@ from serve.bench import (
     ttft,
 )
 
-BENCHES = (decode, load, ttft, mesh, prefix, throughput, slots, serve, reference, quant, compare, speculative)
+BENCHES = (
+    decode,
+    load,
+    ttft,
+    mesh,
+    prefix,
+    throughput,
+    slots,
+    serve,
+    reference,
+    quant,
+    compare,
+    speculative,
+    checkpoint_dtype,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

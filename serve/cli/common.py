@@ -24,6 +24,7 @@ def add_config_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
 def add_prefix_args(p: argparse.ArgumentParser) -> None:
     """Prefix-store flags shared by `generate` and `serve` (the prefix cache is on by default); defaults are
     PrefixStoreConfig's."""
+    from serve.models import add_checkpoint_dtype_arg
     from serve.prefix.store import PrefixStoreConfig
 
     default = PrefixStoreConfig()
@@ -52,6 +53,7 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="checkpoint eviction order (default: lru with --checkpoint-policy fixed, value with adaptive)",
     )
+    add_checkpoint_dtype_arg(g)
     g.add_argument(
         "--no-prompt-end-checkpoints",
         action="store_true",
@@ -101,6 +103,7 @@ def prefix_config(args: argparse.Namespace):  # -> PrefixStoreConfig | None
         disk_bytes=int(args.disk_cache_mb * 2**20),
         checkpoint_interval=args.checkpoint_interval,
         checkpoint_policy=args.checkpoint_policy,
+        checkpoint_dtype=args.checkpoint_dtype,
         eviction=args.eviction,
         prompt_end_checkpoints=not args.no_prompt_end_checkpoints,
         sequence_end_checkpoints=not args.no_sequence_end_checkpoints,

@@ -7,6 +7,7 @@ import json
 import sys
 
 from serve.cli.common import add_config_arg
+from serve.models import add_checkpoint_dtype_arg
 from serve.report import DTYPES, fmt_bytes
 
 # the --turns rows: ledger kind, name, what follows the count ({every}: the interval)
@@ -44,7 +45,15 @@ def run(args: argparse.Namespace) -> int:
         elif args.context is None:
             raise ValueError("--context is required (or --turns, or --ratios with --contexts)")
         else:
-            rep = memory_report(cfg, args.context, args.interval or None, jnp.dtype(args.dtype), hbm)
+            rep = memory_report(
+                cfg,
+                args.context,
+                args.interval or None,
+                jnp.dtype(args.dtype),
+                hbm,
+                None,
+                args.checkpoint_dtype,
+            )
     except (ConfigError, CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -55,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     gb = lambda n: f"{n / 1e9:,.2f} GB"
     print(
         f"{cfg.name}: {cfg.num_kda_layers} KDA + {cfg.num_mla_layers} MLA layers, context {rep['context']:,} "
-        f"tokens, KV dtype {choice.describe()}, as `serve` would allocate it (recurrent state fp32)"
+        f"tokens, KV dtype {choice.describe()}, as `serve` would allocate it (recurrent state fp32, "
+        f"checkpoints in {rep['checkpoint_dtype']})"
     )
     every = f"every {args.interval or '-'} tokens"
     if "chat" in rep:
@@ -118,7 +128,7 @@ def _chat_report(cfg, args: argparse.Namespace, hbm: int | None) -> dict:
         prompt_end=not args.no_prompt_end_checkpoints,
         sequence_end=not args.no_sequence_end_checkpoints,
     )
-    return chat_report(cfg, chat, policy, jnp.dtype(args.dtype), hbm)
+    return chat_report(cfg, chat, policy, jnp.dtype(args.dtype), hbm, args.checkpoint_dtype)
 
 
 def _ratios(cfg, args: argparse.Namespace, hbm: int | None) -> int:
@@ -131,14 +141,15 @@ def _ratios(cfg, args: argparse.Namespace, hbm: int | None) -> int:
     contexts = positive_ints(args.contexts, "--contexts")
     if args.context is not None:
         contexts = sorted({*contexts, args.context})
-    rows = layout_report(cfg, contexts, args.interval, jnp.dtype(args.dtype), hbm)
+    rows = layout_report(cfg, contexts, args.interval, jnp.dtype(args.dtype), hbm, args.checkpoint_dtype)
     if args.json:
         dtype = {"dtype": args.dtype, "dtype_reason": args.dtype_reason}
         print(json.dumps({"config": cfg.name, "interval": args.interval, **dtype, "layouts": rows}))
         return 0
     print(
         f"{cfg.name}: {cfg.num_hidden_layers} layers as every KDA:MLA mix; per-sequence cache, KV dtype "
-        f"{args.dtype} ({args.dtype_reason}), checkpoints every {args.interval or '-'} tokens"
+        f"{args.dtype} ({args.dtype_reason}), checkpoints every {args.interval or '-'} tokens in "
+        f"{args.checkpoint_dtype}"
     )
     columns = ["layout", "kda", "mla", "context", "no_checkpoints", "with_checkpoints", "vs_all_MLA"]
     fit = "fit" if args.hbm is None else f"fit_{args.hbm:g}GB"
@@ -225,5 +236,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="accelerator memory in GB (1e9 bytes): report how many sequences of this length fit",
     )
+    add_checkpoint_dtype_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

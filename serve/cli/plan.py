@@ -12,6 +12,7 @@ from typing import Any
 
 from serve.cli.common import add_config_arg
 from serve.engine.config import engine_default
+from serve.models import add_checkpoint_dtype_arg
 from serve.report import DTYPES, print_table
 
 EXPERTS = ("packed", "dequantized")
@@ -86,7 +87,9 @@ def _print_plan(cfg: Any, plan: Any) -> None:
             if req.device_cache_bytes is None
             else f"device budget {req.device_cache_bytes:,} B"
         )
-        checkpoints = f"state checkpoints every {req.checkpoint_interval:,} tokens ({held})"
+        checkpoints = (
+            f"state checkpoints every {req.checkpoint_interval:,} tokens in {req.checkpoint_dtype} ({held})"
+        )
     print(
         f"{cfg.name}: {req.chips} chips of {req.hbm_bytes / 1e9:g} GB, context {req.context:,} tokens, "
         f"{req.dtype}, routed experts {experts}, {checkpoints}"
@@ -107,6 +110,8 @@ def _print_plan(cfg: Any, plan: Any) -> None:
         if req.checkpoint_interval:
             budget = m.device_cache_bytes / 2**20
             flags += f" --checkpoint-interval {req.checkpoint_interval} --device-cache-mb {budget:.0f}"
+            if req.checkpoint_dtype != "float32":
+                flags += f" --checkpoint-dtype {req.checkpoint_dtype}"
         else:
             flags += " --no-prefix-cache"
         print(f"  engine (each replica): {flags}")
@@ -158,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             prefill_chunk=args.prefill_chunk,
             device_cache_bytes=None if cache == "all" else int(float(cache) * 2**20),
+            checkpoint_dtype=args.checkpoint_dtype,
             scan_layers=args.scan_layers,
             mesh=None if args.mesh is None else parse_mesh_spec(args.mesh),
         )
@@ -232,6 +238,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the prefix store's device budget, MiB (default 1024, the engine's); 'all': room for every "
         "sequence's interval checkpoints (the plan prints the budget to set)",
     )
+    add_checkpoint_dtype_arg(g)
     g.add_argument("--no-prefix-cache", action="store_true", help="no state checkpoints")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

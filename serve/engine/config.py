@@ -147,6 +147,7 @@ class EngineShape:
     kv_dtype: jnp.dtype
     block_bytes: int  # latent KV of one block over all MLA layers
     state_bytes: int  # KDA states of one slot over all KDA layers
+    checkpoint_bytes: int  # those states as a prefix-store checkpoint keeps them (`checkpoint_dtype`)
     buckets: tuple[int, ...]  # prefill program lengths
     table_buckets: tuple[int, ...]  # block-table widths: a step reads what its longest sequence holds
     decode_buckets: tuple[int, ...]  # decode program rows: the running requests, not every slot
@@ -156,6 +157,7 @@ class EngineShape:
     tiered_compile: bool = False  # EngineConfig.tiered_compile
     speculative_tokens: int = 4  # the most drafted tokens a verify step carries per row
     speculates: bool = False  # requests speculate unless they say otherwise (the warm-up compiles `verify`)
+    checkpoint_dtype: str = "float32"  # PrefixStoreConfig.checkpoint_dtype
 
     def decode_rows(self, running: int) -> int:
         return next(b for b in self.decode_buckets if b >= running)
@@ -222,6 +224,7 @@ class EngineShape:
         config.validate()
         max_model_len = config.max_model_len or min(model.max_position_embeddings, 4096)
         kv_dtype = jnp.dtype(config.kv_dtype)
+        checkpoint_dtype = config.prefix.checkpoint_dtype if config.prefix is not None else "float32"
         block_bytes = config.block_size * model.latent_dim * kv_dtype.itemsize * model.num_mla_layers
         per_seq = math.ceil(max_model_len / config.block_size)
         if config.num_blocks is not None:
@@ -244,6 +247,7 @@ class EngineShape:
             kv_dtype=kv_dtype,
             block_bytes=block_bytes,
             state_bytes=kda_state_bytes(model, kv_dtype)["total"],
+            checkpoint_bytes=kda_state_bytes(model, kv_dtype, checkpoint_dtype)["total"],
             buckets=prefill_buckets(config.prefill_chunk),
             table_buckets=table_buckets(per_seq, math.ceil(MIN_TABLE_TOKENS / config.block_size)),
             decode_buckets=decode_buckets(config.max_slots),
@@ -253,4 +257,5 @@ class EngineShape:
             tiered_compile=config.tiered_compile,
             speculative_tokens=config.speculative.num_tokens,
             speculates=config.speculative.enabled,
+            checkpoint_dtype=checkpoint_dtype,
         )

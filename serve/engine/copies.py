@@ -9,13 +9,17 @@ from typing import Any
 
 import jax
 
-from jaxhybrid.cache import KDACache
+from jaxhybrid.cache import KDACache, narrowed
 
 
-@jax.jit
-def take(pools: tuple[Any, ...], slot: jax.Array, block: jax.Array) -> tuple[Any, Any]:
-    """Copies of one slot's KDA states and one block's latent KV (a checkpoint's content)."""
-    states = tuple((p.conv[slot], p.state[slot]) for p in pools if isinstance(p, KDACache))
+@functools.partial(jax.jit, static_argnums=(3,))
+def take(
+    pools: tuple[Any, ...], slot: jax.Array, block: jax.Array, dtype: str = "float32"
+) -> tuple[Any, Any]:
+    """Copies of one slot's KDA states (each array in `dtype` where that is narrower: `narrowed`) and one
+    block's latent KV (a checkpoint's content)."""
+    cast = lambda x: x.astype(narrowed(x.dtype, dtype))  # noqa: E731
+    states = tuple((cast(p.conv[slot]), cast(p.state[slot])) for p in pools if isinstance(p, KDACache))
     kv = tuple(p[block] for p in pools if not isinstance(p, KDACache))
     return states, kv
 
@@ -37,11 +41,13 @@ def put_blocks(pools: tuple[Any, ...], blocks: jax.Array, kv: tuple[Any, ...]) -
 def put(
     pools: tuple[Any, ...], slot: jax.Array, states: tuple[Any, ...], block: jax.Array, kv: tuple[Any, ...]
 ) -> tuple[Any, ...]:
-    """Restore a checkpoint: its states into `slot`, its partial block's KV into `block`."""
+    """Restore a checkpoint: its states into `slot` (in the pools' dtypes, whatever it was kept in), its
+    partial block's KV into `block`."""
     states_it, kv_it, out = iter(states), iter(kv), []
     for p in pools:
         if isinstance(p, KDACache):
             conv, state = next(states_it)
+            conv, state = conv.astype(p.conv.dtype), state.astype(p.state.dtype)
             out.append(KDACache(conv=p.conv.at[slot].set(conv), state=p.state.at[slot].set(state)))
         else:
             out.append(p.at[block].set(next(kv_it)))

@@ -34,6 +34,13 @@ def aligned_prefix(prefix: PrefixStoreConfig, block_size: int) -> PrefixStoreCon
     return aligned
 
 
+def disk_layout(shape: EngineShape) -> str:
+    """What the disk tier's entries are valid for besides the model: the block size, the KV dtype and (when
+    not exact) the checkpoints' dtype, so that an exact store never resumes from a rounded state."""
+    layout = f"bs{shape.block_size}-{shape.kv_dtype.name}"
+    return layout if shape.checkpoint_dtype == "float32" else f"{layout}-ck{shape.checkpoint_dtype}"
+
+
 class EnginePools:
     """See the module doc. `mesh`: the mesh the model is sharded over (the pools are laid out on it)."""
 
@@ -56,10 +63,10 @@ class EnginePools:
                 prefix,
                 block_size=shape.block_size,
                 block_bytes=shape.block_bytes,
-                state_bytes=shape.state_bytes,
+                state_bytes=shape.checkpoint_bytes,
                 fingerprint=model_fingerprint(model),
                 allocator=allocator,
-                layout=f"bs{shape.block_size}-{shape.kv_dtype.name}",
+                layout=disk_layout(shape),
                 peers=peers,
                 restore_shardings=runner.restore_sharding,
             )

@@ -485,7 +485,7 @@ class Runner(AheadOfTime):
     # --- copies the prefix store keeps (its CheckpointSource) ---------------------------------------
     def take(self, slot: int, block: int) -> tuple[Any, Any]:
         """(KDA states of `slot`, latent KV of `block`) as new device arrays."""
-        return copies.take(self.pools, jnp.int32(slot), jnp.int32(block))
+        return copies.take(self.pools, jnp.int32(slot), jnp.int32(block), self.shape.checkpoint_dtype)
 
     def gather(self, blocks: list[int]) -> tuple[Any, ...]:
         """Per MLA layer the KV of `blocks` (rows beyond len(blocks) are padding up to a table width)."""

@@ -90,12 +90,18 @@ def chat_checkpoints(chat: Chat, policy: CheckpointPolicy) -> dict[int, Checkpoi
 
 
 def chat_ledger(
-    cfg: ModelConfig, chat: Chat, policy: CheckpointPolicy, dtype: jnp.dtype = jnp.bfloat16
+    cfg: ModelConfig,
+    chat: Chat,
+    policy: CheckpointPolicy,
+    dtype: jnp.dtype = jnp.bfloat16,
+    checkpoint_dtype: jnp.dtype | None = None,
 ) -> dict[CheckpointKind, CheckpointBytes]:
     """The checkpoints `chat` leaves in the store, by kind (every kind present, possibly empty)."""
     held = chat_checkpoints(chat, policy)
     return {
-        kind: CheckpointBytes.at(cfg, [p for p, k in held.items() if k is kind], policy.block_size, dtype)
+        kind: CheckpointBytes.at(
+            cfg, [p for p, k in held.items() if k is kind], policy.block_size, dtype, checkpoint_dtype
+        )
         for kind in CheckpointKind
     }
 
@@ -106,11 +112,12 @@ def chat_report(
     policy: CheckpointPolicy,
     dtype: jnp.dtype = jnp.bfloat16,
     hbm_bytes: int | None = None,
+    checkpoint_dtype: jnp.dtype | None = None,
 ) -> dict[str, Any]:
     """`memory_report` at the end of `chat` (context N*T) with every checkpoint kind it leaves: the totals
     under the report's keys, the split under `checkpoints_by_kind` / `checkpoint_bytes_by_kind` /
     `checkpoint_tails_by_kind` (how many carry a partial KV block)."""
-    by_kind = chat_ledger(cfg, chat, policy, dtype)
+    by_kind = chat_ledger(cfg, chat, policy, dtype, checkpoint_dtype)
     parts = list(by_kind.values())
     total = CheckpointBytes(
         count=sum(c.count for c in parts),
@@ -118,7 +125,9 @@ def chat_report(
         state_bytes=sum(c.state_bytes for c in parts),
         tail_kv_bytes=sum(c.tail_kv_bytes for c in parts),
     )
-    rep: dict[str, Any] = memory_report(cfg, chat.context, policy.interval, dtype, hbm_bytes, total)
+    rep: dict[str, Any] = memory_report(
+        cfg, chat.context, policy.interval, dtype, hbm_bytes, total, checkpoint_dtype
+    )
     rep.update(
         chat={
             **dataclasses.asdict(chat),

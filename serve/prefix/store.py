@@ -40,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from jaxhybrid.cache import CHECKPOINT_DTYPES
 from serve.prefix import junctions
 from serve.prefix.checkpoints import Checkpoint, CheckpointKind, CheckpointTiers, KindTally, Tier
 from serve.prefix.disk import DiskEntry, DiskTier, namespace
@@ -70,6 +71,9 @@ class PrefixStoreConfig:
     # checkpoint policy's own ("lru" for fixed, "value" for adaptive)
     # "fixed" | "adaptive" (see the module doc); adaptive, the default, beat every fixed setting
     checkpoint_policy: str = "adaptive"
+    # what a checkpoint keeps the KDA states in (`jaxhybrid.cache.CHECKPOINT_DTYPES`): float32 resumes
+    # exactly; bfloat16 halves the recurrent state and rounds it once on resume
+    checkpoint_dtype: str = "float32"
 
     @property
     def eviction_policy(self) -> str:
@@ -108,6 +112,10 @@ class PrefixStoreConfig:
             raise ValueError(
                 f"unknown checkpoint policy {self.checkpoint_policy!r} "
                 f"(known: {', '.join(CHECKPOINT_POLICIES)})"
+            )
+        if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
+            raise ValueError(
+                f"unknown checkpoint dtype {self.checkpoint_dtype!r} (known: {', '.join(CHECKPOINT_DTYPES)})"
             )
         if self.store_dir is not None and Path(self.store_dir).exists() and not Path(self.store_dir).is_dir():
             raise ValueError(f"prefix store directory '{self.store_dir}' is not a directory")
@@ -353,14 +361,14 @@ class PrefixStore:
         pos = seq.num_computed
         at_prompt_end = self.config.prompt_end_checkpoints and pos == len(seq.prompt)
         keep = logits if at_prompt_end else None
+        if self.config.adaptive and (pos <= len(seq.prompt) or pos % self.block_size == 0):
+            self._index_blocks(seq)  # also where a checkpoint is due: its blocks' tails find exact junctions
         if pos % self.config.checkpoint_interval == 0:
             self.writer.write(seq, source, CheckpointKind.INTERVAL, logits=keep)
         elif at_prompt_end:
             self.writer.write(seq, source, CheckpointKind.PROMPT_END, logits=keep)
         elif pos in seq.cuts:
             self.writer.write(seq, source, CheckpointKind.JUNCTION)
-        elif self.config.adaptive and (pos <= len(seq.prompt) or pos % self.block_size == 0):
-            self._index_blocks(seq)
         seq.cuts.discard(pos)
 
     # --- the adaptive policy's junctions -----------------------------------------------------------------
