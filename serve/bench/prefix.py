@@ -151,6 +151,7 @@ def engine_config(args: argparse.Namespace, prefix: Any, kv_memory_bytes: int | 
         max_model_len=args.max_model_len,
         kv_dtype=args.dtype,
         kv_memory_bytes=kv_memory_bytes,
+        num_blocks=None if args.kv_blocks is None else args.kv_blocks + 1,  # + the scratch block
         prefix=prefix,
         speculative=Speculation.parse(
             "ngram" if args.num_speculative_tokens else "off", args.num_speculative_tokens or 4
@@ -164,6 +165,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.hbm is not None and not args.simulate:
         raise SystemExit("error: --hbm needs --simulate")
+    if args.hbm is not None and args.kv_blocks is not None:
+        raise SystemExit("error: give --hbm or --kv-blocks, not both (both size the KV pool)")
+    if args.kv_blocks is not None and args.kv_blocks < 1:
+        raise SystemExit("error: --kv-blocks must be positive")
     try:
         workloads = [FAMILIES[name].from_args(args) for name in workload_names(args.workload)]
         compared = settings(args)
@@ -412,6 +417,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "prefix", help="seeded workload replays over prefix-store settings and budgets", description=__doc__
     )
     p.add_argument("--config", default="tiny", help="config name or path (default tiny)")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="the KV pool's usable blocks (default: the engine's, every slot at --max-model-len; a smaller "
+        "pool evicts cached blocks between turns)",
+    )
     add_checkpoint_dtype_arg(p)
     p.add_argument(
         "--workload",

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from enum import StrEnum
 from typing import Any
 
+from serve.prefix.index import BlockIndex
 from serve.prefix.policies import EvictionPolicy
 from serve.prefix.stats import MemoryStats
 
@@ -68,14 +69,32 @@ class Checkpoint:
     )
     parent: bytes | None = None  # the checkpoint before it on its chain (where its request resumed or last
     # saved), for what it saves (`serve.prefix.policies.ValueAware`)
+    chain: tuple[bytes, ...] = ()  # chain hashes of the full blocks below it (it resumes nothing without)
+
+    @property
+    def base(self) -> bytes | None:
+        """The chain hash of its last full block (None before the first block boundary)."""
+        return self.chain[-1] if self.chain else None
 
 
 class CheckpointTiers:
-    """Checkpoints by key over the device and host tiers, within their byte budgets."""
+    """Checkpoints by key over the device and host tiers, within their byte budgets.
 
-    def __init__(self, device_bytes: int, host_bytes: int, policy: EvictionPolicy, stats: MemoryStats):
+    With `blocks` (the store's BlockIndex: joint eviction), KV blocks and checkpoints are given up as one: the
+    index knows which blocks a held checkpoint needs (`BlockIndex.hold`), a checkpoint whose blocks are gone
+    (it resumes nothing) is the first to leave a tier, and when the pool needs a block that only checkpoints
+    need, the least valuable checkpoint at the end of a chain gives its blocks up (`give_up`)."""
+
+    def __init__(
+        self,
+        device_bytes: int,
+        host_bytes: int,
+        policy: EvictionPolicy,
+        stats: MemoryStats,
+        blocks: BlockIndex | None = None,
+    ):
         self.budgets = {Tier.DEVICE: device_bytes, Tier.HOST: host_bytes}
-        self.policy, self.stats = policy, stats
+        self.policy, self.stats, self.blocks = policy, stats, blocks
         self._by_key: dict[bytes, Checkpoint] = {}
 
     def __len__(self) -> int:
@@ -106,6 +125,10 @@ class CheckpointTiers:
         if old is not None and old.holders:
             self.policy.used(ck.key)
             return False
+        if self.blocks is not None:
+            self.blocks.hold(ck.chain)
+            if old is not None:
+                self.blocks.unhold(old.chain)
         self._by_key[ck.key] = ck
         self.policy.inserted(ck)
         if count:
@@ -124,24 +147,59 @@ class CheckpointTiers:
             into.add(c.kind, c.tier, c.nbytes)
         return into
 
+    def resumable(self, ck: Checkpoint) -> bool:
+        """Whether the KV below `ck` is still cached (always, without joint eviction)."""
+        return self.blocks is None or ck.base is None or ck.base in self.blocks
+
+    def _order(self) -> list[bytes]:
+        """The policy's order, checkpoints that resume nothing first (joint eviction)."""
+        order = list(self.policy.order())
+        if self.blocks is None:
+            return order
+        dead = [k for k in order if not self.resumable(self._by_key[k])]
+        return dead + [k for k in order if self.resumable(self._by_key[k])] if dead else order
+
+    def _drop(self, key: bytes) -> None:
+        ck = self._by_key.pop(key)
+        self.policy.removed(key)
+        if self.blocks is not None:
+            self.blocks.unhold(ck.chain)
+        self.stats.dropped_checkpoints += 1
+
+    def give_up(self) -> bool:
+        """Joint eviction, when the pool needs a block and every evictable one is needed by a checkpoint:
+        drop the first checkpoint in the policy's order that ends its chain (no other held checkpoint needs
+        its last block) and whose last block is evictable, so that its blocks can go; False if none."""
+        if self.blocks is None:
+            return False
+        for key in self._order():
+            ck = self._by_key[key]
+            if (
+                not ck.holders
+                and ck.base is not None
+                and self.blocks.needed_by(ck.base) == 1
+                and self.blocks.evictable_hash(ck.base)
+            ):
+                self._drop(key)
+                return True
+        return False
+
     def enforce(self, to_host: Callable[[Any], Any]) -> None:
         """Demote device checkpoints to the host while over the device budget, then drop host ones while
-        over the host budget, in the policy's order."""
+        over the host budget, in the policy's order (with joint eviction, those that resume nothing first)."""
         for tier in (Tier.DEVICE, Tier.HOST):
             used = self.bytes(tier)
-            for key in self.policy.order():
+            for key in self._order():
                 if used <= self.budgets[tier]:
                     break
                 ck = self._by_key[key]
                 if ck.tier != tier or ck.holders:
                     continue
                 used -= ck.nbytes
-                if tier == Tier.DEVICE and ck.nbytes <= self.budgets[Tier.HOST]:
+                if tier == Tier.DEVICE and ck.nbytes <= self.budgets[Tier.HOST] and self.resumable(ck):
                     ck.states, ck.tail_kv = to_host(ck.states), to_host(ck.tail_kv)
                     ck.logits = None if ck.logits is None else to_host(ck.logits)
                     ck.tier = Tier.HOST
                     self.stats.demotions += 1
                 else:
-                    del self._by_key[key]
-                    self.policy.removed(key)
-                    self.stats.dropped_checkpoints += 1
+                    self._drop(key)

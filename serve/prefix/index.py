@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,12 +93,20 @@ class TailIndex:
 class BlockIndex:
     """Full KV blocks by chain hash, least recently used first. The store holds one allocator reference on
     each indexed block, so a cached block outlives the request that computed it; a block only the store
-    holds can be evicted when the pool runs out."""
+    holds can be evicted when the pool runs out.
+
+    Blocks a held state checkpoint needs (`hold`: every full block below it; a checkpoint resumes nothing
+    without them) are kept apart from the rest: `evict_one` gives up a block nothing resumable depends on
+    first, and one a checkpoint needs only when there is no other (the joint eviction of `PrefixStore`,
+    which gives up a checkpoint first; without it nothing is ever held and the order is plain LRU)."""
 
     def __init__(self, allocator: Any):
         self.allocator = allocator
-        self._blocks: OrderedDict[bytes, int] = OrderedDict()  # chain hash -> pool block (LRU order)
+        self._blocks: dict[bytes, int] = {}  # chain hash -> pool block
         self._hash_of: dict[int, bytes] = {}
+        # LRU order of the blocks no checkpoint needs (False) and of those some checkpoint needs (True)
+        self._lru: dict[bool, OrderedDict[bytes, None]] = {False: OrderedDict(), True: OrderedDict()}
+        self._needed: Counter[bytes] = Counter()  # chain hash -> held checkpoints over it
 
     def __contains__(self, chain_hash: bytes) -> bool:
         return chain_hash in self._blocks
@@ -117,29 +125,65 @@ class BlockIndex:
     def held(self) -> list[int]:
         return list(self._blocks.values())
 
+    def _queue(self, chain_hash: bytes) -> OrderedDict[bytes, None]:
+        return self._lru[chain_hash in self._needed]
+
     def touch(self, chain: Sequence[bytes]) -> None:
         """Mark blocks used, deepest first (so LRU eviction trims chains from their ends)."""
         for h in reversed(chain):
             if h in self._blocks:
-                self._blocks.move_to_end(h)
+                self._queue(h).move_to_end(h)
 
     def register(self, chain: Sequence[bytes], blocks: Sequence[int]) -> None:
         """Index blocks[i] under chain[i] (deepest first), taking a reference on each newly indexed one."""
         for h, block in reversed(list(zip(chain, blocks, strict=True))):
             if h in self._blocks:
-                self._blocks.move_to_end(h)
+                self._queue(h).move_to_end(h)
             elif block not in self._hash_of:  # a block already indexed under its own hash stays there
                 self._blocks[h] = block
                 self._hash_of[block] = h
+                self._queue(h)[h] = None
                 self.allocator.share([block])
+
+    def hold(self, chain: Sequence[bytes]) -> None:
+        """A checkpoint needing the blocks of `chain` is held."""
+        for h in chain:
+            self._needed[h] += 1
+            if self._needed[h] == 1 and h in self._blocks:
+                del self._lru[False][h]
+                self._lru[True][h] = None
+
+    def unhold(self, chain: Sequence[bytes]) -> None:
+        """A checkpoint `hold` counted is gone: blocks nothing needs now go first (deepest first)."""
+        for h in chain:
+            self._needed[h] -= 1
+            if self._needed[h] <= 0:
+                del self._needed[h]
+                if h in self._blocks:
+                    del self._lru[True][h]
+                    self._lru[False][h] = None
+                    self._lru[False].move_to_end(h, last=False)
+
+    def needed_by(self, chain_hash: bytes) -> int:
+        """Held checkpoints that need the block `chain_hash`."""
+        return self._needed.get(chain_hash, 0)
+
+    def evictable_hash(self, chain_hash: bytes) -> bool:
+        """Whether `chain_hash`'s block is indexed and only the store holds it."""
+        block = self._blocks.get(chain_hash)
+        return block is not None and self.allocator.refcount(block) == 1
 
     def evictable(self) -> int:
         return sum(1 for b in self._blocks.values() if self.allocator.refcount(b) == 1)
 
-    def evict_one(self) -> bytes | None:
-        """Free the least recently used block only the store holds; its chain hash, or None."""
-        for h, block in self._blocks.items():
+    def evict_one(self, needed: bool = False) -> bytes | None:
+        """Free the least recently used block only the store holds among those no checkpoint needs (with
+        `needed`: among those some checkpoint needs); its chain hash, or None."""
+        queue = self._lru[needed]
+        for h in queue:
+            block = self._blocks[h]
             if self.allocator.refcount(block) == 1:
+                del queue[h]
                 del self._blocks[h]
                 del self._hash_of[block]
                 self.allocator.release([block])
@@ -151,6 +195,8 @@ class BlockIndex:
         self.allocator.release(list(self._blocks.values()))
         self._blocks.clear()
         self._hash_of.clear()
+        for queue in self._lru.values():
+            queue.clear()
 
 
 def kv_match(

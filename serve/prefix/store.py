@@ -85,6 +85,11 @@ class PrefixStoreConfig:
     def adaptive(self) -> bool:
         return self.checkpoint_policy == "adaptive"
 
+    @property
+    def joint_eviction(self) -> bool:
+        """KV blocks and checkpoints given up as one (`CheckpointTiers`): with the value eviction order."""
+        return self.eviction_policy == "value"
+
     def aligned(self, block_size: int) -> PrefixStoreConfig:
         """This config with `checkpoint_interval` rounded to the nearest positive multiple of `block_size`
         (checkpoints sit on block boundaries), so that any block size works with the default interval."""
@@ -211,7 +216,11 @@ class PrefixStore:
         self.tails = TailIndex(config.max_tails)
         self.lookups, self.memory_stats = LookupStats(), MemoryStats()
         self.checkpoints = CheckpointTiers(
-            config.device_bytes, config.host_bytes, make_policy(config.eviction_policy), self.memory_stats
+            config.device_bytes,
+            config.host_bytes,
+            make_policy(config.eviction_policy),
+            self.memory_stats,
+            self.blocks if config.joint_eviction else None,
         )
         self.disk: DiskTier | None = None
         if config.store_dir is not None:  # entries are valid only for this model and cache layout
@@ -319,7 +328,16 @@ class PrefixStore:
             entry, n = hit.disk, hit.hit // self.block_size
             self.blocks.register(entry.block_hashes[:n], seq.blocks[:n])
             nbytes = self.state_bytes + (self.block_bytes if att.tail_kv is not None else 0)
-            ck = Checkpoint(entry.key, entry.position, att.states, att.tail_kv, nbytes, Tier.HOST, entry.kind)
+            ck = Checkpoint(
+                entry.key,
+                entry.position,
+                att.states,
+                att.tail_kv,
+                nbytes,
+                Tier.HOST,
+                entry.kind,
+                chain=tuple(entry.block_hashes),
+            )
             self.checkpoints.add(ck, count=False)
             self.checkpoints.enforce(source.to_host)
             self.disk.touch(entry)
@@ -422,8 +440,14 @@ class PrefixStore:
         return self.blocks.evictable()
 
     def evict_one(self) -> bool:
-        """Free the least recently used cached block no request holds; False when there is none."""
+        """Free the least recently used cached block no request holds; False when there is none. With joint
+        eviction a block no held checkpoint needs goes first; when every one is needed, the least valuable
+        checkpoint ending a chain is given up with it (`CheckpointTiers.give_up`)."""
         h = self.blocks.evict_one()
+        while h is None and self.checkpoints.give_up():
+            h = self.blocks.evict_one()
+        if h is None:
+            h = self.blocks.evict_one(needed=True)
         if h is None:
             return False
         self.memory_stats.evicted_blocks += 1

@@ -77,6 +77,7 @@ class CheckpointWriter:
             kind,
             logits=logits,
             parent=seq.checkpoint_base,
+            chain=tuple(chain[1:]),
         )
         seq.checkpoint_base = key
         self.checkpoints.add(ck)
