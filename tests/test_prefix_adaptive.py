@@ -207,6 +207,25 @@ def test_a_prefill_chunk_ending_on_a_checkpoint_still_indexes_its_blocks_tails(m
         assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
 
 
+ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def small_pool(model, eviction: str, blocks: int) -> Engine:
+    """One slot over a pool of `blocks` usable blocks, the adaptive policy with prompt-end checkpoints only
+    and the eviction order `eviction` (value: joint eviction of blocks and checkpoints; lru: independent)."""
+    prefix = PrefixStoreConfig(
+        checkpoint_policy="adaptive",
+        checkpoint_interval=1024,
+        eviction=eviction,
+        prompt_end_checkpoints=True,
+        sequence_end_checkpoints=False,
+    )
+    config = EngineConfig(
+        max_slots=1, block_size=BS, prefill_chunk=64, max_model_len=64, num_blocks=blocks + 1, prefix=prefix
+    )
+    return Engine(model, config)
+
+
 def test_the_pool_gives_up_blocks_no_checkpoint_needs_before_a_checkpoints_blocks(model, full_pass):
     """Joint eviction on a pool of 10 blocks of 8. X (16 tokens) keeps a prompt-end checkpoint at 16 over its
     2 blocks; Y, later, leaves 4 cached blocks of which only the first is under its checkpoint (at 15; its
@@ -215,20 +234,12 @@ def test_the_pool_gives_up_blocks_no_checkpoint_needs_before_a_checkpoints_block
     continuation resumes at 16."""
     rng = np.random.default_rng(11)
     x, y, z = (rng.integers(3, 400, n).tolist() for n in (16, 15, 50))
-    ends = dict(prompt_end_checkpoints=True, sequence_end_checkpoints=False)
     for eviction, x_hit in (("lru", 0), ("value", 16)):
-        prefix = PrefixStoreConfig(
-            checkpoint_policy="adaptive", checkpoint_interval=1024, eviction=eviction, **ends
-        )
-        config = EngineConfig(
-            max_slots=1, block_size=BS, prefill_chunk=64, max_model_len=64, num_blocks=11, prefix=prefix
-        )
-        eng = Engine(model, config)
-        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        eng.generate([x], one)
+        eng = small_pool(model, eviction, blocks=10)
+        eng.generate([x], ONE)
         eng.generate([y], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
         assert eng.ledger()["cached_kv_blocks"] == 6
-        eng.generate([z], one)
+        eng.generate([z], ONE)
         assert eng.ledger()["evicted_blocks"] == 3
         res = eng.generate([x + [7, 8, 9]], GREEDY)[0]
         assert res.stats["prefix_hit_tokens"] == x_hit, eviction
@@ -242,18 +253,10 @@ def test_when_every_cached_block_is_needed_a_checkpoint_goes_with_its_blocks(mod
     valuable: the older) with its blocks. Either way Y still resumes at 16 and X at nothing."""
     rng = np.random.default_rng(12)
     x, y, z = (rng.integers(3, 400, n).tolist() for n in (16, 16, 30))
-    ends = dict(prompt_end_checkpoints=True, sequence_end_checkpoints=False)
     for eviction, held in (("lru", 3), ("value", 2)):
-        prefix = PrefixStoreConfig(
-            checkpoint_policy="adaptive", checkpoint_interval=1024, eviction=eviction, **ends
-        )
-        config = EngineConfig(
-            max_slots=1, block_size=BS, prefill_chunk=64, max_model_len=64, num_blocks=7, prefix=prefix
-        )
-        eng = Engine(model, config)
-        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        eng = small_pool(model, eviction, blocks=6)
         for p in (x, y, z):
-            eng.generate([p], one)
+            eng.generate([p], ONE)
         ledger = eng.ledger()
         assert ledger["evicted_blocks"] == 2 and ledger["checkpoints"]["device"] == held, eviction
         assert ledger["dropped_checkpoints"] == 3 - held
