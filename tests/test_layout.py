@@ -8,7 +8,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # the store, its weights fingerprint, and the analytic account of what it keeps (`memory --turns`)
-PREFIX_INTERFACE = {"serve.prefix.store", "serve.prefix.fingerprint", "serve.prefix.ledger"}
+PREFIX_INTERFACE = {
+    "serve.prefix.store",
+    "serve.prefix.fingerprint",
+    "serve.prefix.ledger",
+    "serve.prefix.events",
+}
 
 
 def imports(path: Path) -> set[str]:

@@ -104,6 +104,7 @@ def prefix_config(args: argparse.Namespace):  # -> PrefixStoreConfig | None
         checkpoint_interval=args.checkpoint_interval,
         checkpoint_policy=args.checkpoint_policy,
         checkpoint_dtype=args.checkpoint_dtype,
+        events=bool(getattr(args, "kv_events_endpoint", None)),  # serve's publisher wants them
         eviction=args.eviction,
         prompt_end_checkpoints=not args.no_prompt_end_checkpoints,
         sequence_end_checkpoints=not args.no_sequence_end_checkpoints,

@@ -165,6 +165,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.warmup_timeout > 0:
         print(f"error: --warmup-timeout must be > 0, got {args.warmup_timeout}", file=sys.stderr)
         return 2
+    if args.kv_events_endpoint and args.no_prefix_cache:
+        print("error: --kv-events-endpoint needs the prefix cache (drop --no-prefix-cache)", file=sys.stderr)
+        return 2
+    if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
+        print("error: --kv-events-replay-endpoint needs --kv-events-endpoint", file=sys.stderr)
+        return 2
 
     import jax
     import uvicorn  # noqa: F401  (fail here, before loading a model, when it is missing)
@@ -232,6 +238,13 @@ def serve_http(
 
     cfg = engine.config
     name = model_name(args)
+    events = None
+    if args.kv_events_endpoint:
+        from serve.http.kv_events import EventPublisher
+
+        events = EventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint)
+        replay = args.kv_events_replay_endpoint
+        log.info("prefix-store events on %s (replay: %s)", args.kv_events_endpoint, replay)
     app = create_app(
         engine,
         tokenizer,
@@ -242,6 +255,7 @@ def serve_http(
         max_connections=args.max_connections,
         stall_timeout=args.stall_timeout,
         warmup=warmup,
+        events=events,
     )
     log.info(
         "model '%s': %d slots, block size %d, context %d tokens, prefix cache %s; listening on http://%s:%d",
@@ -352,6 +366,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log verbosity"
     )
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    s.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish the prefix store's changes on this ZMQ PUB address (e.g. tcp://*:5557): KV blocks "
+        "in vLLM's KV-events format under topic 'kv', state checkpoints under topic 'state' (README: "
+        "'Prefix-store events')",
+    )
+    s.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="answer replay requests on this ZMQ ROUTER address (e.g. tcp://*:5558): a subscriber that "
+        "missed batches, or started late, catches up",
+    )
     e = add_engine_args(p)
     add_mesh_argument(e)
     add_prefix_args(p)

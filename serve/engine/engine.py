@@ -110,6 +110,8 @@ class EngineAPI(Protocol):
 
     def ledger(self) -> dict[str, Any]: ...
 
+    def take_events(self) -> list[Any]: ...
+
     def memory(self) -> dict[str, Any]: ...
 
     def speculation_stats(self) -> dict[str, Any]: ...
@@ -250,6 +252,12 @@ class Accounts:
     def ledger(self) -> dict[str, Any]:
         """Every byte the engine and its prefix store hold, and what reuse saved or cost."""
         return self.scheduler.ledger()
+
+    def take_events(self) -> list[Any]:
+        """The prefix store's KV and state events since the last call (`serve.prefix.events`; none without a
+        store or without `PrefixStoreConfig.events`)."""
+        store = self.pools.store
+        return [] if store is None else store.take_events()
 
     def speculation_stats(self) -> dict[str, Any]:
         """Speculative decoding so far: windows verified (steps of a request with drafts), drafted and

@@ -84,11 +84,12 @@ class Server:
         max_body_bytes: int = MAX_BODY_BYTES,
         stall_timeout: float = 300.0,
         warmup: Warmup | None = None,
+        events: Any = None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.loop = EngineLoop(engine, max_waiting, stall_timeout=stall_timeout, warmup=warmup)
+        self.loop = EngineLoop(engine, max_waiting, stall_timeout=stall_timeout, warmup=warmup, events=events)
         self.parser = RequestParser(engine, tokenizer, model_name, default_max_tokens)
         self.metrics = ServerMetrics()
         self.decode = decoder(tokenizer) if tokenizer is not None else None
@@ -409,6 +410,7 @@ def create_app(
     max_connections: int | None = 1024,
     stall_timeout: float = 300.0,
     warmup: Warmup | None = None,
+    events: Any = None,
 ) -> FastAPI:
     """The OpenAI-compatible app. The engine loop starts with the app's lifespan and stops (aborting what
     is left, flushing pending saves) when it ends. `max_waiting`: requests that may wait for a slot before
@@ -416,7 +418,9 @@ def create_app(
     up to this many (or what the context leaves). `max_connections`: HTTP requests in progress at once
     (streams included); one more gets 503 (None: unlimited). `stall_timeout`: seconds an engine step may
     run before /health reports the engine stalled. `warmup`: stepped on the engine thread while it has no
-    request to serve (`Warmup`); /health answers 200 with status "warming" until it ends, then "ok"."""
+    request to serve (`Warmup`); /health answers 200 with status "warming" until it ends, then "ok".
+    `events`: an `EventPublisher` (`serve.http.kv_events`) given the prefix store's events after every
+    step, closed when the app ends."""
     server = Server(
         engine,
         tokenizer,
@@ -426,6 +430,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         stall_timeout=stall_timeout,
         warmup=warmup,
+        events=events,
     )
     prefix = engine.config.prefix
     prefix_cache = prefix is not None and prefix.enabled
@@ -439,6 +444,8 @@ def create_app(
         finally:
             log.info("stopping the engine: aborting unfinished requests, flushing the prefix store")
             await asyncio.to_thread(server.loop.stop, stop_timeout)
+            if events is not None:
+                await asyncio.to_thread(events.close)
 
     app = FastAPI(title="jaxhybrid", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server

@@ -207,14 +207,16 @@ class EngineLoop:
         stall_timeout: float = 300.0,
         max_step_failures: int = 3,
         warmup: Warmup | None = None,
+        events: Any = None,
     ):
+        """`events`: an `EventPublisher` given the prefix store's events after every step."""
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
         self.max_step_failures = max_step_failures
-        self.warmup = warmup
+        self.warmup, self.events = warmup, events
         self.failed: str | None = None
         self.step_failures = 0  # failed steps since a request last completed
         self.last_error: str | None = None
@@ -369,6 +371,8 @@ class EngineLoop:
             self._step_started = None
         if any(o.finished and o.finish_reason in ("stop", "length") for o in outputs):
             self.step_failures = 0  # the engine completes requests again: earlier failures were transient
+        if self.events is not None:
+            self.events.publish(self.engine.take_events())
         self._deliver(outputs)
         if recovered:
             self._end_orphans()

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from enum import StrEnum
 from typing import Any
 
+from serve.prefix.events import EventLog, StateRemoved, StateStored
 from serve.prefix.index import BlockIndex
 from serve.prefix.policies import EvictionPolicy
 from serve.prefix.stats import MemoryStats
@@ -70,6 +71,13 @@ class Checkpoint:
     parent: bytes | None = None  # the checkpoint before it on its chain (where its request resumed or last
     # saved), for what it saves (`serve.prefix.policies.ValueAware`)
     chain: tuple[bytes, ...] = ()  # chain hashes of the full blocks below it (it resumes nothing without)
+    tail: tuple[int, ...] = ()  # the tokens after its last full block
+
+    def stored(self) -> StateStored:
+        """The event that announces it in its tier."""
+        return StateStored(
+            self.key, self.position, self.kind.value, self.tier, self.base, list(self.tail), self.nbytes
+        )
 
     @property
     def base(self) -> bytes | None:
@@ -92,9 +100,11 @@ class CheckpointTiers:
         policy: EvictionPolicy,
         stats: MemoryStats,
         blocks: BlockIndex | None = None,
+        log: EventLog | None = None,
     ):
+        """`log`: where StateStored / StateRemoved go (`serve.prefix.events`)."""
         self.budgets = {Tier.DEVICE: device_bytes, Tier.HOST: host_bytes}
-        self.policy, self.stats, self.blocks = policy, stats, blocks
+        self.policy, self.stats, self.blocks, self.log = policy, stats, blocks, log
         self._by_key: dict[bytes, Checkpoint] = {}
 
     def __len__(self) -> int:
@@ -131,6 +141,10 @@ class CheckpointTiers:
                 self.blocks.unhold(old.chain)
         self._by_key[ck.key] = ck
         self.policy.inserted(ck)
+        if self.log is not None:
+            if old is not None and old.tier != ck.tier:
+                self.log.add(StateRemoved(old.key, old.tier))
+            self.log.add(ck.stored())
         if count:
             self.stats.saves += 1
         return True
@@ -162,6 +176,8 @@ class CheckpointTiers:
     def _drop(self, key: bytes) -> None:
         ck = self._by_key.pop(key)
         self.policy.removed(key)
+        if self.log is not None:
+            self.log.add(StateRemoved(key, ck.tier))
         if self.blocks is not None:
             self.blocks.unhold(ck.chain)
         self.stats.dropped_checkpoints += 1
@@ -201,5 +217,8 @@ class CheckpointTiers:
                     ck.logits = None if ck.logits is None else to_host(ck.logits)
                     ck.tier = Tier.HOST
                     self.stats.demotions += 1
+                    if self.log is not None:
+                        self.log.add(StateRemoved(key, Tier.DEVICE))
+                        self.log.add(ck.stored())
                 else:
                     self._drop(key)

@@ -49,6 +49,7 @@ from jaxhybrid.weights.orbax_io import checkpointer
 from serve.prefix import files
 from serve.prefix.checkpoints import KindTally, Tier
 from serve.prefix.entries import DiskEntry, is_transient, read_arrays, read_entry, write_entry
+from serve.prefix.events import EventLog, StateRemoved, StateStored
 from serve.prefix.files import (
     FULL_RETRY_S,
     LOCK,
@@ -66,7 +67,54 @@ log = logging.getLogger("jaxhybrid.prefix")
 _LIVE: weakref.WeakSet[DiskTier] = weakref.WeakSet()  # for saves in flight in another tier of this process
 
 
-class DiskTier:
+class EntryLoads:
+    """Reading entries back (DiskTier's loading role): on the reader thread, the outcome on the owning one."""
+
+    reads: DiskReads
+    peers: Peers
+    stats: DiskStats
+    dir: Path
+    entries: OrderedDict[bytes, DiskEntry]
+
+    def _drop(self, entry: DiskEntry) -> None: ...
+
+    def load(self, entry: DiskEntry) -> tuple[list, Any, Any] | None:
+        """(states [(conv, state) per KDA layer], kv [mla, n, block_size, latent] or None, tail or None),
+        checked against the manifest; None (and the entry dropped) when it cannot be read. Blocking: the
+        engine uses `load_async` + `finish_load`."""
+        return self.finish_load(entry, self.load_async(entry))
+
+    def load_async(self, entry: DiskEntry) -> cf.Future:
+        """Start reading `entry` on the reader thread; it cannot be dropped until `finish_load`."""
+        entry.holders += 1
+        return self.reads.submit(entry)
+
+    def finish_load(
+        self, entry: DiskEntry, fut: cf.Future, leader_ok: bool | None = None, leader_transient: bool = False
+    ) -> Any:
+        """`load_async`'s result or None (an entry proven corrupt is dropped, one that may read later kept);
+        on the owning thread. `leader_ok` / `leader_transient`: process 0's outcome, which all follow."""
+        entry.holders -= 1
+        exc = fut.exception()
+        if leader_ok is None:
+            leader_ok = exc is None
+            leader_transient = exc is not None and is_transient(exc)
+        if leader_ok and exc is not None:
+            raise RuntimeError(f"process {self.peers.index} could not read {entry.path}: {exc}") from exc
+        if leader_ok:
+            return fut.result()
+        self.stats.restore_errors += 1
+        self.stats.last_error = (
+            f"{type(exc).__name__}: {exc}" if exc is not None else "unreadable on process 0"
+        )
+        if leader_transient:
+            log.warning("prefix store %s: reading %s failed (%s); kept", self.dir, entry.key.hex(), exc)
+        elif entry.key in self.entries and not entry.holders:
+            self._drop(entry)
+        return None
+
+
+class DiskTier(EntryLoads):
     """Index of the committed entries (LRU order), pending saves, and the byte budget of one namespace.
     `restore_shardings(name, shape, dtype)`: where a read puts each array with several processes."""
 
@@ -82,8 +130,10 @@ class DiskTier:
         stats: DiskStats | None = None,
         peers: Peers | None = None,
         restore_shardings: Callable[[str, tuple[int, ...], str], Any] | None = None,
+        log: EventLog | None = None,
     ):
-        self.peers = peers or Peers(0, 1)
+        """`log`: where StateStored / StateRemoved of tier disk go (`serve.prefix.events`)."""
+        self.peers, self.log = peers or Peers(0, 1), log
         self.dir = Path(root).resolve() / namespace
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.peers.leader:
@@ -165,9 +215,15 @@ class DiskTier:
         self.bytes += entry.disk_bytes
         for h in entry.block_hashes:
             self.block_refs[h] = self.block_refs.get(h, 0) + 1
+        if self.log is not None:
+            base = entry.block_hashes[-1] if entry.block_hashes else None
+            kind, tail = entry.kind.value, list(entry.tail)
+            self.log.add(StateStored(entry.key, entry.position, kind, "disk", base, tail, entry.disk_bytes))
 
     def _drop(self, entry: DiskEntry) -> None:
         del self.entries[entry.key]
+        if self.log is not None:
+            self.log.add(StateRemoved(entry.key, "disk"))
         self.bytes -= entry.disk_bytes
         for h in entry.block_hashes:
             self.block_refs[h] -= 1
@@ -302,42 +358,6 @@ class DiskTier:
             cf.wait(self._jobs)  # removals the budget queued
             self._jobs = []
         return new
-
-    # --- loading ---------------------------------------------------------------------------------
-    def load(self, entry: DiskEntry) -> tuple[list, Any, Any] | None:
-        """(states [(conv, state) per KDA layer], kv [mla, n, block_size, latent] or None, tail or None),
-        checked against the manifest; None (and the entry dropped) when it cannot be read. Blocking: the
-        engine uses `load_async` + `finish_load`."""
-        return self.finish_load(entry, self.load_async(entry))
-
-    def load_async(self, entry: DiskEntry) -> cf.Future:
-        """Start reading `entry` on the reader thread; it cannot be dropped until `finish_load`."""
-        entry.holders += 1
-        return self.reads.submit(entry)
-
-    def finish_load(
-        self, entry: DiskEntry, fut: cf.Future, leader_ok: bool | None = None, leader_transient: bool = False
-    ) -> Any:
-        """`load_async`'s result or None (an entry proven corrupt is dropped, one that may read later kept);
-        on the owning thread. `leader_ok` / `leader_transient`: process 0's outcome, which all follow."""
-        entry.holders -= 1
-        exc = fut.exception()
-        if leader_ok is None:
-            leader_ok = exc is None
-            leader_transient = exc is not None and is_transient(exc)
-        if leader_ok and exc is not None:
-            raise RuntimeError(f"process {self.peers.index} could not read {entry.path}: {exc}") from exc
-        if leader_ok:
-            return fut.result()
-        self.stats.restore_errors += 1
-        self.stats.last_error = (
-            f"{type(exc).__name__}: {exc}" if exc is not None else "unreadable on process 0"
-        )
-        if leader_transient:
-            log.warning("prefix store %s: reading %s failed (%s); kept", self.dir, entry.key.hex(), exc)
-        elif entry.key in self.entries and not entry.holders:
-            self._drop(entry)
-        return None
 
     def ledger(self, by_kind: KindTally) -> dict[str, Any]:
         """This tier's part of the store's ledger (committed entries: states + KV of their prefixes + files;

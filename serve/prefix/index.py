@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from serve.prefix.events import AllBlocksCleared, BlockRemoved, EventLog, blocks_stored
 from serve.prefix.junctions import common_prefix
 
 
@@ -100,8 +101,9 @@ class BlockIndex:
     first, and one a checkpoint needs only when there is no other (the joint eviction of `PrefixStore`,
     which gives up a checkpoint first; without it nothing is ever held and the order is plain LRU)."""
 
-    def __init__(self, allocator: Any):
-        self.allocator = allocator
+    def __init__(self, allocator: Any, block_size: int = 0, log: EventLog | None = None):
+        """`log`: where BlockStored / BlockRemoved / AllBlocksCleared go (`serve.prefix.events`)."""
+        self.allocator, self.block_size, self.log = allocator, block_size, log
         self._blocks: dict[bytes, int] = {}  # chain hash -> pool block
         self._hash_of: dict[int, bytes] = {}
         # LRU order of the blocks no checkpoint needs (False) and of those some checkpoint needs (True)
@@ -134,9 +136,14 @@ class BlockIndex:
             if h in self._blocks:
                 self._queue(h).move_to_end(h)
 
-    def register(self, chain: Sequence[bytes], blocks: Sequence[int]) -> None:
-        """Index blocks[i] under chain[i] (deepest first), taking a reference on each newly indexed one."""
-        for h, block in reversed(list(zip(chain, blocks, strict=True))):
+    def register(
+        self, chain: Sequence[bytes], blocks: Sequence[int], first: int = 1, tokens: Sequence[int] = ()
+    ) -> None:
+        """Index blocks[j] under chain[first + j] (deepest first; `chain`: a sequence's chain hashes, root
+        first, and `tokens` its tokens), taking a reference on each newly indexed one."""
+        new = []
+        for j in reversed(range(len(blocks))):
+            h, block = chain[first + j], blocks[j]
             if h in self._blocks:
                 self._queue(h).move_to_end(h)
             elif block not in self._hash_of:  # a block already indexed under its own hash stays there
@@ -144,6 +151,10 @@ class BlockIndex:
                 self._hash_of[block] = h
                 self._queue(h)[h] = None
                 self.allocator.share([block])
+                new.append(first + j)
+        if self.log is not None and new:
+            for event in blocks_stored(chain, new, tokens, self.block_size):
+                self.log.add(event)
 
     def hold(self, chain: Sequence[bytes]) -> None:
         """A checkpoint needing the blocks of `chain` is held."""
@@ -187,6 +198,8 @@ class BlockIndex:
                 del self._blocks[h]
                 del self._hash_of[block]
                 self.allocator.release([block])
+                if self.log is not None:
+                    self.log.add(BlockRemoved([h]))
                 return h
         return None
 
@@ -197,6 +210,8 @@ class BlockIndex:
         self._hash_of.clear()
         for queue in self._lru.values():
             queue.clear()
+        if self.log is not None:
+            self.log.add(AllBlocksCleared())
 
 
 def kv_match(

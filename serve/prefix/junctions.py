@@ -50,7 +50,7 @@ def index_blocks(seq: Sequence_, hasher: Any, blocks: Any, tails: Any) -> None:
         return
     tokens = seq.tokens
     chain = hasher.extend(seq.chain, tokens, seq.cache_salt, nb)
-    blocks.register(chain[start + 1 : nb + 1], seq.blocks[start:nb])
+    blocks.register(chain, seq.blocks[start:nb], first=start + 1, tokens=tokens)
     for i in range(start, nb):
         tails.add(chain[i], tuple(tokens[i * bs : (i + 1) * bs]))
     seq.indexed_blocks = nb

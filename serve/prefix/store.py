@@ -45,6 +45,7 @@ from serve.prefix import junctions
 from serve.prefix.checkpoints import Checkpoint, CheckpointKind, CheckpointTiers, KindTally, Tier
 from serve.prefix.disk import DiskEntry, DiskTier, namespace
 from serve.prefix.entries import is_transient
+from serve.prefix.events import EventLog
 from serve.prefix.index import BlockIndex, ChainHasher, TailIndex
 from serve.prefix.lookup import Hit, Lookup
 from serve.prefix.policies import POLICIES, make_policy
@@ -74,6 +75,7 @@ class PrefixStoreConfig:
     # what a checkpoint keeps the KDA states in (`jaxhybrid.cache.CHECKPOINT_DTYPES`): float32 resumes
     # exactly; bfloat16 halves the recurrent state and rounds it once on resume
     checkpoint_dtype: str = "float32"
+    events: bool = False  # keep KV and state events for a publisher (`take_events`; --kv-events-endpoint)
 
     @property
     def eviction_policy(self) -> str:
@@ -191,77 +193,11 @@ def empty_ledger() -> dict[str, Any]:
     }
 
 
-class PrefixStore:
-    def __init__(
-        self,
-        config: PrefixStoreConfig,
-        *,
-        block_size: int,
-        block_bytes: int,
-        state_bytes: int,
-        fingerprint: bytes,
-        allocator: Any,
-        layout: str = "",
-        peers: Any = None,
-        restore_shardings: Any = None,
-    ):
-        """`peers` (sharding.multihost.Peers) and `restore_shardings(name, shape, dtype)`: several
-        processes (see `serve.prefix.disk`)."""
-        config.validate(block_size)
-        self.config, self.block_size = config, block_size
-        self.block_bytes, self.state_bytes = block_bytes, state_bytes
-        self.fingerprint = fingerprint
-        self.hasher = ChainHasher(fingerprint, block_size)
-        self.blocks = BlockIndex(allocator)
-        self.tails = TailIndex(config.max_tails)
-        self.lookups, self.memory_stats = LookupStats(), MemoryStats()
-        self.checkpoints = CheckpointTiers(
-            config.device_bytes,
-            config.host_bytes,
-            make_policy(config.eviction_policy),
-            self.memory_stats,
-            self.blocks if config.joint_eviction else None,
-        )
-        self.disk: DiskTier | None = None
-        if config.store_dir is not None:  # entries are valid only for this model and cache layout
-            self.disk = DiskTier(
-                config.store_dir,
-                namespace(fingerprint, layout),
-                fingerprint,
-                block_size,
-                config.disk_bytes,
-                config.disk_max_pending,
-                config.disk_max_pending_bytes,
-                peers=peers,
-                restore_shardings=restore_shardings,
-            )
-            for entry in self.disk.entries.values():
-                self._note_disk_tail(entry)
-        self.lookup = Lookup(
-            self.hasher, self.blocks, self.tails, self.checkpoints, self.disk, self.lookups, config.adaptive
-        )
-        self._read_done: Callable[[], None] | None = None
-        self.writer = CheckpointWriter(
-            self.hasher,
-            self.blocks,
-            self.tails,
-            self.checkpoints,
-            self.disk,
-            self.memory_stats,
-            fingerprint,
-            block_bytes,
-            state_bytes,
-        )
+class HitLoads:
+    """Disk hits read in the background (the store's loading role): started and waited for by the owner."""
 
-    # --- matching --------------------------------------------------------------------------------------
-    def find(self, seq: Sequence_) -> Hit:
-        """Longest reusable prefix of `seq`'s tokens (`Lookup.find`), changing nothing but `seq.chain`: it is
-        extended to all of its full blocks, so matching a request again hashes nothing again."""
-        return self.lookup.find(seq.tokens, seq.cache_salt, seq.chain)
-
-    def record(self, hit: Hit) -> None:
-        """Count the lookup that found `hit`, once per admission or disk read started (`Lookup.record`)."""
-        self.lookup.record(hit)
+    disk: DiskTier | None
+    _read_done: Callable[[], None] | None = None
 
     def on_read_done(self, fn: Callable[[], None] | None) -> None:
         """Call `fn()` (from the reader thread) whenever a disk read this store starts ends, so that an owner
@@ -296,6 +232,82 @@ class PrefixStore:
         load.data = self.disk.finish_load(load.hit.disk, load.future, leader_ok, leader_transient)
         return load
 
+
+class PrefixStore(HitLoads):
+    def __init__(
+        self,
+        config: PrefixStoreConfig,
+        *,
+        block_size: int,
+        block_bytes: int,
+        state_bytes: int,
+        fingerprint: bytes,
+        allocator: Any,
+        layout: str = "",
+        peers: Any = None,
+        restore_shardings: Any = None,
+    ):
+        """`peers` (sharding.multihost.Peers) and `restore_shardings(name, shape, dtype)`: several
+        processes (see `serve.prefix.disk`)."""
+        config.validate(block_size)
+        self.config, self.block_size = config, block_size
+        self.block_bytes, self.state_bytes = block_bytes, state_bytes
+        self.fingerprint = fingerprint
+        self.hasher = ChainHasher(fingerprint, block_size)
+        self.events = EventLog() if config.events else None
+        self.blocks = BlockIndex(allocator, block_size, self.events)
+        self.tails = TailIndex(config.max_tails)
+        self.lookups, self.memory_stats = LookupStats(), MemoryStats()
+        self.checkpoints = CheckpointTiers(
+            config.device_bytes,
+            config.host_bytes,
+            make_policy(config.eviction_policy),
+            self.memory_stats,
+            self.blocks if config.joint_eviction else None,
+            self.events,
+        )
+        self.disk: DiskTier | None = None
+        if config.store_dir is not None:  # entries are valid only for this model and cache layout
+            self.disk = DiskTier(
+                config.store_dir,
+                namespace(fingerprint, layout),
+                fingerprint,
+                block_size,
+                config.disk_bytes,
+                config.disk_max_pending,
+                config.disk_max_pending_bytes,
+                peers=peers,
+                restore_shardings=restore_shardings,
+                log=self.events,
+            )
+            for entry in self.disk.entries.values():
+                self._note_disk_tail(entry)
+        self.lookup = Lookup(
+            self.hasher, self.blocks, self.tails, self.checkpoints, self.disk, self.lookups, config.adaptive
+        )
+        self._read_done: Callable[[], None] | None = None
+        self.writer = CheckpointWriter(
+            self.hasher,
+            self.blocks,
+            self.tails,
+            self.checkpoints,
+            self.disk,
+            self.memory_stats,
+            fingerprint,
+            block_bytes,
+            state_bytes,
+        )
+
+    # --- matching --------------------------------------------------------------------------------------
+    def find(self, seq: Sequence_) -> Hit:
+        """Longest reusable prefix of `seq`'s tokens (`Lookup.find`), changing nothing but `seq.chain`: it is
+        extended to all of its full blocks, so matching a request again hashes nothing again."""
+        return self.lookup.find(seq.tokens, seq.cache_salt, seq.chain)
+
+    def record(self, hit: Hit) -> None:
+        """Count the lookup that found `hit`, once per admission or disk read started (`Lookup.record`)."""
+        self.lookup.record(hit)
+
     # --- giving a hit to a request -------------------------------------------------------------------
     def attach(self, hit: Hit, load: Load | None = None) -> Attachment | None:
         """Hold the hit for a request: share its pool blocks (allocator references the request releases),
@@ -326,7 +338,8 @@ class PrefixStore:
         hit = att.hit
         if hit.disk is not None:
             entry, n = hit.disk, hit.hit // self.block_size
-            self.blocks.register(entry.block_hashes[:n], seq.blocks[:n])
+            chain = self.hasher.extend(seq.chain, seq.tokens, seq.cache_salt, n)  # root + its hashes
+            self.blocks.register(chain, seq.blocks[:n], tokens=seq.tokens)
             nbytes = self.state_bytes + (self.block_bytes if att.tail_kv is not None else 0)
             ck = Checkpoint(
                 entry.key,
@@ -337,6 +350,7 @@ class PrefixStore:
                 Tier.HOST,
                 entry.kind,
                 chain=tuple(entry.block_hashes),
+                tail=entry.tail,
             )
             self.checkpoints.add(ck, count=False)
             self.checkpoints.enforce(source.to_host)
@@ -463,6 +477,10 @@ class PrefixStore:
     @property
     def held_blocks(self) -> list[int]:
         return self.blocks.held()
+
+    def take_events(self) -> list[Any]:
+        """The KV and state events since the last call, in order (none unless `config.events`)."""
+        return [] if self.events is None else self.events.drain()
 
     # --- accounts ---------------------------------------------------------------------------------------
     def ledger(self, live_blocks: set[int]) -> dict[str, Any]:

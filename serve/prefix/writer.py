@@ -50,7 +50,7 @@ class CheckpointWriter:
         tokens = seq.tokens
         chain = self.hasher.extend(seq.chain, tokens, seq.cache_salt, pos // bs)[: pos // bs + 1]
         key = self.hasher.checkpoint_key(chain[-1], tokens[(pos // bs) * bs : pos])
-        self.blocks.register(chain[1:], seq.blocks[: len(chain) - 1])
+        self.blocks.register(chain, seq.blocks[: len(chain) - 1], tokens=tokens)
         tail = tuple(tokens[(pos // bs) * bs : pos])
         if tail:
             self.tails.add(chain[-1], tail)
@@ -78,6 +78,7 @@ class CheckpointWriter:
             logits=logits,
             parent=seq.checkpoint_base,
             chain=tuple(chain[1:]),
+            tail=tail,
         )
         seq.checkpoint_base = key
         self.checkpoints.add(ck)
