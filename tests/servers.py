@@ -21,9 +21,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def uvicorn_thread(app: Any, log_level: str = "warning", start_timeout: float = 30) -> Iterator[str]:
-    """`app` served on a free localhost port from a thread; yields its URL, stops it afterwards."""
-    port = free_port()
+def uvicorn_thread(
+    app: Any, log_level: str = "warning", start_timeout: float = 30, port: int | None = None
+) -> Iterator[str]:
+    """`app` served on localhost from a thread (on a free port unless `port`); yields its URL, stops it
+    afterwards."""
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from serve.cli import bench, convert, generate, info, memory, plan, serve, train
+from serve.cli import bench, convert, generate, info, memory, plan, route, serve, train
 
-COMMANDS = (info, generate, bench, convert, memory, plan, serve, train)
+COMMANDS = (info, generate, bench, convert, memory, plan, serve, route, train)
 
 
 def build_parser() -> argparse.ArgumentParser:

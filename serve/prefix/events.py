@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import ClassVar
 
 import msgpack
@@ -33,6 +33,13 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = "device"
+
+    def blocks(self) -> Iterator[tuple[bytes, bytes | None, tuple[int, ...]]]:
+        """(hash, parent hash, tokens) of each block, in chain order."""
+        parent, bs = self.parent_block_hash, self.block_size
+        for j, h in enumerate(self.block_hashes):
+            yield h, parent, tuple(self.token_ids[j * bs : (j + 1) * bs])
+            parent = h
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,10 +162,8 @@ class Contents:
         for e in events:
             if isinstance(e, BlockStored):
                 self.block_size = e.block_size
-                parent = e.parent_block_hash
-                for j, h in enumerate(e.block_hashes):
-                    self.blocks[h] = (parent, tuple(e.token_ids[j * e.block_size : (j + 1) * e.block_size]))
-                    parent = h
+                for h, parent, tokens in e.blocks():
+                    self.blocks[h] = (parent, tokens)
             elif isinstance(e, BlockRemoved):
                 for h in e.block_hashes:
                     self.blocks.pop(h, None)

@@ -1,0 +1,2 @@
+"""`jaxhybrid route`: an OpenAI-compatible front over several replicas that sends each request to where
+its state is."""

@@ -1,0 +1,173 @@
+"""The replicas behind a router: each one's address, health, requests in flight, and what it holds, kept up
+to date from its prefix-store events by a follower thread.
+
+`EventFollower` subscribes to a replica's events (`serve.http.kv_events`) and applies them to its
+`ReplicaIndex` in order. It first catches up through the replay socket (everything buffered, or a snapshot),
+and again whenever a topic's sequence number skips (lost messages) or goes back (the replica restarted: its
+index is cleared first). Live messages already covered by a replay are dropped. While the replica is down
+its index is empty (`Backend.down`), so nothing is routed on what it may no longer hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+import zmq
+
+from serve.http.kv_events import replay
+from serve.prefix.events import KV_TOPIC, STATE_TOPIC, decode
+from serve.route.index import ReplicaIndex
+
+log = logging.getLogger("jaxhybrid.route")
+POLL_MS = 100
+
+
+@dataclasses.dataclass
+class BackendSpec:
+    """`URL[,events=ENDPOINT[,replay=ENDPOINT]]` as `jaxhybrid route --backend` takes it."""
+
+    url: str
+    events: str | None = None
+    replay: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> BackendSpec:
+        url, *rest = [p.strip() for p in text.split(",")]
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"backend {text!r}: the first part must be its http(s):// URL")
+        fields = {}
+        for part in rest:
+            key, sep, value = part.partition("=")
+            if not sep or key not in ("events", "replay") or not value:
+                raise ValueError(
+                    f"backend {text!r}: expected events=ENDPOINT or replay=ENDPOINT, got {part!r}"
+                )
+            fields[key] = value
+        if "replay" in fields and "events" not in fields:
+            raise ValueError(f"backend {text!r}: replay= needs events=")
+        return cls(url.rstrip("/"), **fields)
+
+
+class Backend:
+    """One replica: where it is, whether it answers, its requests in flight and what it holds."""
+
+    def __init__(self, spec: BackendSpec):
+        self.spec, self.url = spec, spec.url
+        self.index = ReplicaIndex()
+        self.lock = threading.Lock()  # the index: the follower writes, request handlers read
+        self.healthy = True
+        self.in_flight = 0  # requests routed here and not finished
+        self.pending_tokens = 0  # their prompt tokens to compute + tokens to generate (the queue ahead)
+        self.routed = 0
+        self.follower = EventFollower(self) if spec.events else None
+
+    def down(self) -> None:
+        """It stopped answering: forget what it held (it may have lost it), route nothing there."""
+        if self.healthy:
+            log.warning("backend %s is down: drained from routing", self.url)
+        self.healthy = False
+        with self.lock:
+            self.index.clear()
+        if self.follower is not None:
+            self.follower.resync.set()
+
+    def up(self) -> None:
+        if not self.healthy:
+            log.info("backend %s answers again: re-admitted", self.url)
+        self.healthy = True
+
+    def close(self) -> None:
+        if self.follower is not None:
+            self.follower.stop()
+
+
+class EventFollower:
+    """See the module doc."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.last = {KV_TOPIC: 0, STATE_TOPIC: 0}
+        self.resync = threading.Event()
+        self.resync.set()
+        self._stopping = threading.Event()
+        self.replays = 0
+        self._thread = threading.Thread(target=self._run, name=f"route-events-{backend.url}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        spec = self.backend.spec
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        for t in (KV_TOPIC, STATE_TOPIC):
+            sub.setsockopt(zmq.SUBSCRIBE, t.encode())
+        sub.connect(spec.events)
+        try:
+            while not self._stopping.is_set():
+                if self.resync.is_set() and self.backend.healthy:
+                    self.resync.clear()
+                    self._catch_up(restart=True)
+                if sub.poll(POLL_MS):
+                    topic, seq, payload = sub.recv_multipart()
+                    self._live(
+                        topic.decode(errors="replace"), int.from_bytes(seq, "big", signed=True), payload
+                    )
+        except Exception:
+            log.exception("following the events of %s stopped", self.backend.url)
+        finally:
+            sub.close(linger=0)
+
+    def _live(self, topic: str, seq: int, payload: bytes) -> None:
+        last = self.last.get(topic)
+        if last is None or seq <= 0:
+            return
+        if seq == 1 and last > 1:  # numbering began again: the replica restarted
+            self._catch_up(restart=True)
+            if self.backend.spec.replay is not None:
+                return  # the replay brought this batch
+        elif seq <= last:
+            return  # a replay already brought it
+        elif seq > last + 1 and self.backend.spec.replay is not None:
+            self._catch_up(restart=False, topics=(topic,))
+            if seq <= self.last[topic]:
+                return
+            if seq > self.last[topic] + 1:
+                self.resync.set()  # still missing: try again from scratch
+                return
+        self._apply(topic, seq, payload)
+
+    def _catch_up(self, restart: bool, topics: tuple[str, ...] = (KV_TOPIC, STATE_TOPIC)) -> None:
+        """Replay `topics` from after what was applied; after a restart (or a resync) from nothing. A
+        replay is every buffered batch, or one snapshot that rebuilds the topic's contents."""
+        if restart:
+            with self.backend.lock:
+                self.backend.index.clear()
+            self.last = dict.fromkeys(self.last, 0)
+        endpoint = self.backend.spec.replay
+        if endpoint is None:
+            return
+        for topic in topics:
+            try:
+                batches = replay(endpoint, topic, self.last[topic] + 1, timeout_ms=2000)
+            except zmq.ZMQError as exc:
+                log.warning("replaying %s's %s events failed: %s", self.backend.url, topic, exc)
+                self.resync.set()
+                return
+            self.replays += 1
+            for seq, payload in batches:
+                self._apply(topic, seq, payload)
+
+    def _apply(self, topic: str, seq: int, payload: bytes) -> None:
+        try:
+            events = decode(payload)[1]
+        except ValueError as exc:
+            log.warning("%s sent a batch that does not decode: %s", self.backend.url, exc)
+            return
+        with self.backend.lock:
+            self.backend.index.apply(events)
+        self.last[topic] = seq

@@ -1,0 +1,63 @@
+"""Which replica a request goes to.
+
+`state-aware` (the default): the replica that could resume the prompt from the deepest state checkpoint
+whose KV blocks it also holds (`ReplicaIndex.match(...).resumable`), against the work already queued there:
+the cost of a replica is the prompt tokens it would compute plus `load_weight` x the tokens its requests in
+flight still have to compute and generate; the cheapest wins (ties: fewer requests in flight, then turn).
+`kv-only`: the same with the cached KV blocks alone (what routers that read KV events do; for a hybrid model
+it overrates a replica whose blocks have no checkpoint above them). `round-robin`: in turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from enum import StrEnum
+
+from serve.route.backends import Backend
+
+
+class Policy(StrEnum):
+    STATE_AWARE = "state-aware"
+    KV_ONLY = "kv-only"
+    ROUND_ROBIN = "round-robin"
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A replica for a request, with the prefill it is expected to save there and the work it adds."""
+
+    backend: Backend
+    saved: int  # prompt tokens the replica is expected not to compute
+    work: int  # prompt tokens to compute + tokens to generate
+
+
+class Chooser:
+    def __init__(self, backends: Sequence[Backend], policy: Policy, load_weight: float = 1.0):
+        self.backends, self.policy, self.load_weight = list(backends), Policy(policy), load_weight
+        self._turn = itertools.count()
+
+    def rank(self, tokens: Sequence[int], max_tokens: int) -> list[Candidate]:
+        """Every healthy replica, the one to try first first (the rest: where to retry)."""
+        healthy = [b for b in self.backends if b.healthy]
+        if not healthy:
+            return []
+        turn = next(self._turn) % len(healthy)
+        rotated = healthy[turn:] + healthy[:turn]
+        out = []
+        for b in rotated:
+            with b.lock:
+                m = b.index.match(tokens) if tokens else None
+            if self.policy is Policy.STATE_AWARE and m is not None:
+                saved = m.resumable
+            elif self.policy is Policy.KV_ONLY and m is not None:
+                saved = m.kv_tokens
+            else:
+                saved = 0
+            out.append(Candidate(b, saved, len(tokens) - saved + max_tokens))
+        if self.policy is Policy.ROUND_ROBIN:
+            return out
+        order = {id(c.backend): i for i, c in enumerate(out)}
+        cost = lambda c: (c.work + self.load_weight * c.backend.pending_tokens, c.backend.in_flight)  # noqa: E731
+        return sorted(out, key=lambda c: (*cost(c), order[id(c.backend)]))

@@ -1,0 +1,149 @@
+"""`jaxhybrid route`: the replica index answers how far a replica can resume a prompt (hand-built events);
+over two live replicas the state-aware policy sends a chat's next turn to the replica holding its state
+(the replica's own count of cached prompt tokens is the oracle) where round-robin does not; a replica that
+dies is drained without a client seeing an error, and one that comes back is re-admitted and followed
+from its restarted event numbering."""
+
+import contextlib
+import time
+
+import httpx
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from servers import free_port, uvicorn_thread
+
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from jaxhybrid.tokenizer import ByteTokenizer
+from serve.engine.engine import Engine, EngineConfig
+from serve.http.app import create_app
+from serve.http.kv_events import EventPublisher
+from serve.prefix.events import BlockRemoved, BlockStored, StateRemoved, StateStored
+from serve.prefix.store import PrefixStoreConfig
+from serve.route.app import create_router_app
+from serve.route.backends import Backend, BackendSpec
+from serve.route.index import Match, ReplicaIndex
+from serve.route.policies import Chooser, Policy
+
+BS = 8
+H = [bytes([i]) * 32 for i in range(8)]
+
+
+def test_the_index_resumes_at_the_deepest_checkpoint_on_the_prompts_path():
+    idx = ReplicaIndex()
+    prompt = list(range(100, 130))
+    idx.apply(
+        [
+            BlockStored([H[1], H[2]], None, prompt[:16], BS),
+            BlockStored([H[3]], H[2], prompt[16:24], BS),
+            StateStored(b"a" * 32, 8, "interval", "device", H[1], [], 1),
+            StateStored(b"b" * 32, 19, "junction", "host", H[2], prompt[16:19], 1),
+            StateStored(b"c" * 32, 24, "interval", "disk", H[3], [], 1),  # disk: not counted
+            StateStored(b"d" * 32, 20, "prompt_end", "device", H[2], [7, 7, 7, 7], 1),  # another tail
+        ]
+    )
+    assert idx.match(prompt) == Match(kv_tokens=24, resumable=19)
+    assert idx.match(prompt[:19]) == Match(kv_tokens=16, resumable=8)  # a hit leaves a token to compute
+    assert idx.match([1] + prompt[1:]) == Match(0, 0)
+    idx.apply([StateRemoved(b"b" * 32, "host")])
+    assert idx.match(prompt).resumable == 8
+    idx.apply([BlockRemoved([H[1]])])  # the first block gone: nothing is reachable
+    assert idx.match(prompt) == Match(0, 0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HybridLM(load_config("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)
+
+
+class Replica:
+    """A `serve` app with a prefix store publishing its events, on fixed ports so it can come back."""
+
+    def __init__(self, model):
+        self.model, self.port = model, free_port()
+        self.events, self.replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+    def spec(self) -> BackendSpec:
+        return BackendSpec(f"http://127.0.0.1:{self.port}", self.events, self.replay)
+
+    def app(self):
+        prefix = PrefixStoreConfig(checkpoint_interval=16, events=True)
+        config = EngineConfig(max_slots=2, block_size=BS, prefill_chunk=32, max_model_len=256, prefix=prefix)
+        self.engine = Engine(self.model, config)
+        return create_app(
+            self.engine, ByteTokenizer(512), "tiny", events=EventPublisher(self.events, self.replay)
+        )
+
+
+def complete(url: str, prompt: list[int]) -> dict:
+    r = httpx.post(
+        f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached(out: dict) -> int:
+    return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def router(replicas, policy: Policy):
+    backends = [Backend(r.spec()) for r in replicas]
+    return backends, create_router_app(
+        backends, Chooser(backends, policy), ByteTokenizer(512), health_interval=0.2
+    )
+
+
+def test_state_aware_routing_sends_a_chats_next_turn_to_its_state(model):
+    replicas = [Replica(model), Replica(model)]
+    with contextlib.ExitStack() as stack:
+        for r in replicas:
+            stack.enter_context(uvicorn_thread(r.app(), port=r.port))
+        for i, (policy, hit) in enumerate(((Policy.STATE_AWARE, True), (Policy.ROUND_ROBIN, False))):
+            backends, app = router(replicas, policy)
+            with uvicorn_thread(app) as url:
+                turn1 = [400 + i] + list(range(3, 59))  # 57 tokens: checkpoints at 16, 32, 48, 57
+                complete(url, turn1)
+                wait_for(lambda: any(b.index.checkpoints for b in backends))  # noqa: B023
+                out = complete(url, turn1 + [5, 6, 7])
+                assert (cached(out) >= 48) == hit, policy
+
+
+def test_a_dead_replica_is_drained_without_an_error_and_readmitted_when_it_returns(model):
+    replicas = [Replica(model), Replica(model)]
+    servers = [uvicorn_thread(r.app(), port=r.port) for r in replicas]
+    for cm in servers:
+        cm.__enter__()
+    backends, app = router(replicas, Policy.STATE_AWARE)
+    try:
+        with uvicorn_thread(app) as url:
+            prompt = list(range(3, 45))
+            complete(url, prompt)
+            wait_for(lambda: any(len(b.index) for b in backends))
+            holder = next(i for i, b in enumerate(backends) if len(b.index))
+            servers[holder].__exit__(None, None, None)  # the replica holding the chat goes away
+            for n in range(3):  # the next turns go to the other replica: no client sees an error
+                complete(url, prompt + [7] * (n + 1))
+            stats = httpx.get(f"{url}/route/stats").json()["backends"]
+            assert not stats[holder]["healthy"] and stats[holder]["blocks"] == 0
+            assert stats[1 - holder]["healthy"]
+            # it comes back (a new process: an empty store, its events numbered from 1 again)
+            servers[holder] = uvicorn_thread(replicas[holder].app(), port=replicas[holder].port)
+            servers[holder].__enter__()
+            wait_for(lambda: backends[holder].healthy)
+            for n in range(4):  # fresh prompts: both replicas are as good, so they take turns
+                complete(url, [450 + n] + list(range(3, 40)))
+            wait_for(lambda: len(backends[holder].index) > 0)  # followed again
+            assert backends[holder].routed > 1
+    finally:
+        for cm in servers:
+            with contextlib.suppress(Exception):
+                cm.__exit__(None, None, None)
