@@ -5,6 +5,7 @@ dies is drained without a client seeing an error, and one that comes back is re-
 from its restarted event numbering."""
 
 import contextlib
+import json
 import time
 
 import httpx
@@ -147,3 +148,42 @@ def test_a_dead_replica_is_drained_without_an_error_and_readmitted_when_it_retur
         for cm in servers:
             with contextlib.suppress(Exception):
                 cm.__exit__(None, None, None)
+
+
+def run_bench(capsys, *flags) -> dict:
+    from serve.cli import main
+
+    assert main(["bench", "route", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+SMALL = (
+    "--workload",
+    "chat",
+    "--conversations",
+    "8",
+    "--turns",
+    "3",
+    "--max-model-len",
+    "512",
+    "--chunk",
+    "64",
+)
+
+
+def test_bench_route_simulated_state_aware_computes_less_than_round_robin(capsys):
+    out = run_bench(capsys, "--simulate", *SMALL)
+    rows = {r["policy"]: r for r in out["rows"]}
+    assert set(rows) == {"state-aware", "kv-only", "round-robin"}
+    for r in rows.values():
+        assert sum(r["per_replica"]) == r["requests"] == 24
+        assert r["lower_bound_tokens"] <= r["prompt_tokens_computed"] <= r["prompt_tokens"]
+    assert rows["state-aware"]["prompt_tokens_computed"] < 0.8 * rows["round-robin"]["prompt_tokens_computed"]
+
+
+@pytest.mark.slow
+def test_the_simulated_router_agrees_with_the_live_one_on_a_small_case(capsys):
+    """State-aware routing over 4 live replicas of tiny computes the prompt tokens the simulator says."""
+    sim = run_bench(capsys, "--simulate", "--policies", "state-aware", *SMALL)
+    live = run_bench(capsys, "--policies", "state-aware", *SMALL)
+    assert live["rows"][0]["prompt_tokens_computed"] == sim["rows"][0]["prompt_tokens_computed"]

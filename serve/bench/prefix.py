@@ -409,7 +409,6 @@ def _defaults(field: str) -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from serve.engine.config import engine_default
     from serve.prefix.store import PrefixStoreConfig
 
     store_default = PrefixStoreConfig()
@@ -417,13 +416,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "prefix", help="seeded workload replays over prefix-store settings and budgets", description=__doc__
     )
     p.add_argument("--config", default="tiny", help="config name or path (default tiny)")
-    p.add_argument(
-        "--kv-blocks",
-        type=int,
-        default=None,
-        help="the KV pool's usable blocks (default: the engine's, every slot at --max-model-len; a smaller "
-        "pool evicts cached blocks between turns)",
-    )
     add_checkpoint_dtype_arg(p)
     p.add_argument(
         "--workload",
@@ -460,48 +452,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="checkpoint budgets in KiB, comma-separated: every setting runs under each as its device "
         "budget (the host's: --host-cache-mb, then 0 by default); default: --device-cache-mb once",
     )
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
-    w = p.add_argument_group("workloads (a shared flag's default is per family)")
-    w.add_argument("--conversations", type=int, help=f"chats / traces ({_defaults('conversations')})")
-    w.add_argument("--turns", type=int, help=f"rounds ({_defaults('turns')})")
-    w.add_argument("--system-len", type=int, help=f"shared system prompt tokens ({_defaults('system_len')})")
-    w.add_argument(
-        "--user-min", type=int, help=f"shortest user message / question / task ({_defaults('user_min')})"
-    )
-    w.add_argument(
-        "--user-max", type=int, help=f"longest user message / question / task ({_defaults('user_max')})"
-    )
-    w.add_argument("--max-tokens", type=int, help=f"answer tokens per request ({_defaults('max_tokens')})")
-    w.add_argument("--branch-prob", type=float, help="chat: chance a turn forks an earlier turn (0.25)")
-    w.add_argument("--documents", type=int, help="docqa: documents (4)")
-    w.add_argument(
-        "--doc-len", type=int, help="docqa: tokens per document (200; + system 12 = 212, off any block)"
-    )
-    w.add_argument("--questions", type=int, help="docqa: questions per round (8)")
-    w.add_argument("--doc-skew", type=float, help="docqa: Zipf exponent of document popularity (1.0)")
-    w.add_argument("--tool-min", type=int, help="agentic: shortest tool output / forked continuation (16)")
-    w.add_argument("--tool-max", type=int, help="agentic: longest tool output / forked continuation (48)")
-    w.add_argument("--fork-prob", type=float, help="agentic: chance a round forks the trace (0.3)")
-    w.add_argument(
-        "--retry-prob", type=float, help="agentic: chance a fork retries an earlier fork point (0.5)"
-    )
-    slots, block, chunk = map(engine_default, ("max_slots", "block_size", "prefill_chunk"))
-    p.add_argument("--slots", type=int, default=slots, help=f"engine slots (default {slots}, as serve)")
-    p.add_argument("--block-size", type=int, default=block, help=f"KV block size (default {block}, as serve)")
-    p.add_argument("--chunk", type=int, default=chunk, help=f"prefill chunk (default {chunk}, as serve)")
-    p.add_argument(
-        "--max-model-len", type=int, default=None, help="context limit (default as serve: min(config, 4096))"
-    )
-    p.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and cache dtype"
-    )
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=0,
-        help="requests draft up to this many tokens a step (0: off, as serve's default; prompt lookup with a "
-        "model, the seeded acceptance model with --simulate)",
-    )
+    add_workload_args(p)
+    add_engine_shape_args(p)
     p.add_argument(
         "--device-cache-mb",
         type=float,
@@ -546,3 +498,63 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_out_arg(p)
     p.set_defaults(func=run)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload families' flags (`FAMILIES[name].from_args`) and their seed."""
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    w = p.add_argument_group("workloads (a shared flag's default is per family)")
+    w.add_argument("--conversations", type=int, help=f"chats / traces ({_defaults('conversations')})")
+    w.add_argument("--turns", type=int, help=f"rounds ({_defaults('turns')})")
+    w.add_argument("--system-len", type=int, help=f"shared system prompt tokens ({_defaults('system_len')})")
+    w.add_argument(
+        "--user-min", type=int, help=f"shortest user message / question / task ({_defaults('user_min')})"
+    )
+    w.add_argument(
+        "--user-max", type=int, help=f"longest user message / question / task ({_defaults('user_max')})"
+    )
+    w.add_argument("--max-tokens", type=int, help=f"answer tokens per request ({_defaults('max_tokens')})")
+    w.add_argument("--branch-prob", type=float, help="chat: chance a turn forks an earlier turn (0.25)")
+    w.add_argument("--documents", type=int, help="docqa: documents (4)")
+    w.add_argument(
+        "--doc-len", type=int, help="docqa: tokens per document (200; + system 12 = 212, off any block)"
+    )
+    w.add_argument("--questions", type=int, help="docqa: questions per round (8)")
+    w.add_argument("--doc-skew", type=float, help="docqa: Zipf exponent of document popularity (1.0)")
+    w.add_argument("--tool-min", type=int, help="agentic: shortest tool output / forked continuation (16)")
+    w.add_argument("--tool-max", type=int, help="agentic: longest tool output / forked continuation (48)")
+    w.add_argument("--fork-prob", type=float, help="agentic: chance a round forks the trace (0.3)")
+    w.add_argument(
+        "--retry-prob", type=float, help="agentic: chance a fork retries an earlier fork point (0.5)"
+    )
+
+
+def add_engine_shape_args(p: argparse.ArgumentParser) -> None:
+    """The engine's shape as `engine_config` reads it (slots, blocks, chunk, context, dtype, speculation)."""
+    from serve.engine.config import engine_default
+
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="the KV pool's usable blocks (default: the engine's, every slot at --max-model-len; a smaller "
+        "pool evicts cached blocks between turns)",
+    )
+
+    slots, block, chunk = map(engine_default, ("max_slots", "block_size", "prefill_chunk"))
+    p.add_argument("--slots", type=int, default=slots, help=f"engine slots (default {slots}, as serve)")
+    p.add_argument("--block-size", type=int, default=block, help=f"KV block size (default {block}, as serve)")
+    p.add_argument("--chunk", type=int, default=chunk, help=f"prefill chunk (default {chunk}, as serve)")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context limit (default as serve: min(config, 4096))"
+    )
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and cache dtype"
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="requests draft up to this many tokens a step (0: off, as serve's default; prompt lookup with a "
+        "model, the seeded acceptance model with --simulate)",
+    )

@@ -73,6 +73,17 @@ def random_answers(vocab: int, seed: int = 0) -> Answers:
     return lambda prompt, n: rng.integers(3, vocab, n).tolist()
 
 
+def prompt_answers(vocab: int, seed: int = 0) -> Answers:
+    """Seeded random ids that depend on the prompt alone (the same answer whichever replica serves it, and
+    in whatever order: what a greedy model gives)."""
+
+    def answer(prompt: Any, n: int) -> list[int]:
+        key = hashlib.sha256(np.asarray([seed, *prompt], np.int64).tobytes()).digest()
+        return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(3, vocab, n).tolist()
+
+    return answer
+
+
 class SimSource:
     """The prefix store's CheckpointSource in a simulation: nothing to copy, so placeholders (the store
     accounts the byte sizes it was built with, not what the source returns)."""

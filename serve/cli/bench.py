@@ -13,6 +13,7 @@ from serve.bench import (
     prefix,
     quant,
     reference,
+    route,
     serve,
     slots,
     speculative,
@@ -34,6 +35,7 @@ BENCHES = (
     compare,
     speculative,
     checkpoint_dtype,
+    route,
 )
 
 

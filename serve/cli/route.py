@@ -61,7 +61,7 @@ def _tokenizer(args: argparse.Namespace):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from serve.route.policies import Policy
+    from serve.route.policies import LOAD_WEIGHT, Policy
 
     p = sub.add_parser(
         "route", help="an OpenAI-compatible router over several serve replicas", description=run.__doc__
@@ -79,8 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--load-weight",
         type=float,
-        default=1.0,
-        help="tokens of a replica's queued work that weigh as much as one prompt token it must compute (1)",
+        default=LOAD_WEIGHT,
+        help="what a token of work queued at a replica weighs against a prompt token it must compute "
+        f"({LOAD_WEIGHT})",
     )
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks (1)")
     p.add_argument("--host", default="127.0.0.1")

@@ -1,9 +1,10 @@
 """Which replica a request goes to.
 
 `state-aware` (the default): the replica that could resume the prompt from the deepest state checkpoint
-whose KV blocks it also holds (`ReplicaIndex.match(...).resumable`), against the work already queued there:
-the cost of a replica is the prompt tokens it would compute plus `load_weight` x the tokens its requests in
-flight still have to compute and generate; the cheapest wins (ties: fewer requests in flight, then turn).
+whose KV blocks it also holds (`ReplicaIndex.match(...).resumable`; cached KV beyond it counts
+`KV_AFFINITY` a token), against the work already queued there: the cost of a replica is the prompt tokens
+it would compute plus `load_weight` x the tokens its requests in flight still have to compute and generate;
+the cheapest wins (ties: fewer requests in flight, then turn).
 `kv-only`: the same with the cached KV blocks alone (what routers that read KV events do; for a hybrid model
 it overrates a replica whose blocks have no checkpoint above them). `round-robin`: in turn.
 """
@@ -16,6 +17,12 @@ from collections.abc import Sequence
 from enum import StrEnum
 
 from serve.route.backends import Backend
+
+# What a token of cached KV above a replica's deepest usable checkpoint is worth, against a token it resumes
+# from: it resumes nothing now, but the replica's store checkpoints where the prompt leaves it (a junction),
+# and a conversation kept on one replica keeps its checkpoints there (measured: `bench route --simulate`).
+KV_AFFINITY = 0.5
+LOAD_WEIGHT = 0.1  # a token of work queued at a replica against a prompt token it must compute
 
 
 class Policy(StrEnum):
@@ -34,7 +41,7 @@ class Candidate:
 
 
 class Chooser:
-    def __init__(self, backends: Sequence[Backend], policy: Policy, load_weight: float = 1.0):
+    def __init__(self, backends: Sequence[Backend], policy: Policy, load_weight: float = LOAD_WEIGHT):
         self.backends, self.policy, self.load_weight = list(backends), Policy(policy), load_weight
         self._turn = itertools.count()
 
@@ -50,7 +57,7 @@ class Chooser:
             with b.lock:
                 m = b.index.match(tokens) if tokens else None
             if self.policy is Policy.STATE_AWARE and m is not None:
-                saved = m.resumable
+                saved = m.resumable + KV_AFFINITY * (m.kv_tokens - m.resumable)
             elif self.policy is Policy.KV_ONLY and m is not None:
                 saved = m.kv_tokens
             else:

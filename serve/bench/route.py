@@ -1,0 +1,412 @@
+"""`jaxhybrid bench route`: `bench prefix`'s seeded workloads served by several replicas behind a router, once
+per routing policy (`serve.route.policies`): prompt tokens computed (against the single-store lower bound),
+hit rate, TTFT p50 / p99 and output tokens/s.
+
+`--simulate`: N simulated engines (the engine's scheduler and prefix store with analytic bytes and FLOPs, no
+model: any config, any scale; `serve.bench.simulate`), the router's own index and policies fed each store's
+events directly, the requests of a round routed in order before they run (their load counted as the live
+router counts it); answers are seeded by their prompt, so every policy meets the same workload. Without it:
+N `serve` apps of a model in this process (uvicorn threads, each with its own engine and event publisher)
+behind `jaxhybrid route`'s app, the workload sent over HTTP (streamed, a round's requests in order a few
+milliseconds apart), and the router's index brought up to date between rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from serve.bench.common import add_out_arg, emit, environment
+from serve.bench.workloads import FAMILIES, Replay, replay
+from serve.report import print_table
+
+POLICIES = ("state-aware", "kv-only", "round-robin")
+
+
+def merge_ledgers(ledgers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The replicas' ledgers added up (numbers, and nested dicts of numbers key by key)."""
+
+    def add(a: Any, b: Any) -> Any:
+        if isinstance(a, dict):
+            return {k: add(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()}
+        return a + b if isinstance(a, int | float) and isinstance(b, int | float) else a
+
+    out: dict[str, Any] = {}
+    for led in ledgers:
+        out = (
+            add(out, {k: v for k, v in led.items() if isinstance(v, int | float | dict)})
+            if out
+            else dict(led)
+        )
+    return out
+
+
+class Arrivals:
+    """The order a round's requests reach the router: seeded, a new one each round (chats do not take their
+    turns in the same order every time; a fixed one would make round-robin send each chat to one replica)."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def order(self, n: int) -> list[int]:
+        return [int(i) for i in self.rng.permutation(n)]
+
+
+class RoutedSim:
+    """N simulated replicas behind the router's policy (a `bench prefix` Server); see the module doc."""
+
+    def __init__(self, sims: list[Any], policy: str, seed: int = 0):
+        from serve.route.backends import Backend, BackendSpec
+        from serve.route.policies import Chooser, Policy
+
+        self.sims = sims
+        self.backends = [Backend(BackendSpec(f"sim://{i}")) for i in range(len(sims))]
+        self.chooser = Chooser(self.backends, Policy(policy))
+        self.assigned: list[int] = []
+        self.wall = 0.0  # simulated seconds: each round lasts as long as its slowest replica
+        self.arrivals = Arrivals(seed)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Any) -> list[Any]:
+        shares: list[list[int]] = [[] for _ in self.sims]
+        for i in self.arrivals.order(len(prompts)):
+            best = self.chooser.rank(list(prompts[i]), sampling.max_tokens)[0]
+            best.backend.in_flight += 1
+            best.backend.pending_tokens += best.work
+            k = self.backends.index(best.backend)
+            shares[k].append(i)
+            self.assigned.append(k)
+        results: list[Any] = [None] * len(prompts)
+        longest = 0.0
+        for k, (sim, backend) in enumerate(zip(self.sims, self.backends, strict=True)):
+            t0 = sim.clock
+            if shares[k]:
+                for i, res in zip(
+                    shares[k], sim.generate([prompts[i] for i in shares[k]], sampling), strict=True
+                ):
+                    results[i] = res
+            longest = max(longest, sim.clock - t0)
+            backend.index.apply(sim.engine.take_events())
+            backend.in_flight = backend.pending_tokens = 0
+        self.wall += longest
+        return results
+
+    def ledger(self) -> dict[str, Any]:
+        return merge_ledgers([sim.ledger() for sim in self.sims])
+
+
+class RoutedLive:
+    """N in-process `serve` apps of `model` behind the router's app, over HTTP (a `bench prefix` Server)."""
+
+    STAGGER_S = 0.005
+
+    def __init__(
+        self, model: Any, engine_config: Any, replicas: int, policy: str, tokenizer: Any, seed: int = 0
+    ):
+        from serve.engine.engine import Engine
+        from serve.http.app import create_app
+        from serve.http.kv_events import EventPublisher
+        from serve.route.app import create_router_app
+        from serve.route.backends import Backend, BackendSpec
+        from serve.route.policies import Chooser, Policy
+
+        self._stack = contextlib.ExitStack()
+        self.apps, self.publishers, self.backends = [], [], []
+        for _ in range(replicas):
+            pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+            app = create_app(Engine(model, engine_config), tokenizer, "bench", events=pub)
+            url = self._stack.enter_context(_serving(app))
+            self.apps.append(app)
+            self.publishers.append(pub)
+            self.backends.append(Backend(BackendSpec(url, pub.bound, pub.replay_bound)))
+        router = create_router_app(self.backends, Chooser(self.backends, Policy(policy)), tokenizer)
+        self.url = self._stack.enter_context(_serving(router))
+        self.wall = 0.0
+        self.arrivals = Arrivals(seed)
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Any) -> list[Any]:
+        import asyncio
+
+        t0 = time.perf_counter()
+        results = asyncio.run(self._round([[int(t) for t in p] for p in prompts], sampling.max_tokens))
+        self.wall += time.perf_counter() - t0
+        self._settle()
+        return results
+
+    async def _round(self, prompts: list[list[int]], max_tokens: int) -> list[Any]:
+        import asyncio
+
+        import httpx
+
+        async with httpx.AsyncClient(base_url=self.url, timeout=600) as client:
+            tasks: dict[int, Any] = {}
+            for i in self.arrivals.order(len(prompts)):
+                tasks[i] = asyncio.create_task(_streamed(client, prompts[i], max_tokens))
+                await asyncio.sleep(self.STAGGER_S)  # the router ranks them in this order
+            await asyncio.gather(*tasks.values())
+            return [tasks[i].result() for i in range(len(prompts))]
+
+    def _settle(self, timeout: float = 10.0) -> None:
+        """Wait until the router has applied every event the replicas published."""
+        deadline = time.monotonic() + timeout
+        for pub, backend in zip(self.publishers, self.backends, strict=True):
+            while backend.follower.last != pub.seq and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    def ledger(self) -> dict[str, Any]:
+        return merge_ledgers([app.state.server.loop.call(lambda e: e.ledger()).result() for app in self.apps])
+
+
+@contextlib.contextmanager
+def _serving(app: Any):
+    """`app` under uvicorn on a free localhost port, from a thread; its URL."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("a bench server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@dataclasses.dataclass
+class _Result:
+    """What `replay` needs of a served request."""
+
+    token_ids: list[int]
+    stats: dict[str, Any]
+
+
+async def _streamed(client: Any, prompt: list[int], max_tokens: int) -> _Result:
+    import json
+
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    t0, ttft, ids, usage = time.perf_counter(), None, [], {}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            for c in event.get("choices", []):
+                if c.get("token_ids"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    ids += c["token_ids"]
+            usage = event.get("usage") or usage
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    stats = {
+        "prompt_tokens": len(prompt),
+        "prefix_hit_tokens": cached,
+        "prefill_tokens_computed": len(prompt) - cached,
+        "recomputed_tokens": 0,
+        "time_to_first_token_s": ttft or 0.0,
+        "generated_tokens": len(ids),
+    }
+    return _Result(ids, stats)
+
+
+def row(workload: Any, policy: str, rep: Replay, server: Any) -> dict[str, Any]:
+    summary = rep.summary()
+    ms = 1e3 * np.asarray([s["time_to_first_token_s"] for s in rep.stats])
+    generated = sum(len(s.generated) for s in rep.served)
+    return {
+        "workload": workload.name,
+        "policy": policy,
+        **{k: summary[k] for k in ("requests", "prompt_tokens", "hit_rate", "prompt_tokens_computed")},
+        "lower_bound_tokens": summary["lower_bound_tokens"],
+        "ttft_p50_ms": float(np.percentile(ms, 50)),
+        "ttft_p99_ms": float(np.percentile(ms, 99)),
+        "output_tokens_per_s": generated / server.wall if server.wall else None,
+        "wall_s": server.wall,
+        "per_replica": np.bincount(server.assigned, minlength=len(server.backends)).tolist()
+        if hasattr(server, "assigned")
+        else [b.routed for b in server.backends],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxhybrid.config import load_config
+    from serve.bench.prefix import engine_config, simulated_kv_bytes
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies or any(p not in POLICIES for p in policies):
+        print(f"error: --policies takes {', '.join(POLICIES)}", file=sys.stderr)
+        return 2
+    if args.replicas < 1:
+        print("error: --replicas must be >= 1", file=sys.stderr)
+        return 2
+    names = [n.strip() for n in args.workload.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown or not names:
+        print(
+            f"error: unknown workload {unknown[0] if unknown else ''!r} (known: {', '.join(FAMILIES)})",
+            file=sys.stderr,
+        )
+        return 2
+    cfg = load_config(args.config)
+    workloads = [FAMILIES[n].from_args(args) for n in names]
+    from serve.prefix.store import PrefixStoreConfig
+
+    prefix = PrefixStoreConfig(
+        checkpoint_policy=args.checkpoint_policy,
+        checkpoint_interval=args.checkpoint_interval,
+        device_bytes=int(args.device_cache_mb * 2**20),
+        host_bytes=int(args.host_cache_mb * 2**20),
+        events=True,
+    )
+    config = engine_config(args, prefix, simulated_kv_bytes(cfg, args) if args.simulate else None)
+    model = tokenizer = None
+    if not args.simulate:
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from jaxhybrid.model import HybridLM
+        from jaxhybrid.tokenizer import ByteTokenizer
+
+        model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))
+        tokenizer = ByteTokenizer(cfg.vocab_size) if cfg.vocab_size >= 259 else None
+    rows = []
+    if not args.simulate:  # compile the replicas' programs first (a process compiles each shape once)
+        warm = RoutedLive(model, config, args.replicas, "round-robin", tokenizer, args.seed)
+        try:
+            for workload in workloads:
+                replay(warm, workload, cfg.vocab_size)
+        finally:
+            warm.close()
+    for workload in workloads:
+        for policy in policies:
+            t0 = time.perf_counter()
+            if args.simulate:
+                from serve.bench.simulate import CostModel, SimEngine, prompt_answers
+
+                answers, cost = prompt_answers(cfg.vocab_size, args.seed), CostModel.of(cfg, args.flops_per_s)
+                sims = [SimEngine(cfg, config, answers, cost) for _ in range(args.replicas)]
+                server: Any = RoutedSim(sims, policy, args.seed)
+            else:
+                server = RoutedLive(model, config, args.replicas, policy, tokenizer, args.seed)
+            try:
+                rep = replay(server, workload, cfg.vocab_size)
+            finally:
+                if not args.simulate:
+                    server.close()
+            rows.append({**row(workload, policy, rep, server), "bench_s": round(time.perf_counter() - t0, 1)})
+    for w in workloads:
+        mine = [r for r in rows if r["workload"] == w.name]
+        rr = next((r for r in mine if r["policy"] == "round-robin"), None)
+        for r in mine:
+            r["vs_round_robin"] = r["prompt_tokens_computed"] / rr["prompt_tokens_computed"] if rr else None
+        print(
+            f"\n{w.name} ({args.replicas} replicas{', simulated' if args.simulate else ''}):", file=sys.stderr
+        )
+        print_table(
+            [
+                {
+                    "policy": r["policy"],
+                    "computed": f"{r['prompt_tokens_computed']:,}",
+                    "vs_round_robin": "-" if r["vs_round_robin"] is None else f"{r['vs_round_robin']:.2f}",
+                    "lower_bound": f"{r['lower_bound_tokens']:,}",
+                    "hit_rate": f"{r['hit_rate']:.3f}",
+                    "ttft_p50_ms": f"{r['ttft_p50_ms']:.1f}",
+                    "ttft_p99_ms": f"{r['ttft_p99_ms']:.1f}",
+                    "out_tok_s": "-"
+                    if r["output_tokens_per_s"] is None
+                    else f"{r['output_tokens_per_s']:.1f}",
+                    "per_replica": r["per_replica"],
+                }
+                for r in mine
+            ],
+            [
+                "policy",
+                "computed",
+                "vs_round_robin",
+                "lower_bound",
+                "hit_rate",
+                "ttft_p50_ms",
+                "ttft_p99_ms",
+                "out_tok_s",
+                "per_replica",
+            ],
+            file=sys.stderr,
+        )
+    emit(
+        {
+            "bench": "route",
+            "config": cfg.name,
+            "simulated": bool(args.simulate),
+            "replicas": args.replicas,
+            "workloads": {w.name: dataclasses.asdict(w) for w in workloads},
+            "environment": environment(),
+            "rows": rows,
+        },
+        args,
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from serve.bench.prefix import add_engine_shape_args, add_workload_args
+
+    p = sub.add_parser(
+        "route",
+        help="a workload through a router over N replicas, per routing policy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", default="tiny", help="config name or path (default tiny)")
+    p.add_argument("--replicas", type=int, default=4, help="replicas behind the router (default 4)")
+    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated ({', '.join(POLICIES)})")
+    p.add_argument(
+        "--workload", default="chat,agentic", help=f"families, comma-separated ({', '.join(FAMILIES)})"
+    )
+    p.add_argument("--checkpoint-interval", type=int, default=32768, help="each replica's (default 32768)")
+    p.add_argument(
+        "--checkpoint-policy",
+        choices=("adaptive", "fixed"),
+        default="adaptive",
+        help="each replica's (default adaptive: KV and checkpoints evicted as one; fixed: each by LRU)",
+    )
+    p.add_argument("--device-cache-mb", type=float, default=1024.0, help="each replica's checkpoint budget")
+    p.add_argument("--host-cache-mb", type=float, default=4096.0, help="each replica's host budget")
+    p.add_argument(
+        "--simulate", action="store_true", help="simulated engines, no model (any config, any scale)"
+    )
+    p.add_argument(
+        "--hbm", type=float, default=None, help="with --simulate: device memory, GB (as bench prefix)"
+    )
+    p.add_argument("--weights-gb", type=float, default=0.0, help="with --hbm: weights per device, GB")
+    p.add_argument("--flops-per-s", type=float, default=1e15, help="with --simulate: the FLOP rate of TTFT")
+    add_engine_shape_args(p)
+    add_workload_args(p)
+    add_out_arg(p)
+    p.set_defaults(func=run, budgets=None)
