@@ -4,41 +4,21 @@ healthy (shared by the server, hostile-input, soak and multi-process tests)."""
 from __future__ import annotations
 
 import contextlib
-import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
-import uvicorn
+
+from serve.http.threaded import free_port as free_port  # re-exported for the tests
+from serve.http.threaded import serving
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
 def uvicorn_thread(
     app: Any, log_level: str = "warning", start_timeout: float = 30, port: int | None = None
-) -> Iterator[str]:
-    """`app` served on localhost from a thread (on a free port unless `port`); yields its URL, stops it
-    afterwards."""
-    port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + start_timeout
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+) -> contextlib.AbstractContextManager[str]:
+    """`app` served on localhost from a thread (on a free port unless `port`); its URL (`serving`)."""
+    return serving(app, port, log_level, start_timeout)
 
 
 def wait_healthy(url: str, alive: Callable[[], bool], describe: Callable[[], str], timeout: float) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from serve.bench.common import add_out_arg, emit, environment
 from serve.bench.workloads import FAMILIES, Replay, replay
+from serve.http.threaded import serving
 from serve.report import print_table
 
 POLICIES = ("state-aware", "kv-only", "round-robin")
@@ -121,12 +122,12 @@ class RoutedLive:
         for _ in range(replicas):
             pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
             app = create_app(Engine(model, engine_config), tokenizer, "bench", events=pub)
-            url = self._stack.enter_context(_serving(app))
+            url = self._stack.enter_context(serving(app))
             self.apps.append(app)
             self.publishers.append(pub)
             self.backends.append(Backend(BackendSpec(url, pub.bound, pub.replay_bound)))
         router = create_router_app(self.backends, Chooser(self.backends, Policy(policy)), tokenizer)
-        self.url = self._stack.enter_context(_serving(router))
+        self.url = self._stack.enter_context(serving(router))
         self.wall = 0.0
         self.arrivals = Arrivals(seed)
 
@@ -164,31 +165,6 @@ class RoutedLive:
 
     def ledger(self) -> dict[str, Any]:
         return merge_ledgers([app.state.server.loop.call(lambda e: e.ledger()).result() for app in self.apps])
-
-
-@contextlib.contextmanager
-def _serving(app: Any):
-    """`app` under uvicorn on a free localhost port, from a thread; its URL."""
-    import socket
-    import threading
-
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("a bench server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @dataclasses.dataclass
