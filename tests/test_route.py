@@ -4,15 +4,19 @@ over two live replicas the state-aware policy sends a chat's next turn to the re
 dies is drained without a client seeing an error, and one that comes back is re-admitted and followed
 from its restarted event numbering."""
 
+import concurrent.futures
 import contextlib
 import json
+import os
+import subprocess
+import sys
 import time
 
 import httpx
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from servers import free_port, uvicorn_thread
+from servers import free_port, uvicorn_thread, wait_healthy
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
@@ -187,3 +191,131 @@ def test_the_simulated_router_agrees_with_the_live_one_on_a_small_case(capsys):
     sim = run_bench(capsys, "--simulate", "--policies", "state-aware", *SMALL)
     live = run_bench(capsys, "--policies", "state-aware", *SMALL)
     assert live["rows"][0]["prompt_tokens_computed"] == sim["rows"][0]["prompt_tokens_computed"]
+
+
+class LossyPublisher(EventPublisher):
+    """Publishes like the real one but drops the batches whose per-topic numbers are in `lose` (they stay
+    buffered for replay, as the real publisher's would after a network drop)."""
+
+    def __init__(self, *args, lose: set[int], **kw):
+        self.lose = lose
+        super().__init__(*args, **kw)
+
+    def _send(self, events):
+        pub = self._pub
+
+        class Dropping:
+            def send_multipart(_, frames):  # noqa: N805
+                if int.from_bytes(frames[1], "big", signed=True) not in self.lose:
+                    pub.send_multipart(frames)
+
+        self._pub = Dropping()
+        try:
+            super()._send(events)
+        finally:
+            self._pub = pub
+
+
+def test_lost_events_are_replayed_so_a_removed_checkpoint_is_never_routed_on():
+    pub = LossyPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", lose={2, 3})
+    backend = Backend(BackendSpec("http://127.0.0.1:1", pub.bound, pub.replay_bound))
+    try:
+        wait_for(lambda: backend.follower.replays >= 2)  # the first catch-up (nothing yet)
+        prompt = list(range(10, 40))
+        state = StateStored(b"s" * 32, 16, "interval", "device", H[2], [], 1)
+        steps = [
+            [BlockStored([H[1], H[2]], None, prompt[:16], BS), state],  # kv 1, state 1
+            [BlockStored([H[3]], H[2], prompt[16:24], BS)],  # kv 2: lost
+            [StateRemoved(state.key, "device"), BlockRemoved([H[3]])],  # kv 3, state 2: lost
+            [BlockStored([H[4]], H[2], [0] * 8, BS)],  # kv 4: shows the gap
+        ]
+        for events in steps:
+            pub.publish(events)
+        time.sleep(0.2)
+        pub.publish([StateStored(b"t" * 32, 8, "interval", "device", H[1], [], 1)])  # state 3: shows its gap
+        wait_for(lambda: backend.follower.last == pub.seq)
+        with backend.lock:
+            assert backend.index.match(prompt) == Match(kv_tokens=16, resumable=8)  # not 16: that one is gone
+            assert len(backend.index) == len(pub.contents.blocks) == 3
+    finally:
+        backend.close()
+        pub.close()
+
+
+def start_replica(port: int, events: str, replay: str, log) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "serve.cli", "serve", "--config", "tiny", "--port", str(port)]
+    cmd += ["--warmup", "none", "--max-model-len", "256", "--slots", "2"]
+    cmd += ["--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def streamed(url: str, prompt: list[int]) -> tuple[bool, int]:
+    """(ended with [DONE], token chunks received) of one streamed completion."""
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+    chunks = 0
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            if r.status_code != 200:
+                return False, 0
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    return True, chunks
+                if line.startswith("data: ") and '"text"' in line:
+                    chunks += 1
+    except httpx.HTTPError:
+        pass
+    return False, chunks
+
+
+@pytest.mark.slow
+def test_kill_9_a_replica_mid_run_fails_no_request_that_had_not_started_streaming(tmp_path):
+    """Two `jaxhybrid serve` processes behind the router; 12 streamed requests in flight when one replica is
+    killed with SIGKILL: every request that had not received a token is answered by the other replica (only
+    streams already under way may end early); the router drops the dead replica's index at once, and when it
+    is started again re-admits it and rebuilds its index from its events."""
+    ports = [free_port(), free_port()]
+    ends = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in ports]
+    logs = [open(tmp_path / f"replica{i}.log", "w") for i in range(2)]  # noqa: SIM115
+    procs = [start_replica(p, *e, log) for p, e, log in zip(ports, ends, logs, strict=True)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    backends = [Backend(BackendSpec(u, *e)) for u, e in zip(urls, ends, strict=True)]
+    app = create_router_app(
+        backends, Chooser(backends, Policy.STATE_AWARE), ByteTokenizer(512), health_interval=0.2
+    )
+    try:
+        for i, url in enumerate(urls):
+            wait_healthy(
+                url,
+                lambda i=i: procs[i].poll() is None,
+                lambda i=i: (tmp_path / f"replica{i}.log").read_text(),
+                180,
+            )
+        with uvicorn_thread(app) as router_url:
+            with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                futures = [
+                    pool.submit(streamed, router_url, [300 + n] + list(range(3, 40))) for n in range(12)
+                ]
+                wait_for(lambda: backends[0].in_flight > 0 and backends[1].in_flight > 0, 60)
+                procs[0].kill()  # SIGKILL
+                results = [f.result() for f in futures]
+            assert all(ok or chunks > 0 for ok, chunks in results), results
+            assert sum(ok for ok, _ in results) >= 10
+            wait_for(lambda: not backends[0].healthy)
+            assert len(backends[0].index) == 0
+            # it comes back on the same ports: re-admitted, its index rebuilt from its (new) events
+            procs[0] = start_replica(ports[0], *ends[0], logs[0])
+            wait_healthy(
+                urls[0], lambda: procs[0].poll() is None, lambda: (tmp_path / "replica0.log").read_text(), 180
+            )
+            wait_for(lambda: backends[0].healthy)
+            for n in range(6):
+                assert streamed(router_url, [350 + n] + list(range(3, 30)))[0]
+            wait_for(lambda: len(backends[0].index) > 0)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()

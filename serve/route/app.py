@@ -3,10 +3,11 @@ policy ranks first (`serve.route.policies`), streams passed through as they come
 first healthy replica's; GET /health is 200 while a replica answers; GET /route/stats says, per replica,
 whether it is healthy, its requests in flight, how many were routed there and what its index holds.
 
-Faults: a replica that refuses the connection, fails before answering, or answers 503 is marked down (its
-index dropped: `Backend.down`) and the request goes to the next one, so a client sees no error unless every
-replica fails; one that answers 429 (its queue is full) passes the request on too. Once a response has
-begun it is the client's (a stream cut by a dying replica ends there). A health check every
+Faults: a replica that refuses the connection, fails before its first bytes (a stream's first token, a
+whole answer otherwise) or answers 503 is marked down (its index dropped: `Backend.down`) and the request
+goes to the next one, so a client sees no error unless every replica fails; one that answers 429 (its queue
+is full) passes the request on too. Once the first bytes have gone to the client the response is the
+client's (a stream cut by a dying replica ends there). A health check every
 `health_interval` seconds re-admits a replica that answers again, and its events are replayed from scratch.
 """
 
@@ -99,15 +100,29 @@ class Router:
                 if resp.status_code == 503:
                     cand.backend.down()
                 continue
-            return self._relay(resp, cand)
+            chunks = resp.aiter_raw()
+            try:  # the first bytes (a stream's first token): until then the request may go elsewhere
+                first = await anext(chunks, b"")
+            except httpx.HTTPError as exc:
+                log.warning(
+                    "backend %s failed before its first token (%s): trying the next", cand.backend.url, exc
+                )
+                await resp.aclose()
+                self._end(cand)
+                cand.backend.down()
+                continue
+            return self._relay(resp, first, chunks, cand)
         return last if last is not None else error(503, "every replica failed", "service_unavailable")
 
-    def _relay(self, resp: httpx.Response, cand: Candidate) -> Response:
+    def _relay(
+        self, resp: httpx.Response, first: bytes, chunks: AsyncIterator[bytes], cand: Candidate
+    ) -> Response:
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
 
         async def body() -> AsyncIterator[bytes]:
             try:
-                async for chunk in resp.aiter_raw():
+                yield first
+                async for chunk in chunks:
                     yield chunk
             finally:
                 await resp.aclose()

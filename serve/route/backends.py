@@ -3,9 +3,10 @@ to date from its prefix-store events by a follower thread.
 
 `EventFollower` subscribes to a replica's events (`serve.http.kv_events`) and applies them to its
 `ReplicaIndex` in order. It first catches up through the replay socket (everything buffered, or a snapshot),
-and again whenever a topic's sequence number skips (lost messages) or goes back (the replica restarted: its
-index is cleared first). Live messages already covered by a replay are dropped. While the replica is down
-its index is empty (`Backend.down`), so nothing is routed on what it may no longer hold.
+and again whenever a topic's sequence number skips (lost messages), goes back (the replica restarted: its
+index is cleared first), or nothing came for a second (the last messages may have been lost). Live messages
+already covered by a replay are dropped. While the replica is down its index is empty (`Backend.down`), so
+nothing is routed on what it may no longer hold.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 import zmq
 
@@ -22,6 +24,7 @@ from serve.route.index import ReplicaIndex
 
 log = logging.getLogger("jaxhybrid.route")
 POLL_MS = 100
+IDLE_CATCH_UP_S = 1.0  # after this long without a message, ask the replay socket whether one was lost
 
 
 @dataclasses.dataclass
@@ -107,6 +110,7 @@ class EventFollower:
         for t in (KV_TOPIC, STATE_TOPIC):
             sub.setsockopt(zmq.SUBSCRIBE, t.encode())
         sub.connect(spec.events)
+        heard = time.monotonic()
         try:
             while not self._stopping.is_set():
                 if self.resync.is_set() and self.backend.healthy:
@@ -114,9 +118,12 @@ class EventFollower:
                     self._catch_up(restart=True)
                 if sub.poll(POLL_MS):
                     topic, seq, payload = sub.recv_multipart()
-                    self._live(
-                        topic.decode(errors="replace"), int.from_bytes(seq, "big", signed=True), payload
-                    )
+                    seq = int.from_bytes(seq, "big", signed=True)
+                    self._live(topic.decode(errors="replace"), seq, payload)
+                    heard = time.monotonic()
+                elif time.monotonic() - heard > IDLE_CATCH_UP_S and self.backend.healthy:
+                    self._catch_up(restart=False)  # the last batches may have been lost: nothing shows a gap
+                    heard = time.monotonic()
         except Exception:
             log.exception("following the events of %s stopped", self.backend.url)
         finally:
