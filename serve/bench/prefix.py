@@ -1,13 +1,17 @@
 """`jaxhybrid bench prefix`: replay seeded workloads through the engine for several prefix-store settings and
 report reuse, recompute, prefill work against its lower bound, time to first token and checkpoint bytes.
 
-Workloads (`--workload chat|docqa|agentic`, a comma list or `all`; default chat; `serve.bench.workloads`,
-seeded by `--seed`): `chat`, chats behind a shared system prompt whose turns extend or fork earlier turns;
-`docqa`, `--questions` questions a round over `--documents` documents of `--doc-len` tokens (Zipf-popular,
-`--doc-skew`); `agentic`, tool-calling traces that grow by `--tool-min`..`--tool-max` tokens or fork
-(`--fork-prob`) at an unaligned position, half of the forks (`--retry-prob`) where an earlier one did. The
-shared flags (`--conversations`, `--turns`, `--system-len`, `--user-min/--user-max`, `--max-tokens`) default
-per family. All requests of one round are submitted together; rounds follow one another.
+Workloads (`--workload chat|docqa|agentic|longdoc|sysprompt`, a comma list or `all`, all five; default
+chat; `serve.bench.workloads`, seeded by `--seed`): `chat`, chats behind a shared system prompt whose turns
+extend or fork earlier turns; `docqa`, `--questions` questions a round over `--documents` documents of
+`--doc-len` tokens (Zipf-popular, `--doc-skew`); `agentic`, tool-calling traces that grow by
+`--tool-min`..`--tool-max` tokens or fork (`--fork-prob`) at an unaligned position, half of the forks
+(`--retry-prob`) where an earlier one did; `longdoc` (QuALITY-like), `--questions` one-shot questions on each
+of `--documents` long documents, shuffled, `--per-round` a round; `sysprompt`, one-shot user turns behind
+`--prompts` system prompts of Zipf popularity. The policies' constants were chosen on the first three only.
+The shared flags (`--conversations`, `--turns`, `--system-len`, `--user-min/--user-max`, `--max-tokens`,
+`--documents`, `--questions`) default per family. All requests of one round are submitted together; rounds
+follow one another.
 
 Settings: off; each of `--intervals` alone, and prompt/sequence-end checkpoints beside each
 `--prompt-end-interval`, once per `--eviction` policy (`--checkpoint-policy fixed`); with `adaptive` in
@@ -459,11 +463,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     w.add_argument("--max-tokens", type=int, help=f"answer tokens per request ({_defaults('max_tokens')})")
     w.add_argument("--branch-prob", type=float, help="chat: chance a turn forks an earlier turn (0.25)")
-    w.add_argument("--documents", type=int, help="docqa: documents (4)")
+    w.add_argument("--documents", type=int, help=f"docqa / longdoc: documents ({_defaults('documents')})")
     w.add_argument(
         "--doc-len", type=int, help="docqa: tokens per document (200; + system 12 = 212, off any block)"
     )
-    w.add_argument("--questions", type=int, help="docqa: questions per round (8)")
+    w.add_argument(
+        "--questions",
+        type=int,
+        help=f"docqa: questions per round, longdoc: per document ({_defaults('questions')})",
+    )
+    w.add_argument(
+        "--per-round", type=int, help=f"longdoc / sysprompt: requests per round ({_defaults('per_round')})"
+    )
+    w.add_argument("--prompts", type=int, help="sysprompt: distinct system prompts (5)")
     w.add_argument("--doc-skew", type=float, help="docqa: Zipf exponent of document popularity (1.0)")
     w.add_argument("--tool-min", type=int, help="agentic: shortest tool output / forked continuation (16)")
     w.add_argument("--tool-max", type=int, help="agentic: longest tool output / forked continuation (48)")
