@@ -503,3 +503,38 @@ def test_bench_prefix_engine_docqa_under_two_budgets(capsys):
     assert (
         ample["prompt_tokens_computed"] < small["prompt_tokens_computed"] == rows[0]["prompt_tokens_computed"]
     )
+
+
+@pytest.mark.parametrize(
+    ("family", "budget_kib"), [("chat", 64), ("chat", 256), ("agentic", 64), ("sysprompt", 64)]
+)
+def test_the_offline_placement_is_what_the_store_keeps_and_each_request_resumes_from(family, budget_kib):
+    """The `dp` setting through the simulator: the store checkpoints where the placement says, within the
+    budget, and each request computes its prompt less the deepest placed position at or above its overlap
+    depth (what the program assumed): the replay computes the lower bound + the program's predicted cost."""
+    from serve.bench.workloads import FAMILIES, overlap_depths
+
+    args = parse(
+        "--simulate", "--workload", family, "--budgets", str(budget_kib), "--checkpoint-policy", "dp",
+        "--chunk", "64", "--max-model-len", "1024",
+    )  # fmt: skip
+    workload = FAMILIES[family].from_args(args)
+    off_sim = SimEngine(CFG, prefix.engine_config(args, None), random_answers(VOCAB), CostModel.of(CFG, 1e15))
+    off = replay(off_sim, workload, VOCAB)
+    (setting,) = [prefix._dp(s, off, off_sim.shape) for s in prefix.settings(args) if s.policy == "dp"]
+    placement = setting.prefix.placement
+    assert setting.prefix.device_bytes == budget_kib * 1024 and placement.prefixes
+    sim = SimEngine(
+        CFG, prefix.engine_config(args, setting.prefix), prefix.known_answers(off, random_answers(VOCAB)),
+        CostModel.of(CFG, 1e15),
+    )  # fmt: skip
+    rep = replay(sim, workload, VOCAB)
+    assert [s.tokens.tolist() for s in rep.served] == [s.tokens.tolist() for s in off.served]
+    assert max(led["checkpoint_bytes"]["device"] for led in rep.ledgers) <= budget_kib * 1024
+    assert rep.ledgers[-1]["dropped_checkpoints"] == 0
+    for s, stats, depth in zip(rep.served, rep.stats, overlap_depths(off.served), strict=True):
+        resume = max([d for d in placement.positions(s.prompt) if d <= depth], default=0)
+        computed = max(stats["prefill_tokens_computed"], stats["prompt_tokens"] - stats["prefix_hit_tokens"])
+        assert computed == s.prompt_len - resume
+    summary = rep.summary()
+    assert summary["prompt_tokens_computed"] == summary["lower_bound_tokens"] + placement.cost

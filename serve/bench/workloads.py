@@ -416,20 +416,27 @@ def lower_bound_tokens(served: Sequence[Served], block: int = 64) -> int:
     it means: every request of earlier rounds, its prompt and its answer but the answer's last token (that
     one is sampled, never fed back, so no state exists after it); requests earlier in the same round, their
     prompt only (they run beside it). `block`: the index's granularity (any value gives the same answer)."""
-    index, seen, total = PrefixIndex(block), set(), 0
+    return sum(s.prompt_len - depth for s, depth in zip(served, overlap_depths(served, block), strict=True))
+
+
+def overlap_depths(served: Sequence[Served], block: int = 64) -> list[int]:
+    """Per request, L_i of `lower_bound_tokens` (the whole prompt when an earlier request had exactly it): the
+    deepest state it could resume from, what an offline placement (`serve.prefix.placement`) is given."""
+    index, seen, out = PrefixIndex(block), set(), []
     for _, group in itertools.groupby(served, key=lambda s: s.round):
         group = list(group)
         for s in group:
             prompt = s.prompt
             key = hashlib.blake2b(np.ascontiguousarray(prompt, np.int32).tobytes(), digest_size=16).digest()
             if key in seen:
+                out.append(len(prompt))
                 continue
             seen.add(key)
-            total += len(prompt) - min(index.longest_prefix(prompt), len(prompt) - 1)
+            out.append(min(index.longest_prefix(prompt), len(prompt) - 1))
             index.add(prompt)
         for s in group:
             index.add(s.tokens[: max(len(s.tokens) - 1, s.prompt_len)])
-    return total
+    return out
 
 
 class PrefixIndex:

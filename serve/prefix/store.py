@@ -70,6 +70,9 @@ class PrefixStoreConfig:
     # checkpoint policy's own ("lru" for fixed, "value" for adaptive)
     # "fixed" | "adaptive" (see the module doc); adaptive, the default, beat every fixed setting
     checkpoint_policy: str = "adaptive"
+    # an offline placement (`serve.prefix.placement.Placement`, `bench prefix` only): with it the store
+    # checkpoints at its positions and nowhere else
+    placement: Any = None
 
     @property
     def eviction_policy(self) -> str:
@@ -351,6 +354,9 @@ class PrefixStore:
         adaptive policy also junctions, and its full blocks are indexed as they are computed, so a prompt
         that shares them finds where it leaves them)."""
         pos = seq.num_computed
+        if self.config.placement is not None:
+            self._on_placed(seq, source, logits)
+            return
         at_prompt_end = self.config.prompt_end_checkpoints and pos == len(seq.prompt)
         keep = logits if at_prompt_end else None
         if pos % self.config.checkpoint_interval == 0:
@@ -363,21 +369,41 @@ class PrefixStore:
             self._index_blocks(seq)
         seq.cuts.discard(pos)
 
+    def _on_placed(self, seq: Sequence_, source: CheckpointSource, logits: Any) -> None:
+        """With an offline placement: a checkpoint where it places one (cut in the prompt at admission,
+        tested in the answer), keeping the logits at a prompt end."""
+        pos, end, placement = seq.num_computed, len(seq.prompt), self.config.placement
+        if pos in seq.cuts or (pos > end and placement.at(pos) and placement.holds(seq.tokens, pos)):
+            kind = CheckpointKind.PROMPT_END if pos == end else CheckpointKind.JUNCTION
+            self.writer.write(seq, source, kind, logits=logits if pos == end else None)
+        seq.cuts.discard(pos)
+
     # --- the adaptive policy's junctions -----------------------------------------------------------------
     def junction(self, seq: Sequence_, hit: Hit) -> int | None:
         """Where `seq` leaves the KV the store holds beyond the state it resumes from (the adaptive policy
         checkpoints it there, so the next prompt that leaves at the same point resumes there); None if
-        nowhere or not adaptive."""
+        nowhere or not adaptive. With an offline placement, its positions in the prompt are cut instead."""
+        placement = self.config.placement
+        if placement is not None:
+            seq.cuts.update(p for p in placement.positions(seq.prompt) if p > hit.hit)
+            return None
         if not self.config.adaptive or hit.matched <= hit.hit or hit.matched >= len(seq.prompt):
             return None
         return hit.matched
 
     def shared_prefix(self, seq: Sequence_, computing: list[Sequence_]) -> tuple[Sequence_, int] | None:
-        """The running request `seq` should wait for (in-batch sharing, adaptive policy only), and where:
+        """The running request `seq` should wait for (in-batch sharing, adaptive policy or an offline
+        placement, at its deepest position in the shared part), and where:
         `serve.prefix.junctions.shared_prefix`."""
-        if not self.config.adaptive:
+        placement = self.config.placement
+        if not self.config.adaptive and placement is None:
             return None
-        return junctions.shared_prefix(seq, computing, self.block_size, self.config.prompt_end_checkpoints)
+        found = junctions.shared_prefix(seq, computing, self.block_size, self.config.prompt_end_checkpoints)
+        if found is None or placement is None:
+            return found
+        leader, shared = found
+        placed = [p for p in placement.positions(seq.prompt[:shared]) if p > leader.num_computed]
+        return (leader, placed[-1]) if placed else None
 
     def _index_blocks(self, seq: Sequence_) -> None:
         junctions.index_blocks(seq, self.hasher, self.blocks, self.tails)
