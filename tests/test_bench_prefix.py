@@ -538,3 +538,32 @@ def test_the_offline_placement_is_what_the_store_keeps_and_each_request_resumes_
         assert computed == s.prompt_len - resume
     summary = rep.summary()
     assert summary["prompt_tokens_computed"] == summary["lower_bound_tokens"] + placement.cost
+
+
+def test_adaptive_beats_every_fixed_setting_on_every_family_and_finer_spacing_never_loses(capsys):
+    """Issue 30's goal, simulated on the five families (two of them not tuned on): at every budget the
+    adaptive policy computes fewer prompt tokens than every fixed setting (each interval alone and with
+    prompt/sequence-end checkpoints), at finest spacing 16 no more than at 64 (it may choose among more
+    positions), and within 1.15x of the lower bound where the budget holds a few dozen states or more."""
+    common = ["bench", "prefix", "--simulate", "--workload", "all", "--budgets", "64,256,1024"]
+    common += ["--chunk", "64", "--max-model-len", "1024"]
+    sweep = "16,64,256,1024,32768"
+    assert main([*common, "--intervals", sweep, "--prompt-end-interval", sweep]) == 0
+    rows = json.loads(capsys.readouterr().out.strip())["rows"]
+    assert main([*common, "--intervals", "64", "--checkpoint-policy", "adaptive"]) == 0
+    coarse = json.loads(capsys.readouterr().out.strip())["rows"]
+    cells = {(r["workload"], r["budget_kib"]) for r in rows if r["budget_kib"] is not None}
+    assert len(cells) == 15
+    for family, budget in cells:
+        mine = [r for r in rows if (r["workload"], r["budget_kib"]) == (family, budget)]
+        (fine,) = [r["prompt_tokens_computed"] for r in mine if r["policy"] == "adaptive"]
+        (at64,) = [
+            r["prompt_tokens_computed"]
+            for r in coarse
+            if (r["workload"], r["budget_kib"], r["policy"]) == (family, budget, "adaptive")
+        ]
+        fixed = [r["prompt_tokens_computed"] for r in mine if r["policy"] != "adaptive"]
+        assert len(fixed) == 10 and fine < min(fixed), (family, budget)
+        assert fine <= at64, (family, budget)
+        if budget >= 256:
+            assert fine <= 1.15 * mine[0]["lower_bound_tokens"], (family, budget)

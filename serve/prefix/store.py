@@ -51,6 +51,7 @@ from serve.prefix.stats import LookupStats, MemoryStats, flatten
 from serve.prefix.writer import CheckpointWriter
 
 CHECKPOINT_POLICIES = ("fixed", "adaptive")
+INTERVAL_SHARE = 6  # the adaptive policy's spacing: chosen on the chat, docqa and agentic workloads
 
 
 @dataclasses.dataclass
@@ -341,12 +342,25 @@ class PrefixStore:
     def chunk_limit(self, seq: Sequence_) -> int:
         """Tokens a prefill of `seq` may compute before its next checkpoint position (an interval multiple,
         or a junction the adaptive policy cut it at)."""
-        position, interval = seq.num_computed, self.config.checkpoint_interval
+        position, interval = seq.num_computed, self.spacing(seq)
         limit = (position // interval + 1) * interval - position
         for cut in seq.cuts:
             if cut > position:
                 limit = min(limit, cut - position)
         return limit
+
+    def spacing(self, seq: Sequence_) -> int:
+        """The interval `seq` is checkpointed at: `checkpoint_interval`, or with the adaptive policy (where it
+        is the finest spacing) that doubled until its prompt's interval checkpoints take at most 1 /
+        INTERVAL_SHARE of the states the budgets hold: they are speculative (most are never resumed from),
+        and at a finer spacing than the budget affords they crowd out the ones that are."""
+        interval = self.config.checkpoint_interval
+        if not self.config.adaptive:
+            return interval
+        quota = (self.config.device_bytes + self.config.host_bytes) / self.state_bytes / INTERVAL_SHARE
+        while len(seq.prompt) > quota * interval and interval < 1 << 30:
+            interval *= 2
+        return interval
 
     def on_computed(self, seq: Sequence_, source: CheckpointSource, logits: Any = None) -> None:
         """After `seq` computed up to seq.num_computed: checkpoints due there (interval multiples and the
@@ -359,7 +373,7 @@ class PrefixStore:
             return
         at_prompt_end = self.config.prompt_end_checkpoints and pos == len(seq.prompt)
         keep = logits if at_prompt_end else None
-        if pos % self.config.checkpoint_interval == 0:
+        if pos % self.spacing(seq) == 0:
             self.writer.write(seq, source, CheckpointKind.INTERVAL, logits=keep)
         elif at_prompt_end:
             self.writer.write(seq, source, CheckpointKind.PROMPT_END, logits=keep)
