@@ -247,3 +247,21 @@ def test_adaptive_interval_checkpoints_take_a_share_of_the_budget(states):
         spacing *= 2
     intervals = sim.ledger()["checkpoints_by_kind"]["interval"]
     assert intervals["device"] == 390 // spacing == {12: 1, 60: 6, 10_000: 24}[states]
+
+
+def test_a_queued_request_finds_a_state_where_it_leaves_a_running_one():
+    """Queued requests are known future lookups: with one slot, the second of two prompts sharing 200 tokens
+    is admitted only after the first has computed past them, and still resumes at exactly the shared length
+    (the first was cut there while the second waited), so it computes only its own part."""
+    from serve.bench.simulate import CostModel, SimEngine, random_answers
+
+    cfg = load_config("tiny")
+    prefix = PrefixStoreConfig(checkpoint_policy="adaptive", checkpoint_interval=1024)
+    config = EngineConfig(max_slots=1, block_size=16, prefill_chunk=64, max_model_len=512, prefix=prefix)
+    sim = SimEngine(cfg, config, random_answers(cfg.vocab_size), CostModel.of(cfg, 1e15))
+    shared = list(range(3, 203))
+    prompts = [shared + [300] * 37, shared + [301] * 21]
+    results = sim.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert common_prefix(*prompts) == 200
+    assert [r.stats["prefix_hit_tokens"] for r in results] == [0, 200]
+    assert results[1].stats["prefill_tokens_computed"] == len(prompts[1]) - 200

@@ -8,12 +8,14 @@ partial last block's KV, so short and unaligned prompts hit too. A hit is the lo
 blocks are present and that ends at a checkpoint.
 
 Policies (`checkpoint_policy`): "fixed" keeps exactly the checkpoints above, evicted least recently used
-first. "adaptive" treats the interval as the finest spacing and adds junctions: a prompt that shares cached
-KV blocks beyond the state it resumes from is checkpointed where it leaves them (its full blocks are indexed
-as they are computed, so the next prompt sees them), and a request whose prompt shares a prefix that a
-running request is still computing waits for that request's checkpoint at the end of the shared part (the
-scheduler asks `shared_prefix`). What stays within the budgets is decided by the value-aware eviction order
-(`serve.prefix.policies.ValueAware`: prefill saved per byte, weighted by the reuse each kind has shown).
+first. "adaptive" treats the interval as the finest spacing (coarsened to what the budgets afford, `spacing`)
+and adds junctions: a prompt that shares cached KV blocks beyond the state it resumes from is checkpointed
+where it leaves them (its full blocks are indexed as they are computed, so the next prompt sees them), a
+running request is checkpointed where a queued prompt will leave it (`expect`), and a request whose prompt
+shares a prefix that a running request is still computing waits for that request's checkpoint at the end of
+the shared part (the scheduler asks `shared_prefix`). What stays within the budgets is decided by the
+value-aware eviction order (`serve.prefix.policies.ValueAware`: prefill saved per byte, weighted by the reuse
+each kind has shown).
 
 Tiers: checkpoints live on the device until its budget is exceeded, then in host memory, then are dropped
 (`serve.prefix.checkpoints`, in an eviction policy's order). Cached KV blocks live in the engine's pool and
@@ -22,8 +24,8 @@ checkpoint is also written through to disk with the KV of its whole prefix (`ser
 
 The engine talks to the store through these methods only: `find` / `record` (a lookup, counted once per
 admission: `serve.prefix.lookup`), `start_load` / `load_ready` / `finish_load` / `on_read_done` (a disk hit is
-read in the background), `attach` / `attached` / `detach` (a hit given to a request),
-`junction` / `shared_prefix` (where the adaptive policy cuts a prefill), `chunk_limit`, `on_computed` /
+read in the background), `attach` / `attached` / `detach` (a hit given to a request), `junction` /
+`shared_prefix` / `expect` (where the adaptive policy cuts a prefill), `chunk_limit`, `on_computed` /
 `on_finished` (checkpoints and block indexing), `evict_one` / `evictable`, `observe` / `apply` (what finished
 in the background, applied at a step boundary: with several processes process 0 observes and every process
 applies the same), `poll` (both, one process), `ledger`, `forget_blocks`, `close`. The data it keeps comes
@@ -36,7 +38,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -418,6 +420,16 @@ class PrefixStore:
         leader, shared = found
         placed = [p for p in placement.positions(seq.prompt[:shared]) if p > leader.num_computed]
         return (leader, placed[-1]) if placed else None
+
+    def expect(self, waiting: Iterable[Sequence_], computing: list[Sequence_]) -> None:
+        """Queued requests are known future lookups (adaptive policy): a running request still computing a
+        prefix one of them shares is cut at the end of that prefix (`shared_prefix`), so its state is kept
+        there even when the queued one is admitted only after it has passed that point."""
+        if self.config.adaptive:
+            for seq in waiting:
+                found = self.shared_prefix(seq, computing)
+                if found is not None:
+                    found[0].cuts.add(found[1])
 
     def _index_blocks(self, seq: Sequence_) -> None:
         junctions.index_blocks(seq, self.hasher, self.blocks, self.tails)
