@@ -15,10 +15,13 @@ follow one another.
 
 Settings: off; each of `--intervals` alone, and prompt/sequence-end checkpoints beside each
 `--prompt-end-interval`, once per `--eviction` policy (`--checkpoint-policy fixed`); with `adaptive` in
-`--checkpoint-policy`, the adaptive policy at the smallest interval. `--budgets K1,K2,...` (KiB) repeats
-every setting under each checkpoint budget: the device budget, with `--host-cache-mb` (then default 0) as
-the host's, so every policy gets the same bytes. Without it, `--device-cache-mb` / `--host-cache-mb`. The
-issue's sweep is one block to 32768: `--intervals 16,64,256,1024,32768`.
+`--checkpoint-policy`, the adaptive policy at the smallest interval (its finest spacing); with `dp`, the
+offline placement of sparse prefix caching (`serve.prefix.placement`: it knows every prompt and answer, from
+the replay without a store, and the store keeps exactly its positions), the reference an online policy
+should approach. `--budgets K1,K2,...` (KiB) repeats every setting under each checkpoint budget: the device
+budget, with `--host-cache-mb` (then default 0) as the host's, so every policy gets the same bytes. Without
+it, `--device-cache-mb` / `--host-cache-mb`. The issue's sweep is one block to 32768: `--intervals
+16,64,256,1024,32768`.
 
 Each row also reports `lower_bound_tokens`, the prompt tokens its own replay had to compute even with a
 checkpoint at every token and unlimited memory (`serve.bench.workloads.lower_bound_tokens`), and
@@ -481,9 +484,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--checkpoint-policy",
         default=f"fixed,{store_default.checkpoint_policy}",
-        help="fixed and/or adaptive, comma-separated (default: fixed, for the intervals compared, and "
+        help="fixed, adaptive and/or dp, comma-separated (default: fixed, for the intervals compared, and "
         f"serve's {store_default.checkpoint_policy}); adaptive: one setting per budget at the smallest "
-        "interval, with its own eviction policy",
+        "interval (its finest spacing), with its own eviction policy; dp: the offline placement "
+        "(serve.prefix.placement) per budget, made from a replay without a store, a comparison only",
     )
     p.add_argument(
         "--budgets",
