@@ -75,7 +75,7 @@ def _tree(paths: list[np.ndarray], unit_of: Callable[[int], int], block_size: in
     block boundary on the edge to its parent (a state there costs less than one off the blocks; elsewhere on
     an edge a state is never better than at the edge's lower end). Branch depths on a path are its longest
     common prefixes with the others, found between neighbours in sorted order (prefix minima)."""
-    order = sorted(range(len(paths)), key=lambda i: paths[i].tolist())
+    order = sorted(range(len(paths)), key=lambda i: paths[i].tobytes())  # any lexicographic order will do
     adjacent = [_lcp(paths[order[k]], paths[order[k + 1]]) for k in range(len(order) - 1)]
     nodes: list[_Node] = []
     by_prefix: dict[bytes, int] = {}
