@@ -44,6 +44,12 @@ class Placement:
         """Whether the prefix of `tokens` of length `position` is placed."""
         return self.at(position) and digest(np.asarray(tokens[:position], np.int32)) in self.prefixes
 
+    def wait_point(self, prompt: Sequence[int], shared: int, computed: int) -> int | None:
+        """Where a prompt that shares `shared` tokens with a running request that has computed `computed`
+        waits for it: the deepest placed position in the shared part not computed yet (None: nowhere)."""
+        placed = [p for p in self.positions(prompt[:shared]) if p > computed]
+        return placed[-1] if placed else None
+
     def at(self, position: int) -> bool:
         """Whether some prefix of length `position` is placed."""
         return position in self._depths

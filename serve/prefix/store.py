@@ -53,7 +53,6 @@ from serve.prefix.stats import LookupStats, MemoryStats, flatten
 from serve.prefix.writer import CheckpointWriter
 
 CHECKPOINT_POLICIES = ("fixed", "adaptive")
-INTERVAL_SHARE = 6  # the adaptive policy's spacing: chosen on the chat, docqa and agentic workloads
 
 
 @dataclasses.dataclass
@@ -352,17 +351,12 @@ class PrefixStore:
         return limit
 
     def spacing(self, seq: Sequence_) -> int:
-        """The interval `seq` is checkpointed at: `checkpoint_interval`, or with the adaptive policy (where it
-        is the finest spacing) that doubled until its prompt's interval checkpoints take at most 1 /
-        INTERVAL_SHARE of the states the budgets hold: they are speculative (most are never resumed from),
-        and at a finer spacing than the budget affords they crowd out the ones that are."""
-        interval = self.config.checkpoint_interval
+        """The interval `seq` is checkpointed at: `checkpoint_interval`, or with the adaptive policy
+        `junctions.adaptive_interval` (what the budgets afford, at that spacing or coarser)."""
         if not self.config.adaptive:
-            return interval
-        quota = (self.config.device_bytes + self.config.host_bytes) / self.state_bytes / INTERVAL_SHARE
-        while len(seq.prompt) > quota * interval and interval < 1 << 30:
-            interval *= 2
-        return interval
+            return self.config.checkpoint_interval
+        states = (self.config.device_bytes + self.config.host_bytes) / self.state_bytes
+        return junctions.adaptive_interval(self.config.checkpoint_interval, states, len(seq.prompt))
 
     def on_computed(self, seq: Sequence_, source: CheckpointSource, logits: Any = None) -> None:
         """After `seq` computed up to seq.num_computed: checkpoints due there (interval multiples and the
@@ -417,9 +411,8 @@ class PrefixStore:
         found = junctions.shared_prefix(seq, computing, self.block_size, self.config.prompt_end_checkpoints)
         if found is None or placement is None:
             return found
-        leader, shared = found
-        placed = [p for p in placement.positions(seq.prompt[:shared]) if p > leader.num_computed]
-        return (leader, placed[-1]) if placed else None
+        point = placement.wait_point(seq.prompt, found[1], found[0].num_computed)
+        return None if point is None else (found[0], point)
 
     def expect(self, waiting: Iterable[Sequence_], computing: list[Sequence_]) -> None:
         """Queued requests are known future lookups (adaptive policy): a running request still computing a
