@@ -13,6 +13,7 @@ PREFIX_INTERFACE = {
     "serve.prefix.fingerprint",
     "serve.prefix.ledger",
     "serve.prefix.events",
+    "serve.prefix.placement",  # the offline placement bench prefix compares against
 }
 
 

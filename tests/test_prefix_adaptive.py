@@ -105,18 +105,55 @@ def _ck(key: bytes, position: int, kind: CheckpointKind, parent: bytes | None = 
 
 def test_value_counts_the_tokens_from_the_nearest_checkpoint_held_on_the_chain():
     """a (64) <- b (80) <- c (200): c saves 120 tokens while b is held, 136 once b is gone, 200 once a is gone
-    too; eviction order follows saved tokens per byte when nothing was reused yet."""
+    too; the deepest, with the most saved and nothing held below it, is the last to go."""
     p = ValueAware()
     a, b = _ck(b"a", 64, CheckpointKind.INTERVAL), _ck(b"b", 80, CheckpointKind.INTERVAL, b"a")
     c = _ck(b"c", 200, CheckpointKind.INTERVAL, b"b")
     for ck in (a, b, c):
         p.inserted(ck)
     assert [p.saved_tokens(x) for x in (a, b, c)] == [64, 16, 120]
-    assert list(p.order())[0] == b"b"  # 16 tokens saved: the first to go
+    assert list(p.order())[-1] == b"c"
     p.removed(b"b")
     assert p.saved_tokens(c) == 136
     p.removed(b"a")
     assert p.saved_tokens(c) == 200
+
+
+def test_value_of_a_checkpoint_just_above_another_is_the_tokens_between_them():
+    """An interval checkpoint at 96 and a junction at 100 on its chain (prompts leave at 100): the interval
+    one saves 96 tokens but serves only the prompts that leave the chain in 96..99, so it is worth the 4
+    tokens to the junction (96 x 4 / 96), as the junction is (100 - 96), and the older of the two goes
+    first; without it the junction saves all 100."""
+    p = ValueAware()
+    a = _ck(b"a", 96, CheckpointKind.INTERVAL)
+    p.inserted(a)
+    p.looked_up()
+    j = _ck(b"j", 100, CheckpointKind.JUNCTION, b"a")
+    p.inserted(j)
+    rate = p.reuse_rate(CheckpointKind.INTERVAL)
+    assert rate == p.reuse_rate(CheckpointKind.JUNCTION)
+    assert p.value(a, below=4) == pytest.approx(4 * rate / (1 + 1 / ValueAware.MIN_HORIZON) / 100)
+    assert p.value(j) == pytest.approx(4 * rate / 100)
+    assert list(p.order()) == [b"a", b"j"]
+    p.removed(b"a")
+    assert p.value(j) == pytest.approx(100 * rate / 100)
+
+
+def test_a_lookup_that_would_have_resumed_from_a_dropped_checkpoint_counts_for_its_kind():
+    """A ghost: the kind of a dropped checkpoint that a lookup passed gains a hit (once), so a kind that is
+    always dropped before its reuse still shows that it is reused."""
+    p = ValueAware()
+    ends = [_ck(bytes([i]), 32, CheckpointKind.SEQUENCE_END) for i in range(4)]
+    for ck in ends:
+        p.inserted(ck)
+    before = p.reuse_rate(CheckpointKind.SEQUENCE_END)
+    p.removed(ends[0].key)
+    assert p.dropped(ends[0].key) and not p.dropped(ends[1].key)
+    p.missed(ends[0].key)
+    p.missed(ends[0].key)  # counted once
+    assert p.reuse_rate(CheckpointKind.SEQUENCE_END) == pytest.approx((1 + 1) / (4 + 2))
+    assert before == ValueAware.MIN_RATE
+    assert not p.dropped(ends[0].key)
 
 
 def test_value_keeps_the_kind_that_gets_reused():
@@ -264,3 +301,46 @@ def test_when_every_cached_block_is_needed_a_checkpoint_goes_with_its_blocks(mod
             res = eng.generate([p + [5, 6]], GREEDY)[0]
             assert res.stats["prefix_hit_tokens"] == hit, eviction
             assert_matches_full_pass(full_pass, p + [5, 6], res.token_ids, res.logprobs)
+
+
+@pytest.mark.parametrize("states", [12, 60, 10_000])
+def test_adaptive_interval_checkpoints_take_a_share_of_the_budget(states):
+    """The adaptive policy's interval is its finest spacing doubled until a prompt's interval checkpoints
+    number at most 1/6 of the states the budget holds (the simulator: the store's own decisions, no model):
+    a 390-token prompt under 12 states is checkpointed every 256 tokens (1 interval checkpoint), under 60
+    every 64 (6), with room for 10,000 at every 16 (24)."""
+    from serve.bench.simulate import CostModel, SimEngine, random_answers
+    from serve.engine.config import EngineShape
+
+    cfg = load_config("tiny")
+    probe = EngineConfig(max_slots=1, block_size=16, prefill_chunk=64, max_model_len=512)
+    state = EngineShape.resolve(probe, cfg).state_bytes
+    prefix = PrefixStoreConfig(
+        checkpoint_policy="adaptive", checkpoint_interval=16, device_bytes=states * state, host_bytes=0
+    )
+    config = EngineConfig(max_slots=1, block_size=16, prefill_chunk=64, max_model_len=512, prefix=prefix)
+    sim = SimEngine(cfg, config, random_answers(cfg.vocab_size), CostModel.of(cfg, 1e15))
+    sim.generate([list(range(3, 393))], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    spacing = 16
+    while 390 > states / 6 * spacing:
+        spacing *= 2
+    intervals = sim.ledger()["checkpoints_by_kind"]["interval"]
+    assert intervals["device"] == 390 // spacing == {12: 1, 60: 6, 10_000: 24}[states]
+
+
+def test_a_queued_request_finds_a_state_where_it_leaves_a_running_one():
+    """Queued requests are known future lookups: with one slot, the second of two prompts sharing 200 tokens
+    is admitted only after the first has computed past them, and still resumes at exactly the shared length
+    (the first was cut there while the second waited), so it computes only its own part."""
+    from serve.bench.simulate import CostModel, SimEngine, random_answers
+
+    cfg = load_config("tiny")
+    prefix = PrefixStoreConfig(checkpoint_policy="adaptive", checkpoint_interval=1024)
+    config = EngineConfig(max_slots=1, block_size=16, prefill_chunk=64, max_model_len=512, prefix=prefix)
+    sim = SimEngine(cfg, config, random_answers(cfg.vocab_size), CostModel.of(cfg, 1e15))
+    shared = list(range(3, 203))
+    prompts = [shared + [300] * 37, shared + [301] * 21]
+    results = sim.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert common_prefix(*prompts) == 200
+    assert [r.stats["prefix_hit_tokens"] for r in results] == [0, 200]
+    assert results[1].stats["prefill_tokens_computed"] == len(prompts[1]) - 200

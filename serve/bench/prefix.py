@@ -1,20 +1,27 @@
 """`jaxhybrid bench prefix`: replay seeded workloads through the engine for several prefix-store settings and
 report reuse, recompute, prefill work against its lower bound, time to first token and checkpoint bytes.
 
-Workloads (`--workload chat|docqa|agentic`, a comma list or `all`; default chat; `serve.bench.workloads`,
-seeded by `--seed`): `chat`, chats behind a shared system prompt whose turns extend or fork earlier turns;
-`docqa`, `--questions` questions a round over `--documents` documents of `--doc-len` tokens (Zipf-popular,
-`--doc-skew`); `agentic`, tool-calling traces that grow by `--tool-min`..`--tool-max` tokens or fork
-(`--fork-prob`) at an unaligned position, half of the forks (`--retry-prob`) where an earlier one did. The
-shared flags (`--conversations`, `--turns`, `--system-len`, `--user-min/--user-max`, `--max-tokens`) default
-per family. All requests of one round are submitted together; rounds follow one another.
+Workloads (`--workload chat|docqa|agentic|longdoc|sysprompt`, a comma list or `all`, all five; default
+chat; `serve.bench.workloads`, seeded by `--seed`): `chat`, chats behind a shared system prompt whose turns
+extend or fork earlier turns; `docqa`, `--questions` questions a round over `--documents` documents of
+`--doc-len` tokens (Zipf-popular, `--doc-skew`); `agentic`, tool-calling traces that grow by
+`--tool-min`..`--tool-max` tokens or fork (`--fork-prob`) at an unaligned position, half of the forks
+(`--retry-prob`) where an earlier one did; `longdoc` (QuALITY-like), `--questions` one-shot questions on each
+of `--documents` long documents, shuffled, `--per-round` a round; `sysprompt`, one-shot user turns behind
+`--prompts` system prompts of Zipf popularity. The policies' constants were chosen on the first three only.
+The shared flags (`--conversations`, `--turns`, `--system-len`, `--user-min/--user-max`, `--max-tokens`,
+`--documents`, `--questions`) default per family. All requests of one round are submitted together; rounds
+follow one another.
 
 Settings: off; each of `--intervals` alone, and prompt/sequence-end checkpoints beside each
 `--prompt-end-interval`, once per `--eviction` policy (`--checkpoint-policy fixed`); with `adaptive` in
-`--checkpoint-policy`, the adaptive policy at the smallest interval. `--budgets K1,K2,...` (KiB) repeats
-every setting under each checkpoint budget: the device budget, with `--host-cache-mb` (then default 0) as
-the host's, so every policy gets the same bytes. Without it, `--device-cache-mb` / `--host-cache-mb`. The
-issue's sweep is one block to 32768: `--intervals 16,64,256,1024,32768`.
+`--checkpoint-policy`, the adaptive policy at the smallest interval (its finest spacing); with `dp`, the
+offline placement of sparse prefix caching (`serve.prefix.placement`: it knows every prompt and answer, from
+the replay without a store, and the store keeps exactly its positions), the reference an online policy
+should approach. `--budgets K1,K2,...` (KiB) repeats every setting under each checkpoint budget: the device
+budget, with `--host-cache-mb` (then default 0) as the host's, so every policy gets the same bytes. Without
+it, `--device-cache-mb` / `--host-cache-mb`. The issue's sweep is one block to 32768: `--intervals
+16,64,256,1024,32768`.
 
 Each row also reports `lower_bound_tokens`, the prompt tokens its own replay had to compute even with a
 checkpoint at every token and unlimited memory (`serve.bench.workloads.lower_bound_tokens`), and
@@ -102,7 +109,8 @@ def memory(args: argparse.Namespace, budget_kib: float | None) -> dict[str, int]
 def settings(args: argparse.Namespace) -> list[Setting]:
     """Every setting compared: off; per budget (or once, without --budgets), for `fixed` each interval alone
     and prompt/sequence-end checkpoints beside each --prompt-end-interval, once per --eviction policy; for
-    `adaptive` the adaptive policy at the smallest interval (its own eviction policy)."""
+    `adaptive` the adaptive policy at the smallest interval (its own eviction policy); for `dp` the offline
+    placement (`serve.prefix.placement`), checkpoints there only."""
     from serve.prefix.store import CHECKPOINT_POLICIES, PrefixStoreConfig
 
     intervals = sorted(set(_csv(args.intervals, "--intervals")), reverse=True)
@@ -110,11 +118,9 @@ def settings(args: argparse.Namespace) -> list[Setting]:
         set(_csv(args.prompt_end_interval or str(intervals[-1]), "--prompt-end-interval")), reverse=True
     )
     policies = [p.strip() for p in args.checkpoint_policy.split(",") if p.strip()]
-    if not policies or any(p not in CHECKPOINT_POLICIES for p in policies):
-        raise ValueError(
-            f"--checkpoint-policy takes {' and/or '.join(CHECKPOINT_POLICIES)}, "
-            f"got {args.checkpoint_policy!r}"
-        )
+    known = (*CHECKPOINT_POLICIES, "dp")
+    if not policies or any(p not in known for p in policies):
+        raise ValueError(f"--checkpoint-policy takes {', '.join(known)}, got {args.checkpoint_policy!r}")
     evictions = args.eviction.split(",") if args.eviction else [None]
     out = [Setting("off", "off")]
     for budget in budgets(args) or [None]:
@@ -137,7 +143,27 @@ def settings(args: argparse.Namespace) -> list[Setting]:
         if "adaptive" in policies:
             cfg = PrefixStoreConfig(checkpoint_policy="adaptive", checkpoint_interval=intervals[-1], **mem)
             out.append(Setting("adaptive", "adaptive", budget, cfg))
+        if "dp" in policies:  # its placement is made from the workload's replay with the store off (`_dp`)
+            cfg = PrefixStoreConfig(
+                checkpoint_policy="fixed", prompt_end_checkpoints=False, sequence_end_checkpoints=False, **mem
+            )
+            out.append(Setting("offline dp", "dp", budget, cfg))
     return out
+
+
+def _dp(setting: Setting, off: Replay, shape: Any) -> Setting:
+    """The offline-dp setting given its placement: the dynamic program over the overlap depths of `off`
+    (the replay without a store: every prompt and answer) within the setting's device and host bytes."""
+    from serve.bench.workloads import overlap_depths
+    from serve.prefix.placement import place
+
+    cfg = setting.prefix
+    queries = [(s.prompt, d) for s, d in zip(off.served, overlap_depths(off.served), strict=True)]
+    budget = cfg.device_bytes + cfg.host_bytes
+    placement = place(
+        queries, budget, shape.state_bytes, shape.state_bytes + shape.block_bytes, shape.block_size
+    )
+    return dataclasses.replace(setting, prefix=dataclasses.replace(cfg, placement=placement))
 
 
 def engine_config(args: argparse.Namespace, prefix: Any, kv_memory_bytes: int | None = None) -> Any:
@@ -219,7 +245,11 @@ def _row(workload: Workload, setting: Setting, rep: Replay) -> dict[str, Any]:
     """A row's identity (workload, setting, policy family, budget, interval) and the replay's summary."""
     interval = None if setting.prefix is None else setting.prefix.checkpoint_interval
     ident = {"workload": workload.name, "setting": setting.name, "policy": setting.policy}
-    return {**ident, "budget_kib": setting.budget_kib, "interval": interval, **rep.summary()}
+    row = {**ident, "budget_kib": setting.budget_kib, "interval": interval, **rep.summary()}
+    placement = None if setting.prefix is None else setting.prefix.placement
+    if placement is not None:  # what the offline program chose and expected
+        row.update(placed_checkpoints=len(placement.prefixes), placement_cost_tokens=placement.cost)
+    return row
 
 
 def print_tables(rows: list[dict[str, Any]], families: list[str], simulated: bool) -> None:
@@ -279,8 +309,13 @@ def _model(cfg: Any, args: argparse.Namespace) -> Any:
 def _engine_rows(
     model: Any, cfg: Any, args: argparse.Namespace, workload: Workload, compared: list[Setting]
 ) -> list[dict[str, Any]]:
+    from serve.engine.config import EngineShape
     from serve.engine.engine import Engine
 
+    if any(s.policy == "dp" for s in compared):  # the offline placement knows every prompt and answer
+        off = replay(Engine(model, engine_config(args, None)), workload, cfg.vocab_size)
+        shape = EngineShape.resolve(engine_config(args, None), cfg)
+        compared = [_dp(s, off, shape) if s.policy == "dp" else s for s in compared]
     configs = [(s, engine_config(args, s.prefix)) for s in compared]
     # The same workload once on a fresh engine of every setting first. The scheduler is deterministic, so the
     # measured replay meets exactly the shapes this compiled (a warm-up of another seed missed some, and the
@@ -330,19 +365,23 @@ def _simulated_rows(
     cost = CostModel.of(cfg, args.flops_per_s)
     kv_bytes = simulated_kv_bytes(cfg, args)
     rows = []
-    shape = None
+    shape = off = None
     for setting in compared:
         t0 = time.perf_counter()
+        answers = random_answers(cfg.vocab_size, args.seed)
+        if setting.policy == "dp":  # the offline placement: made from, and given, the answers of `off`
+            setting, answers = _dp(setting, off, shape), known_answers(off, answers)
         sim = SimEngine(
             cfg,
             engine_config(args, setting.prefix, kv_bytes),
-            random_answers(cfg.vocab_size, args.seed),
+            answers,
             cost,
             draft_acceptance=args.draft_acceptance,
             seed=args.seed,
         )
         shape = sim.shape
         rep = replay(sim, workload, cfg.vocab_size)
+        off = rep if setting.policy == "off" else off
         row = {**_row(workload, setting, rep), **_simulated_row(rep, sim, args)}
         rows.append({**row, "wall_s": round(time.perf_counter() - t0, 2)})
     extra = {
@@ -358,6 +397,15 @@ def _simulated_rows(
         "device_cache_bytes": pool_budget_bytes(args),
     }
     return rows, extra
+
+
+def known_answers(rep: Replay, otherwise: Any) -> Any:
+    """The answers `rep` got, by prompt (a simulation's are drawn in the order requests need them, which
+    the store's settings change), `otherwise` for a prompt it did not see."""
+    from serve.prefix.placement import digest
+
+    known = {digest(s.prompt): s.generated.tolist() for s in rep.served}
+    return lambda prompt, n: known.get(digest(prompt)) or otherwise(prompt, n)
 
 
 def _simulated_row(rep: Replay, sim: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -442,9 +490,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--checkpoint-policy",
         default=f"fixed,{store_default.checkpoint_policy}",
-        help="fixed and/or adaptive, comma-separated (default: fixed, for the intervals compared, and "
+        help="fixed, adaptive and/or dp, comma-separated (default: fixed, for the intervals compared, and "
         f"serve's {store_default.checkpoint_policy}); adaptive: one setting per budget at the smallest "
-        "interval, with its own eviction policy",
+        "interval (its finest spacing), with its own eviction policy; dp: the offline placement "
+        "(serve.prefix.placement) per budget, made from a replay without a store, a comparison only",
     )
     p.add_argument(
         "--budgets",
@@ -515,11 +564,19 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     )
     w.add_argument("--max-tokens", type=int, help=f"answer tokens per request ({_defaults('max_tokens')})")
     w.add_argument("--branch-prob", type=float, help="chat: chance a turn forks an earlier turn (0.25)")
-    w.add_argument("--documents", type=int, help="docqa: documents (4)")
+    w.add_argument("--documents", type=int, help=f"docqa / longdoc: documents ({_defaults('documents')})")
     w.add_argument(
         "--doc-len", type=int, help="docqa: tokens per document (200; + system 12 = 212, off any block)"
     )
-    w.add_argument("--questions", type=int, help="docqa: questions per round (8)")
+    w.add_argument(
+        "--questions",
+        type=int,
+        help=f"docqa: questions per round, longdoc: per document ({_defaults('questions')})",
+    )
+    w.add_argument(
+        "--per-round", type=int, help=f"longdoc / sysprompt: requests per round ({_defaults('per_round')})"
+    )
+    w.add_argument("--prompts", type=int, help="sysprompt: distinct system prompts (5)")
     w.add_argument("--doc-skew", type=float, help="docqa: Zipf exponent of document popularity (1.0)")
     w.add_argument("--tool-min", type=int, help="agentic: shortest tool output / forked continuation (16)")
     w.add_argument("--tool-max", type=int, help="agentic: longest tool output / forked continuation (48)")

@@ -12,6 +12,13 @@ random in [3, vocab), int32 arrays (a 100K-token prompt costs 4 bytes a token, n
   documents chosen with a Zipf skew (reuse at a document's end, not block aligned by default).
 - `agentic` (`AgenticWorkload`): tool-calling traces that grow by answer + tool output, or fork an earlier
   sequence of themselves at an odd (never block-aligned) position; a retry forks where an earlier fork did.
+- `longdoc` (`LongDocWorkload`, QuALITY-like): a few long documents of varied length, many one-shot
+  questions on each, asked in a shuffled order (reuse at a document's end + a fixed instruction, never
+  block aligned).
+- `sysprompt` (`SysPromptWorkload`): several system prompts of varied length with Zipf popularity, each
+  request one system prompt + a one-shot user turn (reuse at a system prompt's end).
+The last two check the adaptive policy on workloads it was not tuned on (`TUNED`: the first three);
+`--workload all` is all five.
 
 `lower_bound_tokens`: the prompt tokens a replay had to compute even with a checkpoint at every token and
 unlimited memory (see there).
@@ -217,7 +224,74 @@ class AgenticWorkload(_Family):
         return first + 2 * int(rng.integers(0, (length - 1 - first) // 2 + 1))
 
 
-FAMILIES: dict[str, type[Any]] = {w.name: w for w in (ChatWorkload, DocQAWorkload, AgenticWorkload)}
+@dataclasses.dataclass(frozen=True)
+class LongDocWorkload(_Family):
+    """QuALITY-like long-document QA: `documents` documents of `doc_min`..`doc_max` tokens behind a short
+    `system_len`-token system prompt; each document gets `questions` one-shot questions, every one the
+    document + a fixed `instruction_len`-token instruction (the same for every question) + a question of
+    `user_min`..`user_max` tokens. All questions are shuffled and sent `per_round` a round. A document's
+    length is drawn so that its shared part (system + document + instruction) is odd: never on the
+    boundary of an even-sized block."""
+
+    name: ClassVar[str] = "longdoc"
+    seed: int = 0
+    documents: int = 3
+    doc_min: int = 280
+    doc_max: int = 520
+    questions: int = 10
+    per_round: int = 6
+    system_len: int = 8
+    instruction_len: int = 6
+    user_min: int = 8
+    user_max: int = 24
+    max_tokens: int = 4
+
+    def rounds(self, vocab: int) -> Rounds:
+        tok = _Tokens(self.seed, vocab)
+        system, instruction = tok(self.system_len), tok(self.instruction_len)
+        docs = []
+        for _ in range(self.documents):
+            n = int(tok.rng.integers(self.doc_min, self.doc_max + 1))
+            n += (self.system_len + n + self.instruction_len + 1) % 2  # the shared part's length is odd
+            docs.append(np.concatenate([system, tok(n), instruction]))
+        order = tok.rng.permutation(np.repeat(np.arange(self.documents), self.questions))
+        prompts = [np.concatenate([docs[d], tok.between(self.user_min, self.user_max)]) for d in order]
+        for start in range(0, len(prompts), self.per_round):
+            yield Round(prompts[start : start + self.per_round])
+
+
+@dataclasses.dataclass(frozen=True)
+class SysPromptWorkload(_Family):
+    """Several system prompts and one-shot user turns: `prompts` system prompts of `system_min`..`system_max`
+    tokens, each request one of them, drawn with Zipf weights 1/rank**`skew`, + a user turn of
+    `user_min`..`user_max` tokens; `turns` rounds of `per_round` requests."""
+
+    name: ClassVar[str] = "sysprompt"
+    seed: int = 0
+    prompts: int = 5
+    system_min: int = 40
+    system_max: int = 400
+    skew: float = 1.1
+    turns: int = 4
+    per_round: int = 8
+    user_min: int = 8
+    user_max: int = 64
+    max_tokens: int = 8
+
+    def rounds(self, vocab: int) -> Rounds:
+        tok = _Tokens(self.seed, vocab)
+        systems = [tok.between(self.system_min, self.system_max) for _ in range(self.prompts)]
+        weights = 1.0 / np.arange(1, self.prompts + 1) ** self.skew
+        for _ in range(self.turns):
+            picks = tok.rng.choice(self.prompts, size=self.per_round, p=weights / weights.sum())
+            user = [tok.between(self.user_min, self.user_max) for _ in picks]
+            yield Round([np.concatenate([systems[s], u]) for s, u in zip(picks, user, strict=True)])
+
+
+FAMILIES: dict[str, type[Any]] = {
+    w.name: w for w in (ChatWorkload, DocQAWorkload, AgenticWorkload, LongDocWorkload, SysPromptWorkload)
+}
+TUNED = ("chat", "docqa", "agentic")  # the families the adaptive policy's constants were chosen on
 
 
 class Server(Protocol):
@@ -342,20 +416,27 @@ def lower_bound_tokens(served: Sequence[Served], block: int = 64) -> int:
     it means: every request of earlier rounds, its prompt and its answer but the answer's last token (that
     one is sampled, never fed back, so no state exists after it); requests earlier in the same round, their
     prompt only (they run beside it). `block`: the index's granularity (any value gives the same answer)."""
-    index, seen, total = PrefixIndex(block), set(), 0
+    return sum(s.prompt_len - depth for s, depth in zip(served, overlap_depths(served, block), strict=True))
+
+
+def overlap_depths(served: Sequence[Served], block: int = 64) -> list[int]:
+    """Per request, L_i of `lower_bound_tokens` (the whole prompt when an earlier request had exactly it): the
+    deepest state it could resume from, what an offline placement (`serve.prefix.placement`) is given."""
+    index, seen, out = PrefixIndex(block), set(), []
     for _, group in itertools.groupby(served, key=lambda s: s.round):
         group = list(group)
         for s in group:
             prompt = s.prompt
             key = hashlib.blake2b(np.ascontiguousarray(prompt, np.int32).tobytes(), digest_size=16).digest()
             if key in seen:
+                out.append(len(prompt))
                 continue
             seen.add(key)
-            total += len(prompt) - min(index.longest_prefix(prompt), len(prompt) - 1)
+            out.append(min(index.longest_prefix(prompt), len(prompt) - 1))
             index.add(prompt)
         for s in group:
             index.add(s.tokens[: max(len(s.tokens) - 1, s.prompt_len)])
-    return total
+    return out
 
 
 class PrefixIndex:

@@ -31,6 +31,8 @@ from serve.engine.runner import Restore
 from serve.engine.speculative import DraftPlanner, DraftSource, PromptLookup, StepCosts
 from serve.prefix.store import Attachment, Hit, PrefixStore, empty_ledger
 
+QUEUE_LOOKAHEAD = 64  # queued requests whose shared prefixes with running ones are cut each step
+
 
 @dataclasses.dataclass
 class Admission:
@@ -169,6 +171,8 @@ class Scheduler(DiskLoads):
             if req.running and req.pending == 1:
                 self._ensure_blocks(req, req.num_computed + 1)
         budget -= sum(1 for r in self.running if r.pending == 1)  # reserved for the decode rows
+        if self.store is not None:  # before the chunks are cut: where queued prompts will leave running ones
+            self.store.expect(itertools.islice(self.waiting, QUEUE_LOOKAHEAD), self.running)
         planned: list[tuple[Request, int, int]] = []  # (request, tokens, its admission order when planned)
         for req in by_order:
             if budget <= 0:

@@ -128,6 +128,14 @@ class CheckpointTiers:
     def looked_up(self) -> None:
         self.policy.looked_up()
 
+    def dropped(self, key: bytes) -> bool:
+        """Whether `key` was held and dropped lately (the policy remembers a few)."""
+        return key not in self._by_key and self.policy.dropped(key)
+
+    def missed(self, key: bytes) -> None:
+        """A lookup would have resumed from the dropped checkpoint `key`."""
+        self.policy.missed(key)
+
     def add(self, ck: Checkpoint, count: bool = True) -> bool:
         """Keep `ck` (replacing one under its key unless that one is being restored from); `count`: a new
         save (a checkpoint promoted from disk is not one)."""

@@ -27,6 +27,7 @@ class Hit:
     checkpoint: Checkpoint | None = None
     disk: DiskEntry | None = None
     hashes: list[bytes] = dataclasses.field(default_factory=list)
+    ghost: bytes | None = None  # a dropped checkpoint deeper than `hit` that it would have resumed from
 
     @property
     def recomputed(self) -> int:
@@ -34,10 +35,18 @@ class Hit:
 
 
 def deepest_checkpoint(
-    tokens: list[int], chain: list[bytes], reach: int, nb: int, hasher: ChainHasher, memory: Any, disk: Any
+    tokens: list[int],
+    chain: list[bytes],
+    reach: int,
+    nb: int,
+    hasher: ChainHasher,
+    memory: Any,
+    disk: Any,
+    ghosts: Ghosts | None = None,
 ) -> tuple[int, Checkpoint | DiskEntry] | None:
     """The deepest checkpoint of `tokens` (at most len - 1) in memory, whose blocks must be among the `nb`
-    in the pool, or on disk, whose entry carries its own KV (up to `reach` blocks): (position, it)."""
+    in the pool, or on disk, whose entry carries its own KV (up to `reach` blocks): (position, it). With
+    `ghosts`, the deepest key passed on the way that the memory tiers held and dropped is noted in it."""
     bs, limit = hasher.block_size, len(tokens) - 1
     for i in range(reach, -1, -1):
         if i * bs > limit:
@@ -49,7 +58,18 @@ def deepest_checkpoint(
                 ck = disk.entries.get(key)
             if ck is not None:
                 return i * bs + r, ck
+            deeper = ghosts is not None and ghosts.key is None and i * bs + r <= ghosts.limit
+            if deeper and memory.dropped(key):
+                ghosts.key = key
     return None
+
+
+@dataclasses.dataclass
+class Ghosts:
+    """The deepest dropped checkpoint a lookup passed, within the KV it matched (`limit` tokens)."""
+
+    limit: int
+    key: bytes | None = None
 
 
 @dataclasses.dataclass
@@ -80,16 +100,17 @@ class Lookup:
             ck = self.checkpoints.get(key)
             if ck is not None and ck.logits is not None:
                 best, matched = (len(tokens), ck), len(tokens)
+        ghosts = Ghosts(matched)
         if best is None:
-            best = deepest_checkpoint(tokens, chain, reach, nb, self.hasher, self.checkpoints, disk)
+            best = deepest_checkpoint(tokens, chain, reach, nb, self.hasher, self.checkpoints, disk, ghosts)
         if best is None:
-            return Hit(0, matched, [])
+            return Hit(0, matched, [], ghost=ghosts.key)
         pos, ck = best
         used = chain[1 : min(nb, pos // bs) + 1]
         blocks = [self.blocks.get(h) for h in used]
         if isinstance(ck, DiskEntry):
-            return Hit(pos, max(matched, pos), blocks, disk=ck, hashes=used)
-        return Hit(pos, max(matched, pos), blocks, checkpoint=ck, hashes=used)
+            return Hit(pos, max(matched, pos), blocks, disk=ck, hashes=used, ghost=ghosts.key)
+        return Hit(pos, max(matched, pos), blocks, checkpoint=ck, hashes=used, ghost=ghosts.key)
 
     def record(self, hit: Hit) -> None:
         """Count one lookup that found `hit`: the lookup counter, the value policy's clock (recency is
@@ -99,3 +120,5 @@ class Lookup:
         self.blocks.touch(hit.hashes)
         if hit.checkpoint is not None:
             self.checkpoints.used(hit.checkpoint.key)
+        if hit.ghost is not None:
+            self.checkpoints.missed(hit.ghost)

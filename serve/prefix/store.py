@@ -8,12 +8,14 @@ partial last block's KV, so short and unaligned prompts hit too. A hit is the lo
 blocks are present and that ends at a checkpoint.
 
 Policies (`checkpoint_policy`): "fixed" keeps exactly the checkpoints above, evicted least recently used
-first. "adaptive" treats the interval as the finest spacing and adds junctions: a prompt that shares cached
-KV blocks beyond the state it resumes from is checkpointed where it leaves them (its full blocks are indexed
-as they are computed, so the next prompt sees them), and a request whose prompt shares a prefix that a
-running request is still computing waits for that request's checkpoint at the end of the shared part (the
-scheduler asks `shared_prefix`). What stays within the budgets is decided by the value-aware eviction order
-(`serve.prefix.policies.ValueAware`: prefill saved per byte, weighted by the reuse each kind has shown).
+first. "adaptive" treats the interval as the finest spacing (coarsened to what the budgets afford, `spacing`)
+and adds junctions: a prompt that shares cached KV blocks beyond the state it resumes from is checkpointed
+where it leaves them (its full blocks are indexed as they are computed, so the next prompt sees them), a
+running request is checkpointed where a queued prompt will leave it (`expect`), and a request whose prompt
+shares a prefix that a running request is still computing waits for that request's checkpoint at the end of
+the shared part (the scheduler asks `shared_prefix`). What stays within the budgets is decided by the
+value-aware eviction order (`serve.prefix.policies.ValueAware`: prefill saved per byte, weighted by the reuse
+each kind has shown).
 
 Tiers: checkpoints live on the device until its budget is exceeded, then in host memory, then are dropped
 (`serve.prefix.checkpoints`, in an eviction policy's order). Cached KV blocks live in the engine's pool and
@@ -22,8 +24,8 @@ checkpoint is also written through to disk with the KV of its whole prefix (`ser
 
 The engine talks to the store through these methods only: `find` / `record` (a lookup, counted once per
 admission: `serve.prefix.lookup`), `start_load` / `load_ready` / `finish_load` / `on_read_done` (a disk hit is
-read in the background), `attach` / `attached` / `detach` (a hit given to a request),
-`junction` / `shared_prefix` (where the adaptive policy cuts a prefill), `chunk_limit`, `on_computed` /
+read in the background), `attach` / `attached` / `detach` (a hit given to a request), `junction` /
+`shared_prefix` / `expect` (where the adaptive policy cuts a prefill), `chunk_limit`, `on_computed` /
 `on_finished` (checkpoints and block indexing), `evict_one` / `evictable`, `observe` / `apply` (what finished
 in the background, applied at a step boundary: with several processes process 0 observes and every process
 applies the same), `poll` (both, one process), `ledger`, `forget_blocks`, `close`. The data it keeps comes
@@ -36,7 +38,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -76,6 +78,9 @@ class PrefixStoreConfig:
     # exactly; bfloat16 halves the recurrent state and rounds it once on resume
     checkpoint_dtype: str = "float32"
     events: bool = False  # keep KV and state events for a publisher (`take_events`; --kv-events-endpoint)
+    # an offline placement (`serve.prefix.placement.Placement`, `bench prefix` only): with it the store
+    # checkpoints at its positions and nowhere else
+    placement: Any = None
 
     @property
     def eviction_policy(self) -> str:
@@ -193,10 +198,12 @@ def empty_ledger() -> dict[str, Any]:
     }
 
 
-class HitLoads:
-    """Disk hits read in the background (the store's loading role): started and waited for by the owner."""
+class DiskSide:
+    """The store's side of its disk tier: hits read in the background (started and waited for by the
+    owner), and saves that finished made visible to lookups."""
 
     disk: DiskTier | None
+    tails: TailIndex
     _read_done: Callable[[], None] | None = None
 
     def on_read_done(self, fn: Callable[[], None] | None) -> None:
@@ -232,8 +239,28 @@ class HitLoads:
         load.data = self.disk.finish_load(load.hit.disk, load.future, leader_ok, leader_transient)
         return load
 
+    def _note_disk_tail(self, entry: DiskEntry) -> None:
+        if entry.tail:
+            self.tails.add(entry.base, entry.tail)
 
-class PrefixStore(HitLoads):
+    def observe(self) -> dict[str, Any] | None:
+        """What finished in the background (disk saves, the disk's state); None without a disk tier."""
+        return None if self.disk is None else self.disk.observe()
+
+    def apply(self, events: dict[str, Any] | None) -> None:
+        """Make what `observe` saw (on process 0) visible to lookups."""
+        if self.disk is not None and events is not None:
+            for entry in self.disk.apply(events):
+                self._note_disk_tail(entry)
+
+    def poll(self, wait: bool = False) -> None:
+        """One process: make finished disk saves visible (waiting for all of them with `wait`)."""
+        if self.disk is not None:
+            for entry in self.disk.poll(wait=wait):
+                self._note_disk_tail(entry)
+
+
+class PrefixStore(DiskSide):
     def __init__(
         self,
         config: PrefixStoreConfig,
@@ -378,12 +405,20 @@ class PrefixStore(HitLoads):
     def chunk_limit(self, seq: Sequence_) -> int:
         """Tokens a prefill of `seq` may compute before its next checkpoint position (an interval multiple,
         or a junction the adaptive policy cut it at)."""
-        position, interval = seq.num_computed, self.config.checkpoint_interval
+        position, interval = seq.num_computed, self.spacing(seq)
         limit = (position // interval + 1) * interval - position
         for cut in seq.cuts:
             if cut > position:
                 limit = min(limit, cut - position)
         return limit
+
+    def spacing(self, seq: Sequence_) -> int:
+        """The interval `seq` is checkpointed at: `checkpoint_interval`, or with the adaptive policy
+        `junctions.adaptive_interval` (what the budgets afford, at that spacing or coarser)."""
+        if not self.config.adaptive:
+            return self.config.checkpoint_interval
+        states = (self.config.device_bytes + self.config.host_bytes) / self.state_bytes
+        return junctions.adaptive_interval(self.config.checkpoint_interval, states, len(seq.prompt))
 
     def on_computed(self, seq: Sequence_, source: CheckpointSource, logits: Any = None) -> None:
         """After `seq` computed up to seq.num_computed: checkpoints due there (interval multiples and the
@@ -391,11 +426,14 @@ class PrefixStore(HitLoads):
         adaptive policy also junctions, and its full blocks are indexed as they are computed, so a prompt
         that shares them finds where it leaves them)."""
         pos = seq.num_computed
+        if self.config.placement is not None:
+            self._on_placed(seq, source, logits)
+            return
         at_prompt_end = self.config.prompt_end_checkpoints and pos == len(seq.prompt)
         keep = logits if at_prompt_end else None
         if self.config.adaptive and (pos <= len(seq.prompt) or pos % self.block_size == 0):
             self._index_blocks(seq)  # also where a checkpoint is due: its blocks' tails find exact junctions
-        if pos % self.config.checkpoint_interval == 0:
+        if pos % self.spacing(seq) == 0:
             self.writer.write(seq, source, CheckpointKind.INTERVAL, logits=keep)
         elif at_prompt_end:
             self.writer.write(seq, source, CheckpointKind.PROMPT_END, logits=keep)
@@ -403,21 +441,50 @@ class PrefixStore(HitLoads):
             self.writer.write(seq, source, CheckpointKind.JUNCTION)
         seq.cuts.discard(pos)
 
+    def _on_placed(self, seq: Sequence_, source: CheckpointSource, logits: Any) -> None:
+        """With an offline placement: a checkpoint where it places one (cut in the prompt at admission,
+        tested in the answer), keeping the logits at a prompt end."""
+        pos, end, placement = seq.num_computed, len(seq.prompt), self.config.placement
+        if pos in seq.cuts or (pos > end and placement.at(pos) and placement.holds(seq.tokens, pos)):
+            kind = CheckpointKind.PROMPT_END if pos == end else CheckpointKind.JUNCTION
+            self.writer.write(seq, source, kind, logits=logits if pos == end else None)
+        seq.cuts.discard(pos)
+
     # --- the adaptive policy's junctions -----------------------------------------------------------------
     def junction(self, seq: Sequence_, hit: Hit) -> int | None:
         """Where `seq` leaves the KV the store holds beyond the state it resumes from (the adaptive policy
         checkpoints it there, so the next prompt that leaves at the same point resumes there); None if
-        nowhere or not adaptive."""
+        nowhere or not adaptive. With an offline placement, its positions in the prompt are cut instead."""
+        placement = self.config.placement
+        if placement is not None:
+            seq.cuts.update(p for p in placement.positions(seq.prompt) if p > hit.hit)
+            return None
         if not self.config.adaptive or hit.matched <= hit.hit or hit.matched >= len(seq.prompt):
             return None
         return hit.matched
 
     def shared_prefix(self, seq: Sequence_, computing: list[Sequence_]) -> tuple[Sequence_, int] | None:
-        """The running request `seq` should wait for (in-batch sharing, adaptive policy only), and where:
+        """The running request `seq` should wait for (in-batch sharing, adaptive policy or an offline
+        placement, at its deepest position in the shared part), and where:
         `serve.prefix.junctions.shared_prefix`."""
-        if not self.config.adaptive:
+        placement = self.config.placement
+        if not self.config.adaptive and placement is None:
             return None
-        return junctions.shared_prefix(seq, computing, self.block_size, self.config.prompt_end_checkpoints)
+        found = junctions.shared_prefix(seq, computing, self.block_size, self.config.prompt_end_checkpoints)
+        if found is None or placement is None:
+            return found
+        point = placement.wait_point(seq.prompt, found[1], found[0].num_computed)
+        return None if point is None else (found[0], point)
+
+    def expect(self, waiting: Iterable[Sequence_], computing: list[Sequence_]) -> None:
+        """Queued requests are known future lookups (adaptive policy): a running request still computing a
+        prefix one of them shares is cut at the end of that prefix (`shared_prefix`), so its state is kept
+        there even when the queued one is admitted only after it has passed that point."""
+        if self.config.adaptive:
+            for seq in waiting:
+                found = self.shared_prefix(seq, computing)
+                if found is not None:
+                    found[0].cuts.add(found[1])
 
     def _index_blocks(self, seq: Sequence_) -> None:
         junctions.index_blocks(seq, self.hasher, self.blocks, self.tails)
@@ -426,27 +493,6 @@ class PrefixStore(HitLoads):
         """A sequence ended normally: index its blocks, and keep its end state (sequence-end checkpoints)."""
         save = self.config.sequence_end_checkpoints
         self.writer.write(seq, source, CheckpointKind.SEQUENCE_END, save_state=save)
-
-    # --- disk tier ---------------------------------------------------------------------------------------
-    def _note_disk_tail(self, entry: DiskEntry) -> None:
-        if entry.tail:
-            self.tails.add(entry.base, entry.tail)
-
-    def observe(self) -> dict[str, Any] | None:
-        """What finished in the background (disk saves, the disk's state); None without a disk tier."""
-        return None if self.disk is None else self.disk.observe()
-
-    def apply(self, events: dict[str, Any] | None) -> None:
-        """Make what `observe` saw (on process 0) visible to lookups."""
-        if self.disk is not None and events is not None:
-            for entry in self.disk.apply(events):
-                self._note_disk_tail(entry)
-
-    def poll(self, wait: bool = False) -> None:
-        """One process: make finished disk saves visible (waiting for all of them with `wait`)."""
-        if self.disk is not None:
-            for entry in self.disk.poll(wait=wait):
-                self._note_disk_tail(entry)
 
     # --- KV blocks --------------------------------------------------------------------------------------
     def evictable(self) -> int:
