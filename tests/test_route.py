@@ -319,3 +319,19 @@ def test_kill_9_a_replica_mid_run_fails_no_request_that_had_not_started_streamin
                 p.wait()
         for log in logs:
             log.close()
+
+
+def test_a_prompt_goes_where_its_prefix_was_just_routed_before_any_event_shows_it():
+    """Two prompts sharing 64 tokens arrive together: state-aware sends the second where the first went (its
+    store computes the shared part once), though that replica is busier; once the first is done, the
+    prefix is forgotten (the events say what is held from then on)."""
+    backends = [Backend(BackendSpec(f"http://127.0.0.1:{i + 1}")) for i in range(2)]
+    chooser = Chooser(backends, Policy.STATE_AWARE)
+    shared = list(range(3, 67))
+    first = chooser.rank(shared + [1, 2, 3], 8)[0]
+    first.backend.start(first.work, first.prefixes)
+    second = chooser.rank(shared + [4, 5], 8)
+    assert second[0].backend is first.backend and second[0].saved == 64
+    assert second[1].saved == 0
+    first.backend.end(first.work, first.prefixes)
+    assert not first.backend.pending and chooser.rank(shared + [4, 5], 8)[0].saved == 0

@@ -78,8 +78,7 @@ class RoutedSim:
         shares: list[list[int]] = [[] for _ in self.sims]
         for i in self.arrivals.order(len(prompts)):
             best = self.chooser.rank(list(prompts[i]), sampling.max_tokens)[0]
-            best.backend.in_flight += 1
-            best.backend.pending_tokens += best.work
+            best.backend.start(best.work, best.prefixes)
             k = self.backends.index(best.backend)
             shares[k].append(i)
             self.assigned.append(k)
@@ -95,6 +94,7 @@ class RoutedSim:
             longest = max(longest, sim.clock - t0)
             backend.index.apply(sim.engine.take_events())
             backend.in_flight = backend.pending_tokens = 0
+            backend.pending.clear()
         self.wall += longest
         return results
 

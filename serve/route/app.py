@@ -132,14 +132,11 @@ class Router:
 
     @staticmethod
     def _start(c: Candidate) -> None:
-        c.backend.in_flight += 1
-        c.backend.pending_tokens += c.work
-        c.backend.routed += 1
+        c.backend.start(c.work, c.prefixes)
 
     @staticmethod
     def _end(c: Candidate) -> None:
-        c.backend.in_flight -= 1
-        c.backend.pending_tokens -= c.work
+        c.backend.end(c.work, c.prefixes)
 
     async def check_health(self) -> None:
         for b in self.backends:

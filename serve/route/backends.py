@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import Counter
 
 import zmq
 
@@ -64,7 +65,22 @@ class Backend:
         self.in_flight = 0  # requests routed here and not finished
         self.pending_tokens = 0  # their prompt tokens to compute + tokens to generate (the queue ahead)
         self.routed = 0
+        self.pending: Counter[bytes] = Counter()  # prefix digests of the requests in flight here
         self.follower = EventFollower(self) if spec.events else None
+
+    def start(self, work: int, prefixes: tuple[bytes, ...]) -> None:
+        """A request was routed here: `work` tokens to compute and generate, its prompt's prefixes."""
+        self.in_flight += 1
+        self.pending_tokens += work
+        self.routed += 1
+        self.pending.update(prefixes)
+
+    def end(self, work: int, prefixes: tuple[bytes, ...]) -> None:
+        """That request is done (answered, failed or passed on)."""
+        self.in_flight -= 1
+        self.pending_tokens -= work
+        self.pending.subtract(prefixes)
+        self.pending = +self.pending
 
     def down(self) -> None:
         """It stopped answering: forget what it held (it may have lost it), route nothing there."""

@@ -4,7 +4,9 @@
 whose KV blocks it also holds (`ReplicaIndex.match(...).resumable`; cached KV beyond it counts
 `KV_AFFINITY` a token), against the work already queued there: the cost of a replica is the prompt tokens
 it would compute plus `load_weight` x the tokens its requests in flight still have to compute and generate;
-the cheapest wins (ties: fewer requests in flight, then turn).
+the cheapest wins (ties: fewer requests in flight, then turn). A prompt that shares a prefix with one routed
+to a replica and not done yet counts that prefix as resumable there too: the events show it only once it is
+computed, and the replica's store computes a shared prefix once.
 `kv-only`: the same with the cached KV blocks alone (what routers that read KV events do; for a hybrid model
 it overrates a replica whose blocks have no checkpoint above them). `round-robin`: in turn.
 """
@@ -12,9 +14,13 @@ it overrates a replica whose blocks have no checkpoint above them). `round-robin
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+from collections import Counter
 from collections.abc import Sequence
 from enum import StrEnum
+
+import numpy as np
 
 from serve.route.backends import Backend
 
@@ -23,6 +29,7 @@ from serve.route.backends import Backend
 # and a conversation kept on one replica keeps its checkpoints there (measured: `bench route --simulate`).
 KV_AFFINITY = 0.5
 LOAD_WEIGHT = 0.1  # a token of work queued at a replica against a prompt token it must compute
+PENDING_BLOCK = 16  # tokens per block of the prefixes of requests routed and not yet done
 
 
 class Policy(StrEnum):
@@ -38,6 +45,30 @@ class Candidate:
     backend: Backend
     saved: int  # prompt tokens the replica is expected not to compute
     work: int  # prompt tokens to compute + tokens to generate
+    prefixes: tuple[bytes, ...] = ()  # `prefix_digests` of the prompt (what it adds to `Backend.pending`)
+
+
+def prefix_digests(tokens: Sequence[int], block: int = PENDING_BLOCK) -> tuple[bytes, ...]:
+    """A digest of each of the prompt's block-aligned prefixes (the i-th: its first (i + 1) x `block`
+    tokens), so that prompts routed but not yet computed can be matched by their shared prefix."""
+    h, out = hashlib.blake2b(digest_size=16), []
+    for i in range(len(tokens) // block):
+        h.update(np.asarray(tokens[i * block : (i + 1) * block], np.int64).tobytes())
+        out.append(h.copy().digest())
+    return tuple(out)
+
+
+def pending_match(prefixes: tuple[bytes, ...], pending: Counter[bytes], block: int = PENDING_BLOCK) -> int:
+    """Tokens of the deepest block-aligned prefix a prompt shares with one routed to a replica and not yet
+    done there (its store computes a shared prefix once: the later request waits for its checkpoint)."""
+    lo, hi = 0, len(prefixes)  # prefixes are nested: a binary search finds the deepest one held
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if pending.get(prefixes[mid - 1], 0) > 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * block
 
 
 class Chooser:
@@ -52,17 +83,19 @@ class Chooser:
             return []
         turn = next(self._turn) % len(healthy)
         rotated = healthy[turn:] + healthy[:turn]
+        prefixes = prefix_digests(tokens) if self.policy is Policy.STATE_AWARE else ()
         out = []
         for b in rotated:
             with b.lock:
                 m = b.index.match(tokens) if tokens else None
             if self.policy is Policy.STATE_AWARE and m is not None:
                 saved = m.resumable + KV_AFFINITY * (m.kv_tokens - m.resumable)
+                saved = max(saved, pending_match(prefixes, b.pending))
             elif self.policy is Policy.KV_ONLY and m is not None:
                 saved = m.kv_tokens
             else:
                 saved = 0
-            out.append(Candidate(b, saved, len(tokens) - saved + max_tokens))
+            out.append(Candidate(b, saved, len(tokens) - saved + max_tokens, prefixes))
         if self.policy is Policy.ROUND_ROBIN:
             return out
         order = {id(c.backend): i for i, c in enumerate(out)}
