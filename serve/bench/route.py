@@ -49,6 +49,10 @@ def merge_ledgers(ledgers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _weight(load_weight: float | None) -> dict[str, float]:
+    return {} if load_weight is None else {"load_weight": load_weight}
+
+
 class Arrivals:
     """The order a round's requests reach the router: seeded, a new one each round (chats do not take their
     turns in the same order every time; a fixed one would make round-robin send each chat to one replica)."""
@@ -63,13 +67,13 @@ class Arrivals:
 class RoutedSim:
     """N simulated replicas behind the router's policy (a `bench prefix` Server); see the module doc."""
 
-    def __init__(self, sims: list[Any], policy: str, seed: int = 0):
+    def __init__(self, sims: list[Any], policy: str, seed: int = 0, load_weight: float | None = None):
         from serve.route.backends import Backend, BackendSpec
         from serve.route.policies import Chooser, Policy
 
         self.sims = sims
         self.backends = [Backend(BackendSpec(f"sim://{i}")) for i in range(len(sims))]
-        self.chooser = Chooser(self.backends, Policy(policy))
+        self.chooser = Chooser(self.backends, Policy(policy), **_weight(load_weight))
         self.assigned: list[int] = []
         self.wall = 0.0  # simulated seconds: each round lasts as long as its slowest replica
         self.arrivals = Arrivals(seed)
@@ -108,7 +112,14 @@ class RoutedLive:
     STAGGER_S = 0.005
 
     def __init__(
-        self, model: Any, engine_config: Any, replicas: int, policy: str, tokenizer: Any, seed: int = 0
+        self,
+        model: Any,
+        engine_config: Any,
+        replicas: int,
+        policy: str,
+        tokenizer: Any,
+        seed: int = 0,
+        load_weight: float | None = None,
     ):
         from serve.engine.engine import Engine
         from serve.http.app import create_app
@@ -126,7 +137,8 @@ class RoutedLive:
             self.apps.append(app)
             self.publishers.append(pub)
             self.backends.append(Backend(BackendSpec(url, pub.bound, pub.replay_bound)))
-        router = create_router_app(self.backends, Chooser(self.backends, Policy(policy)), tokenizer)
+        chooser = Chooser(self.backends, Policy(policy), **_weight(load_weight))
+        router = create_router_app(self.backends, chooser, tokenizer)
         self.url = self._stack.enter_context(serving(router))
         self.wall = 0.0
         self.arrivals = Arrivals(seed)
@@ -288,9 +300,11 @@ def run(args: argparse.Namespace) -> int:
 
                 answers, cost = prompt_answers(cfg.vocab_size, args.seed), CostModel.of(cfg, args.flops_per_s)
                 sims = [SimEngine(cfg, config, answers, cost) for _ in range(args.replicas)]
-                server: Any = RoutedSim(sims, policy, args.seed)
+                server: Any = RoutedSim(sims, policy, args.seed, args.load_weight)
             else:
-                server = RoutedLive(model, config, args.replicas, policy, tokenizer, args.seed)
+                server = RoutedLive(
+                    model, config, args.replicas, policy, tokenizer, args.seed, args.load_weight
+                )
             try:
                 rep = replay(server, workload, cfg.vocab_size)
             finally:
@@ -361,6 +375,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", default="tiny", help="config name or path (default tiny)")
     p.add_argument("--replicas", type=int, default=4, help="replicas behind the router (default 4)")
+    p.add_argument("--load-weight", type=float, default=None, help="the router's --load-weight (its default)")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated ({', '.join(POLICIES)})")
     p.add_argument(
         "--workload", default="chat,agentic", help=f"families, comma-separated ({', '.join(FAMILIES)})"

@@ -28,7 +28,7 @@ from serve.route.backends import Backend
 # from: it resumes nothing now, but the replica's store checkpoints where the prompt leaves it (a junction),
 # and a conversation kept on one replica keeps its checkpoints there (measured: `bench route --simulate`).
 KV_AFFINITY = 0.5
-LOAD_WEIGHT = 0.1  # a token of work queued at a replica against a prompt token it must compute
+LOAD_WEIGHT = 0.3  # a token of work queued at a replica against a prompt token it must compute
 PENDING_BLOCK = 16  # tokens per block of the prefixes of requests routed and not yet done
 
 
