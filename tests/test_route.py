@@ -186,11 +186,18 @@ def test_bench_route_simulated_state_aware_computes_less_than_round_robin(capsys
 
 
 @pytest.mark.slow
-def test_the_simulated_router_agrees_with_the_live_one_on_a_small_case(capsys):
-    """State-aware routing over 4 live replicas of tiny computes the prompt tokens the simulator says."""
-    sim = run_bench(capsys, "--simulate", "--policies", "state-aware", *SMALL)
-    live = run_bench(capsys, "--policies", "state-aware", *SMALL)
-    assert live["rows"][0]["prompt_tokens_computed"] == sim["rows"][0]["prompt_tokens_computed"]
+def test_the_simulated_router_agrees_with_the_live_one_on_a_small_case():
+    """Requests sent one at a time (each after the previous one is done), every policy over 4 live replicas of
+    tiny routes each request where the simulator does and computes the prompt tokens it says."""
+    cmd = [sys.executable, "-m", "serve.cli", "bench", "route", "--one-at-a-time", *SMALL]
+    out = [
+        subprocess.run(cmd + flag, capture_output=True, text=True, check=True).stdout
+        for flag in (["--simulate"], [])
+    ]
+    sim, live = (json.loads(o)["rows"] for o in out)
+    for s, lv in zip(sim, live, strict=True):  # every policy
+        assert (lv["policy"], lv["prompt_tokens_computed"]) == (s["policy"], s["prompt_tokens_computed"])
+        assert lv["per_replica"] == s["per_replica"]
 
 
 class LossyPublisher(EventPublisher):
