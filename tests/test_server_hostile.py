@@ -259,3 +259,22 @@ def test_requests_over_the_connection_limit_get_a_shaped_503():
     assert over.json()["error"]["code"] == "too_many_connections"
     assert health.status_code == 200 and [h.status_code for h in held] == [200, 200]
     assert counted == [503] and app.active == 0
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_fields_a_router_adds_at_their_no_op_values_are_accepted_and_any_other_value_refused(kind):
+    """sglang-router forwards every request with `no_stop_trim`, `skip_special_tokens`, `return_hidden_states`
+    (and `echo`) at its defaults: those values change nothing here, so they are accepted; any other is a 400
+    naming the field."""
+    parser = stub_parser()
+    body = {"prompt": "a"} if kind == "completion" else {"messages": [{"role": "user", "content": "a"}]}
+    router = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False}
+    parser.parse({**body, **router}, kind)
+    for name, value in (
+        ("no_stop_trim", True),
+        ("skip_special_tokens", False),
+        ("return_hidden_states", True),
+    ):
+        with pytest.raises(APIError) as err:
+            parser.parse({**body, name: value}, kind)
+        assert err.value.status == 400 and err.value.param == name

@@ -29,6 +29,7 @@ from serve.http.threaded import serving
 from serve.report import print_table
 
 POLICIES = ("state-aware", "kv-only", "round-robin")
+SGLANG = "sglang cache_aware"  # `--sglang-router`: that router in front of the same replicas
 
 
 def merge_ledgers(ledgers: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -140,7 +141,11 @@ class RoutedLive:
         tokenizer: Any,
         seed: int = 0,
         load_weight: float | None = None,
+        text: bool = False,
+        external: str | None = None,
     ):
+        """`text`: prompts go as text (`as_text`); `external`: the `sglang-router` executable to put in front
+        of the replicas instead of ours (its cache_aware policy; it takes text prompts only)."""
         from serve.engine.engine import Engine
         from serve.http.app import create_app
         from serve.http.kv_events import EventPublisher
@@ -157,11 +162,17 @@ class RoutedLive:
             self.apps.append(app)
             self.publishers.append(pub)
             self.backends.append(Backend(BackendSpec(url, pub.bound, pub.replay_bound)))
+        self.text, self.wall, self.arrivals = text or external is not None, 0.0, Arrivals(seed)
+        if external is not None:
+            urls = [b.url for b in self.backends]
+            for b in self.backends:  # its own routing: nothing of ours follows the events
+                b.close()
+            self.backends = []
+            self.url = self._stack.enter_context(_external_router(external, urls))
+            return
         chooser = Chooser(self.backends, Policy(policy), **_weight(load_weight))
         router = create_router_app(self.backends, chooser, tokenizer)
         self.url = self._stack.enter_context(serving(router))
-        self.wall = 0.0
-        self.arrivals = Arrivals(seed)
 
     def close(self) -> None:
         self._stack.close()
@@ -183,7 +194,8 @@ class RoutedLive:
         async with httpx.AsyncClient(base_url=self.url, timeout=600) as client:
             tasks: dict[int, Any] = {}
             for i in self.arrivals.order(len(prompts)):
-                tasks[i] = asyncio.create_task(_streamed(client, prompts[i], max_tokens))
+                prompt: Any = as_text(prompts[i]) if self.text else prompts[i]
+                tasks[i] = asyncio.create_task(_streamed(client, prompt, max_tokens))
                 await asyncio.sleep(self.STAGGER_S)  # the router ranks them in this order
             await asyncio.gather(*tasks.values())
             return [tasks[i].result() for i in range(len(prompts))]
@@ -196,7 +208,46 @@ class RoutedLive:
                 time.sleep(0.01)
 
     def ledger(self) -> dict[str, Any]:
-        return merge_ledgers([app.state.server.loop.call(lambda e: e.ledger()).result() for app in self.apps])
+        return merge_ledgers(self.ledgers())
+
+    def ledgers(self) -> list[dict[str, Any]]:
+        return [app.state.server.loop.call(lambda e: e.ledger()).result() for app in self.apps]
+
+
+def as_text(ids: Sequence[int]) -> str:
+    """A workload's prompt as printable ASCII, one character a token (byte-level replicas see one token a
+    character; distinct ids may share a character, which can only add sharing)."""
+    return "".join(chr(32 + (int(i) - 3) % 95) for i in ids)
+
+
+@contextlib.contextmanager
+def _external_router(executable: str, urls: list[str]):
+    """`sglang-router launch` in front of `urls` (cache_aware policy), until the block ends; its URL."""
+    import subprocess
+
+    import httpx
+
+    from serve.http.threaded import free_port
+
+    port = free_port()
+    cmd = [executable, "launch", "--worker-urls", *urls, "--policy", "cache_aware", "--host", "127.0.0.1"]
+    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{executable} exited with {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{executable} did not become healthy")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @dataclasses.dataclass
@@ -207,10 +258,11 @@ class _Result:
     stats: dict[str, Any]
 
 
-async def _streamed(client: Any, prompt: list[int], max_tokens: int) -> _Result:
+async def _streamed(client: Any, prompt: list[int] | str, max_tokens: int) -> _Result:
     import json
 
     body = {
+        "model": "bench",
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -244,6 +296,15 @@ async def _streamed(client: Any, prompt: list[int], max_tokens: int) -> _Result:
     return _Result(ids, stats)
 
 
+def _per_replica(server: Any) -> list[int]:
+    """Requests each replica served: the router's count, or (another router) each replica's lookups."""
+    if hasattr(server, "assigned"):
+        return np.bincount(server.assigned, minlength=len(server.backends)).tolist()
+    if server.backends:
+        return [b.routed for b in server.backends]
+    return [led.get("lookups", 0) for led in server.ledgers()]
+
+
 def row(workload: Any, policy: str, rep: Replay, server: Any) -> dict[str, Any]:
     summary = rep.summary()
     ms = 1e3 * np.asarray([s["time_to_first_token_s"] for s in rep.stats])
@@ -257,10 +318,17 @@ def row(workload: Any, policy: str, rep: Replay, server: Any) -> dict[str, Any]:
         "ttft_p99_ms": float(np.percentile(ms, 99)),
         "output_tokens_per_s": generated / server.wall if server.wall else None,
         "wall_s": server.wall,
-        "per_replica": np.bincount(server.assigned, minlength=len(server.backends)).tolist()
-        if hasattr(server, "assigned")
-        else [b.routed for b in server.backends],
+        "per_replica": _per_replica(server),
     }
+
+
+def live(model: Any, config: Any, tokenizer: Any, policy: str, args: argparse.Namespace) -> RoutedLive:
+    """The live replicas behind our router with `policy`, or (SGLANG) behind `--sglang-router`."""
+    external = args.sglang_router if policy == SGLANG else None
+    our = "round-robin" if external else policy
+    return RoutedLive(
+        model, config, args.replicas, our, tokenizer, args.seed, args.load_weight, args.text, external
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -271,6 +339,11 @@ def run(args: argparse.Namespace) -> int:
     if not policies or any(p not in POLICIES for p in policies):
         print(f"error: --policies takes {', '.join(POLICIES)}", file=sys.stderr)
         return 2
+    if args.sglang_router:
+        if args.simulate:
+            print("error: --sglang-router needs a live run (drop --simulate)", file=sys.stderr)
+            return 2
+        policies.append(SGLANG)
     if args.replicas < 1:
         print("error: --replicas must be >= 1", file=sys.stderr)
         return 2
@@ -308,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.simulate:  # every policy once first: a process compiles each program shape once, and each
         # policy batches differently (the measured passes then compile nothing: `compiles_while_timed`)
         for policy in policies:
-            warm = RoutedLive(model, config, args.replicas, policy, tokenizer, args.seed, args.load_weight)
+            warm = live(model, config, tokenizer, policy, args)
             try:
                 for workload in workloads:
                     replay(warm, workload, cfg.vocab_size)
@@ -324,9 +397,7 @@ def run(args: argparse.Namespace) -> int:
                 sims = [SimEngine(cfg, config, answers, cost) for _ in range(args.replicas)]
                 server: Any = RoutedSim(sims, policy, args.seed, args.load_weight)
             else:
-                server = RoutedLive(
-                    model, config, args.replicas, policy, tokenizer, args.seed, args.load_weight
-                )
+                server = live(model, config, tokenizer, policy, args)
             if args.one_at_a_time:
                 server = OneAtATime(server, args.seed)
             try:
@@ -404,6 +475,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", default="tiny", help="config name or path (default tiny)")
     p.add_argument("--replicas", type=int, default=4, help="replicas behind the router (default 4)")
+    p.add_argument(
+        "--text",
+        action="store_true",
+        help="send prompts as text (one printable character a token; byte-level replicas), for every policy",
+    )
+    p.add_argument(
+        "--sglang-router",
+        metavar="PATH",
+        default=None,
+        help="also run this `sglang-router` executable (pip install sglang-router) in front of the same "
+        "replicas with its cache_aware policy; it takes text prompts only, so use --text",
+    )
     p.add_argument(
         "--one-at-a-time",
         action="store_true",

@@ -46,6 +46,11 @@ COMMON_FIELDS = {
     "stream_options",
     "return_token_ids",
     "speculative",
+    # what routers add to every request they forward (sglang-router: at these values), which change
+    # nothing here; any other value is refused (`neutral` in `_check_fields`)
+    "no_stop_trim",
+    "skip_special_tokens",
+    "return_hidden_states",
 } | set(IGNORED_OPENAI_FIELDS)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
@@ -180,6 +185,9 @@ class RequestParser:
             "echo": (False,),
             "suffix": ("",),
             "top_logprobs": (0,),
+            "no_stop_trim": (False,),
+            "skip_special_tokens": (True,),
+            "return_hidden_states": (False,),
         }
         for name, ok in neutral.items():
             v = body.get(name)
