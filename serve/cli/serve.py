@@ -200,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
     multi = False
     try:
         multi = multihost.initialize_from_args(args) and jax.process_count() > 1
+        if multi and args.kv_events_endpoint:  # only process 0 would publish; the others' logs would grow
+            raise UsageError("--kv-events-endpoint serves one process; it is not supported with several yet")
         model, mesh = load_on_mesh(args, multi)
         if mesh is not None:
             from sharding.mesh import describe
