@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Sequence
@@ -33,21 +34,16 @@ SGLANG = "sglang cache_aware"  # `--sglang-router`: that router in front of the 
 
 
 def merge_ledgers(ledgers: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The replicas' ledgers added up (numbers, and nested dicts of numbers key by key)."""
+    """The replicas' ledgers added up: numbers summed, nested dicts key by key (else: the first's)."""
 
     def add(a: Any, b: Any) -> Any:
-        if isinstance(a, dict):
-            return {k: add(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()}
+        if isinstance(a, dict) and isinstance(b, dict):
+            return {
+                k: add(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in a.keys() | b.keys()
+            }
         return a + b if isinstance(a, int | float) and isinstance(b, int | float) else a
 
-    out: dict[str, Any] = {}
-    for led in ledgers:
-        out = (
-            add(out, {k: v for k, v in led.items() if isinstance(v, int | float | dict)})
-            if out
-            else dict(led)
-        )
-    return out
+    return functools.reduce(add, ledgers, {})
 
 
 def _weight(load_weight: float | None) -> dict[str, float]:
@@ -81,9 +77,6 @@ class OneAtATime:
             results[i] = self.server.generate([prompts[i]], sampling)[0]
         return results
 
-    def ledger(self) -> dict[str, Any]:
-        return self.server.ledger()
-
 
 class RoutedSim:
     """N simulated replicas behind the router's policy (a `bench prefix` Server); see the module doc."""
@@ -101,9 +94,11 @@ class RoutedSim:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Any) -> list[Any]:
         shares: list[list[int]] = [[] for _ in self.sims]
+        routed = []
         for i in self.arrivals.order(len(prompts)):
             best = self.chooser.rank(list(prompts[i]), sampling.max_tokens)[0]
             best.backend.start(best.work, best.prefixes)
+            routed.append(best)
             k = self.backends.index(best.backend)
             shares[k].append(i)
             self.assigned.append(k)
@@ -118,8 +113,8 @@ class RoutedSim:
                     results[i] = res
             longest = max(longest, sim.clock - t0)
             backend.index.apply(sim.engine.take_events())
-            backend.in_flight = backend.pending_tokens = 0
-            backend.pending.clear()
+        for best in routed:  # the round is done
+            best.backend.end(best.work, best.prefixes)
         self.wall += longest
         return results
 
@@ -154,22 +149,20 @@ class RoutedLive:
         from serve.route.policies import Chooser, Policy
 
         self._stack = contextlib.ExitStack()
-        self.apps, self.publishers, self.backends = [], [], []
+        self.apps, self.publishers, specs = [], [], []
         for _ in range(replicas):
             pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
             app = create_app(Engine(model, engine_config), tokenizer, "bench", events=pub)
             url = self._stack.enter_context(serving(app))
             self.apps.append(app)
             self.publishers.append(pub)
-            self.backends.append(Backend(BackendSpec(url, pub.bound, pub.replay_bound)))
+            specs.append(BackendSpec(url, pub.bound, pub.replay_bound))
         self.text, self.wall, self.arrivals = text or external is not None, 0.0, Arrivals(seed)
-        if external is not None:
-            urls = [b.url for b in self.backends]
-            for b in self.backends:  # its own routing: nothing of ours follows the events
-                b.close()
-            self.backends = []
-            self.url = self._stack.enter_context(_external_router(external, urls))
+        if external is not None:  # its own routing: nothing of ours follows the events
+            self.backends: list[Any] = []
+            self.url = self._stack.enter_context(_external_router(external, [s.url for s in specs]))
             return
+        self.backends = [Backend(spec) for spec in specs]
         chooser = Chooser(self.backends, Policy(policy), **_weight(load_weight))
         router = create_router_app(self.backends, chooser, tokenizer)
         self.url = self._stack.enter_context(serving(router))

@@ -178,8 +178,7 @@ class CheckpointTiers:
         order = list(self.policy.order())
         if self.blocks is None:
             return order
-        dead = [k for k in order if not self.resumable(self._by_key[k])]
-        return dead + [k for k in order if self.resumable(self._by_key[k])] if dead else order
+        return sorted(order, key=lambda k: self.resumable(self._by_key[k]))  # stable: False first
 
     def _drop(self, key: bytes) -> None:
         ck = self._by_key.pop(key)

@@ -19,7 +19,7 @@ from collections import Counter
 
 import zmq
 
-from serve.http.kv_events import replay
+from serve.http.kv_events import replay, subscribe
 from serve.prefix.events import KV_TOPIC, STATE_TOPIC, decode
 from serve.route.index import ReplicaIndex
 
@@ -120,12 +120,7 @@ class EventFollower:
         self._thread.join(5)
 
     def _run(self) -> None:
-        spec = self.backend.spec
-        ctx = zmq.Context.instance()
-        sub = ctx.socket(zmq.SUB)
-        for t in (KV_TOPIC, STATE_TOPIC):
-            sub.setsockopt(zmq.SUBSCRIBE, t.encode())
-        sub.connect(spec.events)
+        sub = subscribe(self.backend.spec.events)
         heard = time.monotonic()
         try:
             while not self._stopping.is_set():

@@ -20,6 +20,7 @@ from serve.prefix.events import (
     AllStatesCleared,
     BlockRemoved,
     BlockStored,
+    Contents,
     Event,
     StateRemoved,
     StateStored,
@@ -37,65 +38,54 @@ class Match:
     resumable: int = 0
 
 
-class ReplicaIndex:
-    """Blocks by hash (parent, tokens) with a child map for walking a prompt, and memory-tier checkpoints by
-    the block they sit after."""
+@dataclasses.dataclass
+class ReplicaIndex(Contents):
+    """What the events say a replica holds (`Contents`), with a child map for walking a prompt down its
+    blocks and its memory-tier checkpoints by the block they sit after."""
 
-    def __init__(self) -> None:
-        self.block_size = 0
-        self._blocks: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
-        self._children: dict[tuple[bytes | None, tuple[int, ...]], bytes] = {}
-        self._states: dict[tuple[bytes, str], StateStored] = {}
-        self._at: dict[bytes | None, dict[bytes, StateStored]] = {}  # block hash -> checkpoint key -> event
+    _children: dict[tuple[bytes | None, tuple[int, ...]], bytes] = dataclasses.field(default_factory=dict)
+    _at: dict[bytes | None, dict[bytes, StateStored]] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self.blocks)
 
     @property
     def checkpoints(self) -> int:
-        return len(self._states)
+        return len(self.states)
 
     def clear(self) -> None:
-        self._blocks.clear()
-        self._children.clear()
-        self._states.clear()
-        self._at.clear()
+        for d in (self.blocks, self.states, self._children, self._at):
+            d.clear()
 
     def apply(self, events: Iterable[Event]) -> None:
         for e in events:
-            if isinstance(e, BlockStored):
-                self.block_size = e.block_size
-                for h, parent, tokens in e.blocks():
-                    self._blocks[h] = (parent, tokens)
-                    self._children[(parent, tokens)] = h
-            elif isinstance(e, BlockRemoved):
+            gone = self.states.get((e.key, e.tier)) if isinstance(e, StateRemoved) else None
+            if isinstance(e, BlockRemoved):  # (before the blocks go: their entries find the children)
                 for h in e.block_hashes:
-                    entry = self._blocks.pop(h, None)
+                    entry = self.blocks.get(h)
                     if entry is not None and self._children.get(entry) == h:
                         del self._children[entry]
+            super().apply([e])
+            if isinstance(e, BlockStored):
+                for h, parent, tokens in e.blocks():
+                    self._children[(parent, tokens)] = h
             elif isinstance(e, AllBlocksCleared):
-                self._blocks.clear()
                 self._children.clear()
-            elif isinstance(e, StateStored):
-                self._states[(e.key, e.tier)] = e
-                if e.tier in MEMORY_TIERS:
-                    self._at.setdefault(e.block_hash, {})[e.key] = e
-            elif isinstance(e, StateRemoved):
-                self._forget_state(e.key, e.tier)
+            elif isinstance(e, StateStored) and e.tier in MEMORY_TIERS:
+                self._at.setdefault(e.block_hash, {})[e.key] = e
+            elif gone is not None and gone.tier in MEMORY_TIERS:
+                self._forget(gone)
             elif isinstance(e, AllStatesCleared):
-                self._states.clear()
                 self._at.clear()
 
-    def _forget_state(self, key: bytes, tier: str) -> None:
-        e = self._states.pop((key, tier), None)
-        if e is None or tier not in MEMORY_TIERS:
+    def _forget(self, gone: StateStored) -> None:
+        """A memory-tier copy of a checkpoint is gone: unless the other memory tier holds it, forget it."""
+        if any((gone.key, t) in self.states for t in MEMORY_TIERS):
             return
-        if any((key, t) in self._states for t in MEMORY_TIERS):
-            return  # still held in the other memory tier
-        at = self._at.get(e.block_hash, {})
-        at.pop(key, None)
+        at = self._at.get(gone.block_hash, {})
+        at.pop(gone.key, None)
         if not at:
-            self._at.pop(e.block_hash, None)
+            self._at.pop(gone.block_hash, None)
 
     def match(self, tokens: Sequence[int]) -> Match:
         """See `Match`. A checkpoint counts up to len(tokens) - 1 (a request computes at least its last
