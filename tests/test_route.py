@@ -20,7 +20,8 @@ from servers import free_port, uvicorn_thread, wait_healthy
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from jaxhybrid.tokenizer import ByteTokenizer
+from jaxhybrid.tokenizer import ByteTokenizer, TokenizerError
+from serve.bench.route import CharTokenizer
 from serve.engine.engine import Engine, EngineConfig
 from serve.http.app import create_app
 from serve.http.kv_events import EventPublisher
@@ -65,8 +66,8 @@ def model():
 class Replica:
     """A `serve` app with a prefix store publishing its events, on fixed ports so it can come back."""
 
-    def __init__(self, model):
-        self.model, self.port = model, free_port()
+    def __init__(self, model, tokenizer=None):
+        self.model, self.port, self.tokenizer = model, free_port(), tokenizer or ByteTokenizer(512)
         self.events, self.replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
 
     def spec(self) -> BackendSpec:
@@ -77,7 +78,7 @@ class Replica:
         config = EngineConfig(max_slots=2, block_size=BS, prefill_chunk=32, max_model_len=256, prefix=prefix)
         self.engine = Engine(self.model, config)
         return create_app(
-            self.engine, ByteTokenizer(512), "tiny", events=EventPublisher(self.events, self.replay)
+            self.engine, self.tokenizer, "tiny", events=EventPublisher(self.events, self.replay)
         )
 
 
@@ -103,7 +104,7 @@ def wait_for(cond, timeout: float = 10.0) -> None:
 def router(replicas, policy: Policy):
     backends = [Backend(r.spec()) for r in replicas]
     return backends, create_router_app(
-        backends, Chooser(backends, policy), ByteTokenizer(512), health_interval=0.2
+        backends, Chooser(backends, policy), replicas[0].tokenizer, health_interval=0.2
     )
 
 
@@ -120,6 +121,32 @@ def test_state_aware_routing_sends_a_chats_next_turn_to_its_state(model):
                 wait_for(lambda: any(b.index.checkpoints for b in backends))  # noqa: B023
                 out = complete(url, turn1 + [5, 6, 7])
                 assert (cached(out) >= 48) == hit, policy
+
+
+def test_a_text_conversation_continues_its_answer_on_the_replica_holding_that_state(model):
+    """`bench route --text`: every id is one character both ways, so the next turn's text (the previous
+    prompt, the answer's text as the replica returned it, a new message) resumes from the state after the
+    answer."""
+    tok = CharTokenizer(512)
+    ids = list(range(512))
+    assert tok.encode(tok.decode(ids)) == ids and len(tok.decode(ids)) == 512
+    with pytest.raises(TokenizerError):
+        tok.encode("a")
+    replicas = [Replica(model, tok), Replica(model, tok)]
+    with contextlib.ExitStack() as stack:
+        for r in replicas:
+            stack.enter_context(uvicorn_thread(r.app(), port=r.port))
+        backends, app = router(replicas, Policy.STATE_AWARE)
+        with uvicorn_thread(app) as url:
+            turn1 = tok.decode([7, *range(100, 150)])
+            body = {"prompt": turn1, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+            assert len(answer) == 6
+            wait_for(lambda: sum(b.index.checkpoints for b in backends) >= 4)
+            body["prompt"] = turn1 + answer + tok.decode([9, 9, 9])
+            out = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+            assert out["usage"]["prompt_tokens"] == 51 + 6 + 3
+            assert cached(out) > 51  # past the first prompt: its answer's state was kept and found
 
 
 def test_a_dead_replica_is_drained_without_an_error_and_readmitted_when_it_returns(model):
@@ -335,10 +362,33 @@ def test_a_prompt_goes_where_its_prefix_was_just_routed_before_any_event_shows_i
     backends = [Backend(BackendSpec(f"http://127.0.0.1:{i + 1}")) for i in range(2)]
     chooser = Chooser(backends, Policy.STATE_AWARE)
     shared = list(range(3, 67))
-    first = chooser.rank(shared + [1, 2, 3], 8)[0]
-    first.backend.start(first.work, first.prefixes)
-    second = chooser.rank(shared + [4, 5], 8)
+    first = chooser.rank(shared + [1, 2, 3])[0]
+    ticket = first.backend.start(first.prefill, first.prefixes)
+    second = chooser.rank(shared + [4, 5])
     assert second[0].backend is first.backend and second[0].saved == 64
     assert second[1].saved == 0
-    first.backend.end(first.work, first.prefixes)
-    assert not first.backend.pending and chooser.rank(shared + [4, 5], 8)[0].saved == 0
+    ticket.end()
+    assert not first.backend.pending and chooser.rank(shared + [4, 5])[0].saved == 0
+
+
+def test_a_replicas_queue_holds_prefill_until_the_first_token():
+    """The load a new request weighs is the prompt tokens queued ahead of it: a long prompt routed to a
+    replica outweighs a 64-token shared prefix there (0.3 x 400 > 64) until its first token comes, and then
+    it no longer does (it decodes beside the newcomer's prefill); ending a request releases it once."""
+    backends = [Backend(BackendSpec(f"http://127.0.0.1:{i + 1}")) for i in range(2)]
+    chooser = Chooser(backends, Policy.STATE_AWARE, load_weight=0.3)
+    shared = list(range(3, 67))
+    long_prompt = shared + list(range(100, 436))  # 400 tokens, none cached anywhere
+    first = chooser.rank(long_prompt)[0]
+    assert first.prefill == 400
+    ticket = first.backend.start(first.prefill, first.prefixes)
+    assert first.backend.queued == 400
+    busy = chooser.rank(shared + [4, 5])
+    assert busy[0].backend is not first.backend  # 66 + 0.3 x 0 < 2 + 0.3 x 400
+    ticket.first_token()
+    assert first.backend.queued == 0 and first.backend.in_flight == 1
+    free = chooser.rank(shared + [4, 5])
+    assert free[0].backend is first.backend and free[0].saved == 64
+    ticket.end()
+    ticket.end()
+    assert (first.backend.queued, first.backend.in_flight, first.backend.pending) == (0, 0, {})

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxhybrid.tokenizer import Tokenizer, TokenizerError
 from serve.bench.common import add_out_arg, compile_watch, emit, environment
 from serve.bench.workloads import FAMILIES, Replay, replay
 from serve.http.threaded import serving
@@ -94,11 +95,10 @@ class RoutedSim:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Any) -> list[Any]:
         shares: list[list[int]] = [[] for _ in self.sims]
-        routed = []
+        tickets = []  # a round's requests are all routed before any runs: none is past its first token
         for i in self.arrivals.order(len(prompts)):
-            best = self.chooser.rank(list(prompts[i]), sampling.max_tokens)[0]
-            best.backend.start(best.work, best.prefixes)
-            routed.append(best)
+            best = self.chooser.rank(list(prompts[i]))[0]
+            tickets.append(best.backend.start(best.prefill, best.prefixes))
             k = self.backends.index(best.backend)
             shares[k].append(i)
             self.assigned.append(k)
@@ -113,8 +113,8 @@ class RoutedSim:
                     results[i] = res
             longest = max(longest, sim.clock - t0)
             backend.index.apply(sim.engine.take_events())
-        for best in routed:  # the round is done
-            best.backend.end(best.work, best.prefixes)
+        for ticket in tickets:  # the round is done
+            ticket.end()
         self.wall += longest
         return results
 
@@ -139,16 +139,17 @@ class RoutedLive:
         text: bool = False,
         external: str | None = None,
     ):
-        """`text`: prompts go as text (`as_text`); `external`: the `sglang-router` executable to put in front
-        of the replicas instead of ours (its cache_aware policy; it takes text prompts only)."""
+        """`text`: prompts go as text (`CharTokenizer`, which the replicas and the router then use);
+        `external`: the `sglang-router` executable to put in front of the replicas instead of ours (its
+        cache_aware policy; it takes text prompts only)."""
         from serve.engine.engine import Engine
         from serve.http.app import create_app
         from serve.http.kv_events import EventPublisher
-        from serve.route.app import create_router_app
-        from serve.route.backends import Backend, BackendSpec
-        from serve.route.policies import Chooser, Policy
+        from serve.route.backends import BackendSpec
 
         self._stack = contextlib.ExitStack()
+        self.text = CharTokenizer(model.config.vocab_size) if text or external is not None else None
+        tokenizer = self.text or tokenizer
         self.apps, self.publishers, specs = [], [], []
         for _ in range(replicas):
             pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
@@ -157,15 +158,11 @@ class RoutedLive:
             self.apps.append(app)
             self.publishers.append(pub)
             specs.append(BackendSpec(url, pub.bound, pub.replay_bound))
-        self.text, self.wall, self.arrivals = text or external is not None, 0.0, Arrivals(seed)
+        self.wall, self.arrivals, self.ours = 0.0, Arrivals(seed), external is None
         if external is not None:  # its own routing: nothing of ours follows the events
-            self.backends: list[Any] = []
             self.url = self._stack.enter_context(_external_router(external, [s.url for s in specs]))
-            return
-        self.backends = [Backend(spec) for spec in specs]
-        chooser = Chooser(self.backends, Policy(policy), **_weight(load_weight))
-        router = create_router_app(self.backends, chooser, tokenizer)
-        self.url = self._stack.enter_context(serving(router))
+        else:  # in a process of its own, as `jaxhybrid route` runs (not sharing the replicas' GIL)
+            self.url = self._stack.enter_context(_router_process(specs, policy, load_weight, tokenizer))
 
     def close(self) -> None:
         self._stack.close()
@@ -187,18 +184,26 @@ class RoutedLive:
         async with httpx.AsyncClient(base_url=self.url, timeout=600) as client:
             tasks: dict[int, Any] = {}
             for i in self.arrivals.order(len(prompts)):
-                prompt: Any = as_text(prompts[i]) if self.text else prompts[i]
+                prompt: Any = self.text.decode(prompts[i]) if self.text else prompts[i]
                 tasks[i] = asyncio.create_task(_streamed(client, prompt, max_tokens))
                 await asyncio.sleep(self.STAGGER_S)  # the router ranks them in this order
             await asyncio.gather(*tasks.values())
             return [tasks[i].result() for i in range(len(prompts))]
 
     def _settle(self, timeout: float = 10.0) -> None:
-        """Wait until the router has applied every event the replicas published."""
+        """Wait until our router has applied every event the replicas published."""
         deadline = time.monotonic() + timeout
-        for pub, backend in zip(self.publishers, self.backends, strict=False):  # none: another router
-            while backend.follower.last != pub.seq and time.monotonic() < deadline:
-                time.sleep(0.01)
+        while self.ours and time.monotonic() < deadline:
+            applied = [b["events"] for b in self.stats()["backends"]]
+            if all(a == pub.seq for a, pub in zip(applied, self.publishers, strict=True)):
+                return
+            time.sleep(0.01)
+
+    def stats(self) -> dict[str, Any]:
+        """Our router's `/route/stats`."""
+        import httpx
+
+        return httpx.get(f"{self.url}/route/stats", timeout=10).json()
 
     def ledger(self) -> dict[str, Any]:
         return merge_ledgers(self.ledgers())
@@ -207,10 +212,82 @@ class RoutedLive:
         return [app.state.server.loop.call(lambda e: e.ledger()).result() for app in self.apps]
 
 
-def as_text(ids: Sequence[int]) -> str:
-    """A workload's prompt as printable ASCII, one character a token (byte-level replicas see one token a
-    character; distinct ids may share a character, which can only add sharing)."""
-    return "".join(chr(32 + (int(i) - 3) % 95) for i in ids)
+class CharTokenizer(Tokenizer):
+    """One character a token, every id its own (CJK letters from U+4E00): `--text` prompts, answers included,
+    go back to exactly the ids they came from, so a text router sees a conversation continue its last answer
+    as a chat client sends it, and a replica resumes the state it kept after that answer."""
+
+    BASE = 0x4E00
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
+
+    def __init__(self, vocab_size: int):
+        if not 3 <= vocab_size <= 0x9FFF - self.BASE + 1:
+            raise ValueError(f"--text maps a token to a CJK letter: 3..20992 ids, got {vocab_size}")
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = [ord(c) - self.BASE for c in text]
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise TokenizerError("--text replicas read only the characters CharTokenizer writes")
+        return [self.bos_token_id, *ids] if add_bos else ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(chr(self.BASE + int(i)) for i in ids)
+
+    @property
+    def max_token_id(self) -> int:
+        return self.vocab_size - 1
+
+
+def _serve_router(
+    specs: list[Any], policy: str, load_weight: float | None, tokenizer: Any, port: int
+) -> None:
+    """The router's app over `specs` with `policy` (in a child process)."""
+    import uvicorn
+
+    from serve.route.app import create_router_app
+    from serve.route.backends import Backend
+    from serve.route.policies import Chooser, Policy
+
+    backends = [Backend(spec) for spec in specs]
+    app = create_router_app(backends, Chooser(backends, Policy(policy), **_weight(load_weight)), tokenizer)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+@contextlib.contextmanager
+def _router_process(specs: list[Any], policy: str, load_weight: float | None, tokenizer: Any):
+    """Our router in a spawned process until the block ends; its URL once healthy."""
+    import multiprocessing
+
+    from serve.http.threaded import free_port
+
+    port = free_port()
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_serve_router, args=(specs, policy, load_weight, tokenizer, port), daemon=True
+    )
+    proc.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, lambda: proc.exitcode, "the router")
+        yield url
+    finally:
+        proc.terminate()
+        proc.join(10)
+
+
+def _wait_healthy(url: str, exited: Any, name: str, timeout: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if exited() is not None:
+            raise RuntimeError(f"{name} exited with {exited()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not become healthy")
+        time.sleep(0.1)
 
 
 @contextlib.contextmanager
@@ -218,25 +295,14 @@ def _external_router(executable: str, urls: list[str]):
     """`sglang-router launch` in front of `urls` (cache_aware policy), until the block ends; its URL."""
     import subprocess
 
-    import httpx
-
     from serve.http.threaded import free_port
 
     port = free_port()
     cmd = [executable, "launch", "--worker-urls", *urls, "--policy", "cache_aware", "--host", "127.0.0.1"]
     proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{executable} exited with {proc.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{executable} did not become healthy")
-            time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, proc.poll, executable, timeout=60)
         yield url
     finally:
         proc.terminate()
@@ -293,8 +359,8 @@ def _per_replica(server: Any) -> list[int]:
     """Requests each replica served: the router's count, or (another router) each replica's lookups."""
     if hasattr(server, "assigned"):
         return np.bincount(server.assigned, minlength=len(server.backends)).tolist()
-    if server.backends:
-        return [b.routed for b in server.backends]
+    if server.ours:
+        return [b["routed"] for b in server.stats()["backends"]]
     return [led.get("lookups", 0) for led in server.ledgers()]
 
 
@@ -322,6 +388,41 @@ def live(model: Any, config: Any, tokenizer: Any, policy: str, args: argparse.Na
     return RoutedLive(
         model, config, args.replicas, our, tokenizer, args.seed, args.load_weight, args.text, external
     )
+
+
+MEASURE_TRIES = 3  # a live pass that compiled a program (a batch shape no earlier pass met) is run again
+
+
+def measure(model: Any, config: Any, tokenizer: Any, cfg: Any, workload: Any, policy: str, args: Any) -> dict:
+    """One row: `workload` served behind `policy`, simulated or live; a live pass that timed a compile is
+    served again on fresh replicas (the compile is now cached), up to MEASURE_TRIES passes in all."""
+    for attempt in range(1, MEASURE_TRIES + 1):
+        t0 = time.perf_counter()
+        if args.simulate:
+            from serve.bench.simulate import CostModel, SimEngine, prompt_answers
+
+            answers, cost = prompt_answers(cfg.vocab_size, args.seed), CostModel.of(cfg, args.flops_per_s)
+            sims = [SimEngine(cfg, config, answers, cost) for _ in range(args.replicas)]
+            server: Any = RoutedSim(sims, policy, args.seed, args.load_weight)
+        else:
+            server = live(model, config, tokenizer, policy, args)
+        if args.one_at_a_time:
+            server = OneAtATime(server, args.seed)
+        try:
+            with compile_watch() as compiles:
+                rep = replay(server, workload, cfg.vocab_size)
+            measured = row(workload, policy, rep, server)  # (live: while the replicas still answer)
+        finally:
+            if not args.simulate:
+                server.close()
+        timing = {
+            "bench_s": round(time.perf_counter() - t0, 1),
+            "compiles_while_timed": compiles["compiles"],
+            "passes": attempt,
+        }
+        if args.simulate or not compiles["compiles"]:
+            break
+    return {**measured, **timing}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -382,29 +483,7 @@ def run(args: argparse.Namespace) -> int:
                 warm.close()
     for workload in workloads:
         for policy in policies:
-            t0 = time.perf_counter()
-            if args.simulate:
-                from serve.bench.simulate import CostModel, SimEngine, prompt_answers
-
-                answers, cost = prompt_answers(cfg.vocab_size, args.seed), CostModel.of(cfg, args.flops_per_s)
-                sims = [SimEngine(cfg, config, answers, cost) for _ in range(args.replicas)]
-                server: Any = RoutedSim(sims, policy, args.seed, args.load_weight)
-            else:
-                server = live(model, config, tokenizer, policy, args)
-            if args.one_at_a_time:
-                server = OneAtATime(server, args.seed)
-            try:
-                with compile_watch() as compiles:
-                    rep = replay(server, workload, cfg.vocab_size)
-                measured = row(workload, policy, rep, server)  # (live: while the replicas still answer)
-            finally:
-                if not args.simulate:
-                    server.close()
-            timing = {
-                "bench_s": round(time.perf_counter() - t0, 1),
-                "compiles_while_timed": compiles["compiles"],
-            }
-            rows.append({**measured, **timing})
+            rows.append(measure(model, config, tokenizer, cfg, workload, policy, args))
     for w in workloads:
         mine = [r for r in rows if r["workload"] == w.name]
         rr = next((r for r in mine if r["policy"] == "round-robin"), None)
@@ -472,7 +551,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--text",
         action="store_true",
-        help="send prompts as text (one printable character a token; byte-level replicas), for every policy",
+        help="send prompts as text (one character a token, answers included: CharTokenizer), every policy",
     )
     p.add_argument(
         "--sglang-router",

@@ -24,13 +24,12 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from serve.route.backends import Backend
-from serve.route.policies import Candidate, Chooser
+from serve.route.backends import Backend, Ticket
+from serve.route.policies import Chooser
 
 log = logging.getLogger("jaxhybrid.route")
 PASS_ON = (429, 503)  # answers that send the request to the next replica
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
-DEFAULT_MAX_TOKENS = 16
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -74,9 +73,7 @@ class Router:
         if not isinstance(body, dict):
             return error(400, "the request body must be a JSON object")
         tokens = prompt_tokens(body, chat, self.tokenizer) if self.tokenizer is not None else []
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or DEFAULT_MAX_TOKENS
-        max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else DEFAULT_MAX_TOKENS
-        candidates = self.chooser.rank(tokens, max_tokens)
+        candidates = self.chooser.rank(tokens)
         if not candidates:
             return error(503, "no replica is available", "service_unavailable")
         headers = {"content-type": "application/json"}
@@ -84,19 +81,19 @@ class Router:
         for i, cand in enumerate(candidates):
             if i:
                 self.retried += 1
-            self._start(cand)
+            ticket = cand.backend.start(cand.prefill, cand.prefixes)
             try:
                 req = self.client.build_request("POST", cand.backend.url + path, content=raw, headers=headers)
                 resp = await self.client.send(req, stream=True)
             except httpx.HTTPError as exc:
                 log.warning("backend %s failed before answering (%s): trying the next", cand.backend.url, exc)
-                self._end(cand)
+                ticket.end()
                 cand.backend.down()
                 continue
             if resp.status_code in PASS_ON:
                 last = Response(await resp.aread(), resp.status_code, media_type="application/json")
                 await resp.aclose()
-                self._end(cand)
+                ticket.end()
                 if resp.status_code == 503:
                     cand.backend.down()
                 continue
@@ -108,14 +105,15 @@ class Router:
                     "backend %s failed before its first token (%s): trying the next", cand.backend.url, exc
                 )
                 await resp.aclose()
-                self._end(cand)
+                ticket.end()
                 cand.backend.down()
                 continue
-            return self._relay(resp, first, chunks, cand)
+            ticket.first_token()
+            return self._relay(resp, first, chunks, ticket)
         return last if last is not None else error(503, "every replica failed", "service_unavailable")
 
     def _relay(
-        self, resp: httpx.Response, first: bytes, chunks: AsyncIterator[bytes], cand: Candidate
+        self, resp: httpx.Response, first: bytes, chunks: AsyncIterator[bytes], ticket: Ticket
     ) -> Response:
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
 
@@ -126,17 +124,9 @@ class Router:
                     yield chunk
             finally:
                 await resp.aclose()
-                self._end(cand)
+                ticket.end()
 
         return StreamingResponse(body(), resp.status_code, headers=headers)
-
-    @staticmethod
-    def _start(c: Candidate) -> None:
-        c.backend.start(c.work, c.prefixes)
-
-    @staticmethod
-    def _end(c: Candidate) -> None:
-        c.backend.end(c.work, c.prefixes)
 
     async def check_health(self) -> None:
         for b in self.backends:
@@ -165,6 +155,7 @@ class Router:
                     "blocks": blocks,
                     "checkpoints": checkpoints,
                     "replays": 0 if b.follower is None else b.follower.replays,
+                    "events": None if b.follower is None else dict(b.follower.last),
                 }
             )
         return {"policy": self.chooser.policy.value, "retried": self.retried, "backends": out}

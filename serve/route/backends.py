@@ -54,6 +54,38 @@ class BackendSpec:
         return cls(url.rstrip("/"), **fields)
 
 
+@dataclasses.dataclass
+class Ticket:
+    """A request routed to `backend`, until it ends: its prefill counts in the replica's queue until its first
+    token (after that it decodes beside a newcomer's prefill, at little cost to it), its prefixes until it
+    ends (the replica's events show them once computed, a little later)."""
+
+    backend: Backend
+    prefill: int
+    prefixes: tuple[bytes, ...]
+    queued: bool = True
+    done: bool = False
+
+    def first_token(self) -> None:
+        if self.queued:
+            self.queued = False
+            self.backend.queued -= self.prefill
+
+    def end(self) -> None:
+        """Answered, failed or passed on (once)."""
+        if self.done:
+            return
+        self.first_token()
+        self.done = True
+        b = self.backend
+        b.in_flight -= 1
+        for digest in self.prefixes:  # (not `+counter`: that rebuilds every request's digests each time)
+            if b.pending[digest] > 1:
+                b.pending[digest] -= 1
+            else:
+                del b.pending[digest]
+
+
 class Backend:
     """One replica: where it is, whether it answers, its requests in flight and what it holds."""
 
@@ -63,24 +95,18 @@ class Backend:
         self.lock = threading.Lock()  # the index: the follower writes, request handlers read
         self.healthy = True
         self.in_flight = 0  # requests routed here and not finished
-        self.pending_tokens = 0  # their prompt tokens to compute + tokens to generate (the queue ahead)
+        self.queued = 0  # prompt tokens of those not past their first token: the prefill a new one waits for
         self.routed = 0
         self.pending: Counter[bytes] = Counter()  # prefix digests of the requests in flight here
         self.follower = EventFollower(self) if spec.events else None
 
-    def start(self, work: int, prefixes: tuple[bytes, ...]) -> None:
-        """A request was routed here: `work` tokens to compute and generate, its prompt's prefixes."""
+    def start(self, prefill: int, prefixes: tuple[bytes, ...]) -> Ticket:
+        """A request was routed here: `prefill` prompt tokens to compute, its prompt's prefixes."""
         self.in_flight += 1
-        self.pending_tokens += work
+        self.queued += prefill
         self.routed += 1
         self.pending.update(prefixes)
-
-    def end(self, work: int, prefixes: tuple[bytes, ...]) -> None:
-        """That request is done (answered, failed or passed on)."""
-        self.in_flight -= 1
-        self.pending_tokens -= work
-        self.pending.subtract(prefixes)
-        self.pending = +self.pending
+        return Ticket(self, prefill, prefixes)
 
     def down(self) -> None:
         """It stopped answering: forget what it held (it may have lost it), route nothing there."""

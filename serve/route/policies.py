@@ -2,9 +2,11 @@
 
 `state-aware` (the default): the replica that could resume the prompt from the deepest state checkpoint
 whose KV blocks it also holds (`ReplicaIndex.match(...).resumable`; cached KV beyond it counts
-`KV_AFFINITY` a token), against the work already queued there: the cost of a replica is the prompt tokens
-it would compute plus `load_weight` x the tokens its requests in flight still have to compute and generate;
-the cheapest wins (ties: fewer requests in flight, then turn). A prompt that shares a prefix with one routed
+`KV_AFFINITY` a token), against the prefill already queued there: the cost of a replica is the prompt tokens
+it would compute plus `load_weight` x the prompt tokens of its requests not yet past their first token
+(`Backend.queued`: what a new request's first token waits for; a request that decodes shares the replica's
+steps with a newcomer's prefill at little cost to it); the cheapest wins (ties: fewer requests in flight,
+then turn). A prompt that shares a prefix with one routed
 to a replica and not done yet counts that prefix as resumable there too: the events show it only once it is
 computed, and the replica's store computes a shared prefix once.
 `kv-only`: the same with the cached KV blocks alone (what routers that read KV events do; for a hybrid model
@@ -28,7 +30,7 @@ from serve.route.backends import Backend
 # from: it resumes nothing now, but the replica's store checkpoints where the prompt leaves it (a junction),
 # and a conversation kept on one replica keeps its checkpoints there (measured: `bench route --simulate`).
 KV_AFFINITY = 0.5
-LOAD_WEIGHT = 0.3  # a token of work queued at a replica against a prompt token it must compute
+LOAD_WEIGHT = 0.3  # a prompt token queued at a replica (`Backend.queued`) against one it must compute
 PENDING_BLOCK = 16  # tokens per block of the prefixes of requests routed and not yet done
 
 
@@ -40,20 +42,21 @@ class Policy(StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A replica for a request, with the prefill it is expected to save there and the work it adds."""
+    """A replica for a request, with the prefill it is expected to save there and the prefill it adds."""
 
     backend: Backend
     saved: int  # prompt tokens the replica is expected not to compute
-    work: int  # prompt tokens to compute + tokens to generate
+    prefill: int  # prompt tokens it is expected to compute
     prefixes: tuple[bytes, ...] = ()  # `prefix_digests` of the prompt (what it adds to `Backend.pending`)
 
 
 def prefix_digests(tokens: Sequence[int], block: int = PENDING_BLOCK) -> tuple[bytes, ...]:
     """A digest of each of the prompt's block-aligned prefixes (the i-th: its first (i + 1) x `block`
     tokens), so that prompts routed but not yet computed can be matched by their shared prefix."""
-    h, out = hashlib.blake2b(digest_size=16), []
-    for i in range(len(tokens) // block):
-        h.update(np.asarray(tokens[i * block : (i + 1) * block], np.int64).tobytes())
+    h, out, step = hashlib.blake2b(digest_size=16), [], block * 8
+    data = memoryview(np.asarray(tokens[: len(tokens) // block * block], np.int64).tobytes())
+    for start in range(0, len(data), step):
+        h.update(data[start : start + step])
         out.append(h.copy().digest())
     return tuple(out)
 
@@ -76,7 +79,7 @@ class Chooser:
         self.backends, self.policy, self.load_weight = list(backends), Policy(policy), load_weight
         self._turn = itertools.count()
 
-    def rank(self, tokens: Sequence[int], max_tokens: int) -> list[Candidate]:
+    def rank(self, tokens: Sequence[int]) -> list[Candidate]:
         """Every healthy replica, the one to try first first (the rest: where to retry)."""
         healthy = [b for b in self.backends if b.healthy]
         if not healthy:
@@ -95,9 +98,9 @@ class Chooser:
                 saved = m.kv_tokens
             else:
                 saved = 0
-            out.append(Candidate(b, saved, len(tokens) - saved + max_tokens, prefixes))
+            out.append(Candidate(b, saved, len(tokens) - saved, prefixes))
         if self.policy is Policy.ROUND_ROBIN:
             return out
         order = {id(c.backend): i for i, c in enumerate(out)}
-        cost = lambda c: (c.work + self.load_weight * c.backend.pending_tokens, c.backend.in_flight)  # noqa: E731
+        cost = lambda c: (c.prefill + self.load_weight * c.backend.queued, c.backend.in_flight)  # noqa: E731
         return sorted(out, key=lambda c: (*cost(c), order[id(c.backend)]))
