@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -84,16 +85,57 @@ def checkpoint_dir(source: str | None) -> Path | None:
     return path
 
 
-def serving_dtype(requested: str | None, model_dir: str | Path | None) -> DtypeChoice:
+# Checkpoint dtypes served in float32 on a CPU: XLA:CPU's bfloat16 / float16 products are far slower than
+# its float32 ones (BENCHMARKS.md "Weight-only int8": 1.3 against 23 tok/s on `small`, the shipped model 1.85x
+# faster at batch 1 in float32), and float32 greedy tokens do not depend on the batch they run in.
+WIDENED_ON_CPU = ("bfloat16", "float16")
+CPU_MEMORY_SHARE = 0.5  # a widened checkpoint's float32 bytes may take at most this share of the memory
+
+
+def serving_dtype(
+    requested: str | None, model_dir: str | Path | None, backend: str | None = None
+) -> DtypeChoice:
     """What `serve` / `generate` allocate: `--dtype` when given; else a checkpoint's own dtype (its embedding
-    table's, as `load_pretrained(dtype=None)` loads it); else float32 for random weights (`--config`)."""
+    table's, as `load_pretrained(dtype=None)` loads it), but a bfloat16 / float16 one in float32 on a CPU
+    when that fits in half of the machine's memory (`backend`: JAX's default backend unless given); else
+    float32 for random weights (`--config`)."""
     if requested:
         return DtypeChoice(requested, "--dtype")
-    if model_dir is not None:
-        from jaxhybrid.weights import stored_dtype
+    if model_dir is None:
+        return DtypeChoice(RANDOM_WEIGHTS_DTYPE, "random weights: the model's default")
+    from jaxhybrid.weights import stored_dtype
 
-        return DtypeChoice(stored_dtype(model_dir).name, "the checkpoint's dtype")
-    return DtypeChoice(RANDOM_WEIGHTS_DTYPE, "random weights: the model's default")
+    stored = stored_dtype(model_dir)
+    if stored.name not in WIDENED_ON_CPU or (backend or _default_backend()) != "cpu":
+        return DtypeChoice(stored.name, "the checkpoint's dtype")
+    widened = checkpoint_file_bytes(model_dir) * 4 // stored.itemsize
+    memory = physical_memory()
+    if widened > CPU_MEMORY_SHARE * memory:
+        return DtypeChoice(
+            stored.name,
+            f"the checkpoint's dtype: in float32 it would take {widened / 2**30:.1f} GiB, over half of this "
+            f"machine's {memory / 2**30:.1f} GiB",
+        )
+    return DtypeChoice(
+        "float32",
+        f"a {stored.name} checkpoint on the CPU, where XLA's {stored.name} products are slower than "
+        f"float32's; --dtype {stored.name} keeps it",
+    )
+
+
+def _default_backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
+def checkpoint_file_bytes(directory: str | Path) -> int:
+    """Bytes of the files of a checkpoint directory (its weights, at their stored dtypes)."""
+    return sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _resolve(args: argparse.Namespace) -> Any:
@@ -107,7 +149,7 @@ def _resolve(args: argparse.Namespace) -> Any:
     if args.model and args.config:
         raise UsageError("give either --model DIR or --config NAME, not both")
     choice = serving_dtype(args.dtype, args.model)
-    args.dtype = choice.dtype
+    args.dtype, args.dtype_reason = choice.dtype, choice.reason
     log.debug("weights and KV cache in %s", choice.describe())
     return None if args.model else load_config(args.config or "tiny")
 

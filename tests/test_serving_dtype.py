@@ -1,5 +1,6 @@
-"""`serve` / `generate` keep the checkpoint's dtype unless `--dtype` says otherwise (`--config` random
-weights: float32), and `info` / `memory` count the dtype `serve` would allocate and say which."""
+"""`serve` / `generate` keep the checkpoint's dtype unless `--dtype` says otherwise, except a bfloat16 one on
+a CPU, served in float32 when that fits in half the memory (`--config` random weights: float32), and `info`
+/ `memory` count the dtype `serve` would allocate and say which."""
 
 import json
 
@@ -12,9 +13,10 @@ from test_weights import random_model
 
 from jaxhybrid.config import load_config
 from jaxhybrid.weights import load_pretrained, save_hf
+from serve import models
 from serve.cli import build_parser, main
 from serve.cli.generate import engine_config
-from serve.models import load_on_mesh
+from serve.models import DtypeChoice, checkpoint_file_bytes, load_on_mesh, serving_dtype
 
 CFG = load_config("tiny").replace(num_hidden_layers=2, kda_layers=(1,), full_attn_layers=(2,))
 
@@ -42,16 +44,34 @@ def param_bytes(model) -> int:
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
-def test_a_bf16_checkpoint_serves_in_bf16_unless_dtype_says_otherwise(bf16_dir, command):
+def test_a_bf16_checkpoint_serves_in_float32_on_a_cpu_unless_dtype_says_otherwise(bf16_dir, command):
+    assert jax.default_backend() == "cpu"
     model, args = loaded([command, "--model", str(bf16_dir)])
+    want = load_pretrained(bf16_dir, progress=False)  # its own dtype
+    assert want.model.embed_tokens.weight[...].dtype == jnp.bfloat16
+    got = model.model.layers[0].self_attn.q_proj.weight[...]
+    assert model.model.embed_tokens.weight[...].dtype == got.dtype == jnp.float32
+    np.testing.assert_array_equal(  # the stored values, widened exactly
+        np.asarray(got), np.asarray(want.model.layers[0].self_attn.q_proj.weight[...], np.float32)
+    )
+    assert engine_config(args).kv_dtype == "float32"  # the KV cache follows the weights
+    model, args = loaded([command, "--model", str(bf16_dir), "--dtype", "bfloat16"])
     assert model.model.embed_tokens.weight[...].dtype == jnp.bfloat16
-    assert model.model.layers[0].self_attn.q_proj.weight[...].dtype == jnp.bfloat16
-    assert engine_config(args).kv_dtype == "bfloat16"  # the KV cache follows the weights
-    model, args = loaded([command, "--model", str(bf16_dir), "--dtype", "float32"])
-    assert model.model.embed_tokens.weight[...].dtype == jnp.float32
-    assert engine_config(args).kv_dtype == "float32"
+    assert engine_config(args).kv_dtype == "bfloat16"
     model, args = loaded([command, "--config", "tiny"])  # random weights: the model's own default
     assert model.model.embed_tokens.weight[...].dtype == jnp.float32 and args.dtype == "float32"
+
+
+def test_a_bf16_checkpoint_keeps_its_dtype_off_the_cpu_or_when_float32_would_not_fit(bf16_dir, monkeypatch):
+    assert serving_dtype(None, bf16_dir, backend="tpu") == DtypeChoice("bfloat16", "the checkpoint's dtype")
+    assert serving_dtype(None, bf16_dir, backend="cpu").dtype == "float32"
+    widened = checkpoint_file_bytes(bf16_dir) * 2  # every stored byte, at twice the width
+    monkeypatch.setattr(models, "physical_memory", lambda: 2 * widened)  # exactly half: still fits
+    assert serving_dtype(None, bf16_dir, backend="cpu").dtype == "float32"
+    monkeypatch.setattr(models, "physical_memory", lambda: 2 * widened - 1)
+    kept = serving_dtype(None, bf16_dir, backend="cpu")
+    assert kept.dtype == "bfloat16" and "over half of this machine's" in kept.reason
+    assert serving_dtype("bfloat16", bf16_dir, backend="cpu") == DtypeChoice("bfloat16", "--dtype")
 
 
 @pytest.mark.slow
@@ -62,24 +82,26 @@ def test_generate_runs_a_bf16_checkpoint_end_to_end(bf16_dir, capsys):
 
 
 def test_info_and_memory_count_what_serve_allocates(bf16_dir, capsys):
-    """`info --config DIR` counts the parameters at the checkpoint's dtype: exactly the bytes `serve --model
-    DIR` holds; `memory` counts the KV in it too; a config alone counts float32, as `serve --config` does.
-    Each says which dtype and why."""
+    """`info --config DIR` counts the parameters at the dtype `serve --model DIR` holds them in (a bf16
+    checkpoint on this CPU: float32), exactly its bytes; `memory` counts the KV in it too; a config alone
+    counts float32, as `serve --config` does. Each says which dtype and why."""
     model, _ = loaded(["serve", "--model", str(bf16_dir)])
     assert main(["info", "--config", str(bf16_dir), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["dtype"] == "bfloat16" and info["dtype_reason"] == "the checkpoint's dtype"
+    assert info["dtype"] == "float32" and info["dtype_reason"].startswith("a bfloat16 checkpoint on the CPU")
     assert info["param_bytes"] == param_bytes(model)
     assert main(["info", "--config", str(bf16_dir)]) == 0
-    assert "counted in bfloat16 (the checkpoint's dtype)" in capsys.readouterr().out
+    assert "counted in float32 (a bfloat16 checkpoint on the CPU" in capsys.readouterr().out
     argv = ["memory", "--config", str(bf16_dir), "--context", "64", "--json"]
     assert main(argv) == 0
     mem = json.loads(capsys.readouterr().out)
-    assert mem["dtype"] == "bfloat16" and mem["dtype_reason"] == "the checkpoint's dtype"
-    assert main([*argv, "--dtype", "bfloat16"]) == 0
+    assert mem["dtype"] == "float32" and mem["dtype_reason"] == info["dtype_reason"]
+    assert main([*argv, "--dtype", "float32"]) == 0
     assert json.loads(capsys.readouterr().out)["kv_bytes"] == mem["kv_bytes"]
+    assert main([*argv, "--dtype", "bfloat16"]) == 0
+    assert 2 * json.loads(capsys.readouterr().out)["kv_bytes"] == mem["kv_bytes"]
     assert main(["memory", "--config", str(bf16_dir), "--context", "64"]) == 0
-    assert "KV dtype bfloat16 (the checkpoint's dtype)" in capsys.readouterr().out
+    assert "KV dtype float32 (a bfloat16 checkpoint on the CPU" in capsys.readouterr().out
     # a config alone: float32, as `serve --config tiny` allocates
     tiny, _ = loaded(["serve", "--config", "tiny"])
     assert main(["info", "--config", "tiny", "--json"]) == 0

@@ -260,8 +260,9 @@ def serve_http(
         events=events,
     )
     log.info(
-        "model '%s': %d slots, block size %d, context %d tokens, prefix cache %s; listening on http://%s:%d",
+        "model '%s' in %s: %d slots, block size %d, context %d tokens, prefix cache %s; listening on http://%s:%d",
         name,
+        f"{args.dtype} ({args.dtype_reason})",
         cfg.max_slots,
         cfg.block_size,
         engine.max_model_len,
