@@ -97,7 +97,8 @@ def serving_dtype(
 ) -> DtypeChoice:
     """What `serve` / `generate` allocate: `--dtype` when given; else a checkpoint's own dtype (its embedding
     table's, as `load_pretrained(dtype=None)` loads it), but a bfloat16 / float16 one in float32 on a CPU
-    when that fits in half of the machine's memory (`backend`: JAX's default backend unless given); else
+    when that fits in half of the machine's memory (`backend`: JAX's default backend; `_default_backend`'s
+    guess, which starts no runtime, when not given); else
     float32 for random weights (`--config`)."""
     if requested:
         return DtypeChoice(requested, "--dtype")
@@ -124,9 +125,18 @@ def serving_dtype(
 
 
 def _default_backend() -> str:
-    import jax
+    """The backend JAX will run on, without starting an accelerator's runtime to ask (`info` and `memory` may
+    run beside a server that holds the accelerator): JAX_PLATFORMS when set; else "cpu" unless an
+    accelerator plugin (a `jax_plugins` entry point or module, or libtpu) is installed."""
+    import importlib.metadata
+    import importlib.util
 
-    return jax.default_backend()
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip().lower()
+    plugins = list(importlib.metadata.entry_points(group="jax_plugins"))
+    installed = plugins or any(importlib.util.find_spec(m) for m in ("jax_plugins", "libtpu"))
+    return "accelerator" if installed else "cpu"
 
 
 def checkpoint_file_bytes(directory: str | Path) -> int:
@@ -148,7 +158,9 @@ def _resolve(args: argparse.Namespace) -> Any:
         args.model = str(shipped_model_dir())
     if args.model and args.config:
         raise UsageError("give either --model DIR or --config NAME, not both")
-    choice = serving_dtype(args.dtype, args.model)
+    import jax  # (after a multi-process server started JAX's distributed runtime: the backend is known)
+
+    choice = serving_dtype(args.dtype, args.model, jax.default_backend() if args.model else None)
     args.dtype, args.dtype_reason = choice.dtype, choice.reason
     log.debug("weights and KV cache in %s", choice.describe())
     return None if args.model else load_config(args.config or "tiny")

@@ -65,6 +65,12 @@ def test_a_bf16_checkpoint_serves_in_float32_on_a_cpu_unless_dtype_says_otherwis
 def test_a_bf16_checkpoint_keeps_its_dtype_off_the_cpu_or_when_float32_would_not_fit(bf16_dir, monkeypatch):
     assert serving_dtype(None, bf16_dir, backend="tpu") == DtypeChoice("bfloat16", "the checkpoint's dtype")
     assert serving_dtype(None, bf16_dir, backend="cpu").dtype == "float32"
+    # info / memory guess the backend without starting it: JAX_PLATFORMS, else "cpu" without accelerator
+    # plugins (none here)
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    assert serving_dtype(None, bf16_dir).dtype == "bfloat16"
+    monkeypatch.delenv("JAX_PLATFORMS")
+    assert serving_dtype(None, bf16_dir).dtype == "float32"
     widened = checkpoint_file_bytes(bf16_dir) * 2  # every stored byte, at twice the width
     monkeypatch.setattr(models, "physical_memory", lambda: 2 * widened)  # exactly half: still fits
     assert serving_dtype(None, bf16_dir, backend="cpu").dtype == "float32"
