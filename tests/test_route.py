@@ -392,3 +392,15 @@ def test_a_replicas_queue_holds_prefill_until_the_first_token():
     ticket.end()
     ticket.end()
     assert (first.backend.queued, first.backend.in_flight, first.backend.pending) == (0, 0, {})
+
+
+@pytest.mark.parametrize("bench", ["route", "prefix"])
+def test_a_workload_longer_than_the_context_is_a_clear_error_not_a_traceback(capsys, bench):
+    """`longdoc`'s documents (543 tokens with its question) do not fit --max-model-len 512: the bench says
+    which workload and which flag, and exits 2."""
+    from serve.cli import main
+
+    argv = ["bench", bench, "--simulate", "--workload", "longdoc", "--max-model-len", "512", "--chunk", "64"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "workload 'longdoc'" in err and "--max-model-len" in err and "Traceback" not in err

@@ -47,7 +47,7 @@ import sys
 from typing import Any
 
 from serve.bench.common import add_out_arg, compile_watch, emit, environment
-from serve.bench.workloads import FAMILIES, Replay, Workload, replay
+from serve.bench.workloads import FAMILIES, Replay, Workload, WorkloadError, replay
 from serve.models import add_checkpoint_dtype_arg
 from serve.report import fmt_bytes, print_table
 
@@ -211,12 +211,16 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
     model = None if args.simulate else _model(cfg, args)
-    for workload in workloads:
-        if args.simulate:
-            mine, extra = _simulated_rows(cfg, args, workload, compared)
-        else:
-            mine = _engine_rows(model, cfg, args, workload, compared)
-        rows += mine
+    try:
+        for workload in workloads:
+            if args.simulate:
+                mine, extra = _simulated_rows(cfg, args, workload, compared)
+            else:
+                mine = _engine_rows(model, cfg, args, workload, compared)
+            rows += mine
+    except WorkloadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     result = {
         "bench": "prefix",
         "config": cfg.name,

@@ -26,7 +26,8 @@ import numpy as np
 
 from jaxhybrid.tokenizer import Tokenizer, TokenizerError
 from serve.bench.common import add_out_arg, compile_watch, emit, environment
-from serve.bench.workloads import FAMILIES, Replay, replay
+from serve.bench.workloads import FAMILIES, Replay, WorkloadError, replay
+from serve.engine.requests import RequestError
 from serve.http.threaded import serving
 from serve.report import print_table
 
@@ -332,6 +333,8 @@ async def _streamed(client: Any, prompt: list[int] | str, max_tokens: int) -> _R
     }
     t0, ttft, ids, usage = time.perf_counter(), None, [], {}
     async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code == 400:  # the replica refused the request: say why, as the engine would
+            raise RequestError(f"HTTP 400: {(await r.aread())[:200].decode(errors='replace')}")
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
         async for line in r.aiter_lines():
@@ -472,18 +475,22 @@ def run(args: argparse.Namespace) -> int:
         model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))
         tokenizer = ByteTokenizer(cfg.vocab_size) if cfg.vocab_size >= 259 else None
     rows = []
-    if not args.simulate:  # every policy once first: a process compiles each program shape once, and each
-        # policy batches differently (the measured passes then compile nothing: `compiles_while_timed`)
-        for policy in policies:
-            warm = live(model, config, tokenizer, policy, args)
-            try:
-                for workload in workloads:
-                    replay(warm, workload, cfg.vocab_size)
-            finally:
-                warm.close()
-    for workload in workloads:
-        for policy in policies:
-            rows.append(measure(model, config, tokenizer, cfg, workload, policy, args))
+    try:
+        if not args.simulate:  # every policy once first: a process compiles each program shape once, and each
+            # policy batches differently (the measured passes then compile nothing: `compiles_while_timed`)
+            for policy in policies:
+                warm = live(model, config, tokenizer, policy, args)
+                try:
+                    for workload in workloads:
+                        replay(warm, workload, cfg.vocab_size)
+                finally:
+                    warm.close()
+        for workload in workloads:
+            for policy in policies:
+                rows.append(measure(model, config, tokenizer, cfg, workload, policy, args))
+    except WorkloadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     for w in workloads:
         mine = [r for r in rows if r["workload"] == w.name]
         rr = next((r for r in mine if r["policy"] == "round-robin"), None)

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from serve.engine.requests import GenerateResult
+from serve.engine.requests import GenerateResult, RequestError
 from serve.engine.sampling import SamplingParams
 
 
@@ -381,6 +381,10 @@ class Replay:
         }
 
 
+class WorkloadError(ValueError):
+    """A workload the benchmark's engine cannot serve (a prompt longer than its context)."""
+
+
 def replay(server: Server, workload: Workload, vocab: int) -> Replay:
     """Serve the workload round by round (a round's prompts together) and record what each request did."""
     params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True)
@@ -390,7 +394,13 @@ def replay(server: Server, workload: Workload, vocab: int) -> Replay:
     for index in itertools.count():
         if batch is None:
             break
-        results = server.generate(batch.prompts, params)
+        try:
+            results = server.generate(batch.prompts, params)
+        except RequestError as exc:
+            raise WorkloadError(
+                f"workload {workload.name!r} does not fit: {exc} (raise --max-model-len, or shorten its "
+                "prompts)"
+            ) from None
         sequences = []
         for prompt, res in zip(batch.prompts, results, strict=True):
             seq = np.concatenate([prompt, np.asarray(res.token_ids, np.int32)])
