@@ -98,8 +98,7 @@ def serving_dtype(
     """What `serve` / `generate` allocate: `--dtype` when given; else a checkpoint's own dtype (its embedding
     table's, as `load_pretrained(dtype=None)` loads it), but a bfloat16 / float16 one in float32 on a CPU
     when that fits in half of the machine's memory (`backend`: JAX's default backend; `_default_backend`'s
-    guess, which starts no runtime, when not given); else
-    float32 for random weights (`--config`)."""
+    guess, which starts no runtime, when not given); else float32 for random weights (`--config`)."""
     if requested:
         return DtypeChoice(requested, "--dtype")
     if model_dir is None:

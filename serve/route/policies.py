@@ -6,9 +6,9 @@ whose KV blocks it also holds (`ReplicaIndex.match(...).resumable`; cached KV be
 it would compute plus `load_weight` x the prompt tokens of its requests not yet past their first token
 (`Backend.queued`: what a new request's first token waits for; a request that decodes shares the replica's
 steps with a newcomer's prefill at little cost to it); the cheapest wins (ties: fewer requests in flight,
-then turn). A prompt that shares a prefix with one routed
-to a replica and not done yet counts that prefix as resumable there too: the events show it only once it is
-computed, and the replica's store computes a shared prefix once.
+then turn). A prompt that shares a prefix with one routed to a replica and not done yet counts that prefix
+as resumable there too: the events show it only once it is computed, and the replica's store computes a
+shared prefix once.
 `kv-only`: the same with the cached KV blocks alone (what routers that read KV events do; for a hybrid model
 it overrates a replica whose blocks have no checkpoint above them). `round-robin`: in turn.
 """
@@ -53,10 +53,9 @@ class Candidate:
 def prefix_digests(tokens: Sequence[int], block: int = PENDING_BLOCK) -> tuple[bytes, ...]:
     """A digest of each of the prompt's block-aligned prefixes (the i-th: its first (i + 1) x `block`
     tokens), so that prompts routed but not yet computed can be matched by their shared prefix."""
-    h, out, step = hashlib.blake2b(digest_size=16), [], block * 8
-    data = memoryview(np.asarray(tokens[: len(tokens) // block * block], np.int64).tobytes())
-    for start in range(0, len(data), step):
-        h.update(data[start : start + step])
+    h, out = hashlib.blake2b(digest_size=16), []
+    for i in range(len(tokens) // block):
+        h.update(np.asarray(tokens[i * block : (i + 1) * block], np.int64).tobytes())
         out.append(h.copy().digest())
     return tuple(out)
 
