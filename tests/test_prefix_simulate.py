@@ -244,3 +244,24 @@ def test_a_request_that_preempts_itself_at_admission_ends_the_admissions_of_that
     worker.join(timeout=60)
     assert not worker.is_alive(), "the scheduler did not return"
     assert len(out["r"].stats) == 12
+
+
+def test_a_long_replay_reports_each_round_on_stderr_and_a_short_one_stays_quiet(capsys):
+    """`replay`'s progress: called after every round with the requests served so far (5 chats x 3 turns);
+    `RoundProgress` prints only once its threshold has gone by, and never on stdout (the JSON's)."""
+    from serve.bench.common import RoundProgress
+    from serve.bench.simulate import random_answers
+
+    config = EngineConfig(**SHAPE, prefix=PrefixStoreConfig(checkpoint_interval=8))
+    calls = []
+    replay(
+        SimEngine(CFG, config, random_answers(CFG.vocab_size, 0), CostModel.of(CFG, 0.0)),
+        WORKLOAD,
+        CFG.vocab_size,
+        lambda *a: calls.append(a),
+    )
+    assert calls == [(1, 5), (2, 10), (3, 15)]
+    RoundProgress("chat, adaptive")(1, 5)
+    RoundProgress("chat, adaptive", 3, after_s=0.0)(2, 12_000)
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "  chat, adaptive: round 2 of 3 served (12,000 requests, 0 s)\n"

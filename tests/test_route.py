@@ -49,13 +49,101 @@ def test_the_index_resumes_at_the_deepest_checkpoint_on_the_prompts_path():
             StateStored(b"d" * 32, 20, "prompt_end", "device", H[2], [7, 7, 7, 7], 1),  # another tail
         ]
     )
-    assert idx.match(prompt) == Match(kv_tokens=24, resumable=19)
+    # b ends a chain there (nothing extends it): a prompt resuming from it continues it; a does not
+    assert idx.match(prompt) == Match(kv_tokens=24, resumable=19, continues=True)
     assert idx.match(prompt[:19]) == Match(kv_tokens=16, resumable=8)  # a hit leaves a token to compute
     assert idx.match([1] + prompt[1:]) == Match(0, 0)
     idx.apply([StateRemoved(b"b" * 32, "host")])
     assert idx.match(prompt).resumable == 8
     idx.apply([BlockRemoved([H[1]])])  # the first block gone: nothing is reachable
     assert idx.match(prompt) == Match(0, 0)
+
+
+def test_the_index_counts_the_chains_whose_latest_state_a_replica_keeps():
+    """Three conversations behind one system prompt, checkpointed at its end (a junction) and each at its
+    own end: three chains; a conversation's earlier state is no chain of its own, nor a disk copy; a chain
+    whose end goes, ends at what is left of it (here the system prompt, which then ends a chain)."""
+    idx = ReplicaIndex()
+    system, convs = list(range(100, 116)), [[40 + 8 * c + i for i in range(8)] for c in range(3)]
+    idx.apply([BlockStored([H[1], H[2]], None, system, BS)])
+    idx.apply([StateStored(b"s" * 32, 16, "junction", "device", H[2], [], 1)])
+    for c, conv in enumerate(convs):
+        idx.apply(
+            [
+                BlockStored([H[3 + c]], H[2], conv, BS),
+                StateStored(bytes([c]) * 32, 20, "prompt_end", "host", H[2], conv[:4], 1),  # extended
+                StateStored(bytes([c + 10]) * 32, 24, "sequence_end", "device", H[3 + c], [], 1),
+            ]
+        )
+    idx.apply([StateStored(b"x" * 32, 30, "interval", "disk", H[3], [1, 2, 3, 4, 5, 6], 1)])
+    assert (idx.checkpoints, idx.chains) == (8, 3)
+    assert idx.match(system + convs[0] + [9]) == Match(24, 24, continues=True)
+    assert idx.match(system + [1, 2, 3]) == Match(16, 16, continues=False)  # a new chain behind the prompt
+    idx.apply([StateRemoved(bytes([c + 10]) * 32, "device") for c in range(3)])
+    assert idx.chains == 3  # the prompt ends (20) are the latest now
+    idx.apply([StateRemoved(bytes([c]) * 32, "host") for c in range(3)])
+    assert idx.chains == 1 and idx.match(system + [1]).continues
+
+
+def test_a_new_chain_goes_to_a_replica_whose_store_can_keep_it():
+    """Replica 0 holds the shared system prompt and as many chains as its capacity keeps (2.5 checkpoints a
+    chain); a new conversation behind that prompt goes to replica 1 (it computes the prompt there once: the
+    chain it would push out on 0 would compute its own part again at later turns: `EVICT_WEIGHT` x the new
+    one's own part), unless 0's capacity is unknown; a conversation continuing a chain on 0 stays there."""
+    backends = [Backend(BackendSpec(f"http://127.0.0.1:{i + 1}")) for i in range(2)]
+    chooser = Chooser(backends, Policy.STATE_AWARE)
+    system = list(range(100, 164))  # 8 blocks
+    hashes = [bytes([200, i]) * 16 for i in range(20)]
+    events = [
+        BlockStored(hashes[:8], None, system, BS),
+        StateStored(b"s" * 32, 64, "junction", "device", hashes[7], [], 1),
+    ]
+    convs = [[10 + c] * BS for c in range(4)]
+    for c, conv in enumerate(convs):
+        events += [
+            BlockStored([hashes[8 + c]], hashes[7], conv, BS),
+            StateStored(bytes([c]) * 32, 72, "sequence_end", "device", hashes[8 + c], [], 1),
+        ]
+    backends[0].index.apply(events)
+    assert backends[0].chains == 4
+    new = system + [7] * 40  # on 0: 40 to compute + 2 x 40 pushed out > 104 to compute on 1
+    assert chooser.rank(new)[0].backend is backends[0]  # capacity unknown: the shared prompt wins
+    backends[0].capacity = 10  # (4 + 1) x 2.5 > 10
+    ranked = chooser.rank(new)
+    assert ranked[0].backend is backends[1] and ranked[1].evicts > 0 and ranked[1].new_chain
+    backends[0].capacity = 13  # (4 + 1) x 2.5 <= 13: room for one more
+    assert chooser.rank(new)[0].backend is backends[0]
+    backends[0].capacity = 10
+    going_on = chooser.rank(system + convs[2] + [5] * 4)
+    assert going_on[0].backend is backends[0] and not going_on[0].new_chain and going_on[0].evicts == 0
+    ticket = backends[1].start(ranked[0].prefill, ranked[0].prefixes, ranked[0].new_chain)
+    assert backends[1].chains == 1
+    ticket.end()
+    assert backends[1].chains == 0
+
+
+def test_state_aware_keeps_up_with_kv_only_under_a_tight_checkpoint_budget(capsys):
+    """Each replica's store keeps about 10 checkpoints (0.1 MB of 9,600-byte states): gathering the chats
+    behind the shared system prompt on two replicas made their stores push out the chats' states (4,417
+    prompt tokens computed against kv-only's 2,126); weighing each replica's capacity spreads them."""
+    out = run_bench(
+        capsys,
+        "--simulate",
+        "--workload",
+        "chat",
+        "--conversations",
+        "16",
+        "--device-cache-mb",
+        "0.1",
+        "--host-cache-mb",
+        "0",
+        "--checkpoint-interval",
+        "64",
+        "--policies",
+        "state-aware,kv-only",
+    )
+    rows = {r["policy"]: r["prompt_tokens_computed"] for r in out["rows"]}
+    assert rows["state-aware"] <= 1.05 * rows["kv-only"], rows
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +254,11 @@ def test_a_dead_replica_is_drained_without_an_error_and_readmitted_when_it_retur
                 complete(url, prompt + [7] * (n + 1))
             stats = httpx.get(f"{url}/route/stats").json()["backends"]
             assert not stats[holder]["healthy"] and stats[holder]["blocks"] == 0
-            assert stats[1 - holder]["healthy"]
+            assert stats[1 - holder]["healthy"] and stats[1 - holder]["chains"] >= 1
+            # the capacity it weighs is the one the replica's /health gives: its budgets over a state's bytes
+            engine, prefix = replicas[1 - holder].engine, replicas[1 - holder].engine.config.prefix
+            capacity = (prefix.device_bytes + prefix.host_bytes) // engine.shape.checkpoint_bytes
+            assert stats[1 - holder]["checkpoint_capacity"] == capacity > 0
             # it comes back (a new process: an empty store, its events numbered from 1 again)
             servers[holder] = uvicorn_thread(replicas[holder].app(), port=replicas[holder].port)
             servers[holder].__enter__()
@@ -269,7 +361,8 @@ def test_lost_events_are_replayed_so_a_removed_checkpoint_is_never_routed_on():
         pub.publish([StateStored(b"t" * 32, 8, "interval", "device", H[1], [], 1)])  # state 3: shows its gap
         wait_for(lambda: backend.follower.last == pub.seq)
         with backend.lock:
-            assert backend.index.match(prompt) == Match(kv_tokens=16, resumable=8)  # not 16: that one is gone
+            # not 16: that one is gone (8 is the only checkpoint left: it ends a chain)
+            assert backend.index.match(prompt) == Match(kv_tokens=16, resumable=8, continues=True)
             assert len(backend.index) == len(pub.contents.blocks) == 3
     finally:
         backend.close()

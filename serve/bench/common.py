@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import platform
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,25 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+class RoundProgress:
+    """`replay`'s progress for a long run, on stderr: a line per round once `after_s` seconds have gone by
+    (short runs stay quiet; stdout keeps the JSON)."""
+
+    def __init__(self, label: str, rounds: int | None = None, after_s: float = 10.0):
+        self.label, self.rounds, self.after_s = label, rounds, after_s
+        self.t0 = time.perf_counter()
+
+    def __call__(self, done: int, requests: int) -> None:
+        elapsed = time.perf_counter() - self.t0
+        if elapsed >= self.after_s:
+            of = f" of {self.rounds}" if self.rounds else ""
+            print(
+                f"  {self.label}: round {done}{of} served ({requests:,} requests, {elapsed:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one XLA compilation

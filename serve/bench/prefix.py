@@ -46,7 +46,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from serve.bench.common import add_out_arg, compile_watch, emit, environment
+from serve.bench.common import RoundProgress, add_out_arg, compile_watch, emit, environment
 from serve.bench.workloads import FAMILIES, Replay, Workload, WorkloadError, replay
 from serve.models import add_checkpoint_dtype_arg
 from serve.report import fmt_bytes, print_table
@@ -384,7 +384,8 @@ def _simulated_rows(
             seed=args.seed,
         )
         shape = sim.shape
-        rep = replay(sim, workload, cfg.vocab_size)
+        progress = RoundProgress(f"{workload.name}, {setting.name}", getattr(workload, "turns", None))
+        rep = replay(sim, workload, cfg.vocab_size, progress)
         off = rep if setting.policy == "off" else off
         row = {**_row(workload, setting, rep), **_simulated_row(rep, sim, args)}
         rows.append({**row, "wall_s": round(time.perf_counter() - t0, 2)})

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from jaxhybrid.tokenizer import Tokenizer, TokenizerError
-from serve.bench.common import add_out_arg, compile_watch, emit, environment
+from serve.bench.common import RoundProgress, add_out_arg, compile_watch, emit, environment
 from serve.bench.workloads import FAMILIES, Replay, WorkloadError, replay
 from serve.engine.requests import RequestError
 from serve.http.threaded import serving
@@ -89,6 +89,8 @@ class RoutedSim:
 
         self.sims = sims
         self.backends = [Backend(BackendSpec(f"sim://{i}")) for i in range(len(sims))]
+        for sim, backend in zip(sims, self.backends, strict=True):
+            backend.capacity = sim.engine.checkpoint_capacity()
         self.chooser = Chooser(self.backends, Policy(policy), **_weight(load_weight))
         self.assigned: list[int] = []
         self.wall = 0.0  # simulated seconds: each round lasts as long as its slowest replica
@@ -99,7 +101,7 @@ class RoutedSim:
         tickets = []  # a round's requests are all routed before any runs: none is past its first token
         for i in self.arrivals.order(len(prompts)):
             best = self.chooser.rank(list(prompts[i]))[0]
-            tickets.append(best.backend.start(best.prefill, best.prefixes))
+            tickets.append(best.backend.start(best.prefill, best.prefixes, best.new_chain))
             k = self.backends.index(best.backend)
             shares[k].append(i)
             self.assigned.append(k)
@@ -413,7 +415,8 @@ def measure(model: Any, config: Any, tokenizer: Any, cfg: Any, workload: Any, po
             server = OneAtATime(server, args.seed)
         try:
             with compile_watch() as compiles:
-                rep = replay(server, workload, cfg.vocab_size)
+                progress = RoundProgress(f"{workload.name}, {policy}", getattr(workload, "turns", None))
+                rep = replay(server, workload, cfg.vocab_size, progress)
             measured = row(workload, policy, rep, server)  # (live: while the replicas still answer)
         finally:
             if not args.simulate:

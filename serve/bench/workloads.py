@@ -30,7 +30,7 @@ import bisect
 import dataclasses
 import hashlib
 import itertools
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -385,8 +385,11 @@ class WorkloadError(ValueError):
     """A workload the benchmark's engine cannot serve (a prompt longer than its context)."""
 
 
-def replay(server: Server, workload: Workload, vocab: int) -> Replay:
-    """Serve the workload round by round (a round's prompts together) and record what each request did."""
+def replay(
+    server: Server, workload: Workload, vocab: int, progress: Callable[[int, int], None] | None = None
+) -> Replay:
+    """Serve the workload round by round (a round's prompts together) and record what each request did;
+    `progress(rounds, requests)` after each round (those served so far)."""
     params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True)
     out = Replay()
     rounds = workload.rounds(vocab)
@@ -409,6 +412,8 @@ def replay(server: Server, workload: Workload, vocab: int) -> Replay:
             out.stats.append(res.stats)
         ledger = server.ledger()
         out.ledgers.append({k: ledger[k] for k in LEDGER_KEYS if k in ledger})
+        if progress is not None:
+            progress(index + 1, len(out.served))
         try:
             batch = rounds.send(sequences)
         except StopIteration:

@@ -112,6 +112,8 @@ class EngineAPI(Protocol):
 
     def take_events(self) -> list[Any]: ...
 
+    def checkpoint_capacity(self) -> int | None: ...
+
     def memory(self) -> dict[str, Any]: ...
 
     def speculation_stats(self) -> dict[str, Any]: ...
@@ -258,6 +260,12 @@ class Accounts:
         store or without `PrefixStoreConfig.events`)."""
         store = self.pools.store
         return [] if store is None else store.take_events()
+
+    def checkpoint_capacity(self) -> int | None:
+        """Checkpoints the prefix store keeps in device and host memory at most (None: no store); a router
+        reads it from /health to spread conversations over replicas whose stores can keep them."""
+        store = self.pools.store
+        return None if store is None else store.capacity
 
     def speculation_stats(self) -> dict[str, Any]:
         """Speculative decoding so far: windows verified (steps of a request with drafts), drafted and

@@ -510,6 +510,8 @@ def create_app(
             return JSONResponse(error_body(reason, "server_error", None, "unavailable"), status_code=503)
         server.count("/health", 200)
         body: dict[str, Any] = {"status": "ok", "model": model_name, "prefix_cache": prefix_cache}
+        if prefix_cache:  # what a router weighs (`serve.route.policies`): how many chains the store can keep
+            body["checkpoint_capacity"] = engine.checkpoint_capacity()
         progress = server.loop.warmup_progress()
         if progress is not None:
             body["warmup"] = progress.as_json()

@@ -420,6 +420,12 @@ class PrefixStore(DiskSide):
         states = (self.config.device_bytes + self.config.host_bytes) / self.state_bytes
         return junctions.adaptive_interval(self.config.checkpoint_interval, states, len(seq.prompt))
 
+    @property
+    def capacity(self) -> int:
+        """Checkpoints the device and host budgets hold at most (each one state: a partial block's KV beside
+        it is small)."""
+        return (self.config.device_bytes + self.config.host_bytes) // self.state_bytes
+
     def on_computed(self, seq: Sequence_, source: CheckpointSource, logits: Any = None) -> None:
         """After `seq` computed up to seq.num_computed: checkpoints due there (interval multiples and the
         prompt end, where the next-token `logits` are kept so an identical prompt needs no prefill; with the

@@ -1,7 +1,8 @@
 """The router's OpenAI-compatible front: POST /v1/completions and /v1/chat/completions go to the replica the
 policy ranks first (`serve.route.policies`), streams passed through as they come; GET /v1/models is the
 first healthy replica's; GET /health is 200 while a replica answers; GET /route/stats says, per replica,
-whether it is healthy, its requests in flight, how many were routed there and what its index holds.
+whether it is healthy, its requests in flight, how many were routed there, what its index holds (blocks,
+checkpoints, chains: `ReplicaIndex.chains`) and its store's checkpoint capacity (from its /health).
 
 Faults: a replica that refuses the connection, fails before its first bytes (a stream's first token, a
 whole answer otherwise) or answers 503 is marked down (its index dropped: `Backend.down`) and the request
@@ -58,6 +59,15 @@ def prompt_tokens(body: dict[str, Any], chat: bool, tokenizer: Any) -> list[int]
     return []
 
 
+def checkpoint_capacity(resp: httpx.Response) -> int | None:
+    """The checkpoints a replica's store keeps in memory at most, as its /health says (None: not said)."""
+    try:
+        value = resp.json().get("checkpoint_capacity")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 class Router:
     def __init__(self, backends: Sequence[Backend], chooser: Chooser, tokenizer: Any, timeout: float):
         self.backends, self.chooser, self.tokenizer = list(backends), chooser, tokenizer
@@ -81,7 +91,7 @@ class Router:
         for i, cand in enumerate(candidates):
             if i:
                 self.retried += 1
-            ticket = cand.backend.start(cand.prefill, cand.prefixes)
+            ticket = cand.backend.start(cand.prefill, cand.prefixes, cand.new_chain)
             try:
                 req = self.client.build_request("POST", cand.backend.url + path, content=raw, headers=headers)
                 resp = await self.client.send(req, stream=True)
@@ -131,9 +141,12 @@ class Router:
     async def check_health(self) -> None:
         for b in self.backends:
             try:
-                ok = (await self.client.get(b.url + "/health", timeout=2.0)).status_code == 200
+                resp = await self.client.get(b.url + "/health", timeout=2.0)
+                ok = resp.status_code == 200
             except httpx.HTTPError:
                 ok = False
+            if ok:
+                b.capacity = checkpoint_capacity(resp)
             if ok and not b.healthy:
                 b.up()
                 if b.follower is not None:
@@ -145,7 +158,7 @@ class Router:
         out = []
         for b in self.backends:
             with b.lock:
-                blocks, checkpoints = len(b.index), b.index.checkpoints
+                blocks, checkpoints, chains = len(b.index), b.index.checkpoints, b.index.chains
             out.append(
                 {
                     "url": b.url,
@@ -154,6 +167,8 @@ class Router:
                     "routed": b.routed,
                     "blocks": blocks,
                     "checkpoints": checkpoints,
+                    "chains": chains,
+                    "checkpoint_capacity": b.capacity,
                     "replays": 0 if b.follower is None else b.follower.replays,
                     "events": None if b.follower is None else dict(b.follower.last),
                 }

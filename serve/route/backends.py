@@ -63,6 +63,7 @@ class Ticket:
     backend: Backend
     prefill: int
     prefixes: tuple[bytes, ...]
+    new_chain: bool = False  # it continues no chain the replica keeps: one more there (`Backend.chains`)
     queued: bool = True
     done: bool = False
 
@@ -79,6 +80,7 @@ class Ticket:
         self.done = True
         b = self.backend
         b.in_flight -= 1
+        b.new_chains -= self.new_chain
         for digest in self.prefixes:  # (not `+counter`: that rebuilds every request's digests each time)
             if b.pending[digest] > 1:
                 b.pending[digest] -= 1
@@ -98,15 +100,26 @@ class Backend:
         self.queued = 0  # prompt tokens of those not past their first token: the prefill a new one waits for
         self.routed = 0
         self.pending: Counter[bytes] = Counter()  # prefix digests of the requests in flight here
+        self.new_chains = 0  # requests in flight here that continue no chain it keeps
+        self.capacity: int | None = None  # checkpoints its store keeps in memory at most (/health), if known
         self.follower = EventFollower(self) if spec.events else None
 
-    def start(self, prefill: int, prefixes: tuple[bytes, ...]) -> Ticket:
-        """A request was routed here: `prefill` prompt tokens to compute, its prompt's prefixes."""
+    @property
+    def chains(self) -> int:
+        """The chains its store keeps in memory (`ReplicaIndex.chains`) and those its requests in flight add
+        (`Ticket.new_chain`)."""
+        with self.lock:
+            return self.index.chains + self.new_chains
+
+    def start(self, prefill: int, prefixes: tuple[bytes, ...], new_chain: bool = False) -> Ticket:
+        """A request was routed here: `prefill` prompt tokens to compute, its prompt's prefixes, whether it
+        starts a chain here (it continues none the replica keeps)."""
         self.in_flight += 1
         self.queued += prefill
         self.routed += 1
+        self.new_chains += new_chain
         self.pending.update(prefixes)
-        return Ticket(self, prefill, prefixes)
+        return Ticket(self, prefill, prefixes, new_chain)
 
     def down(self) -> None:
         """It stopped answering: forget what it held (it may have lost it), route nothing there."""
