@@ -123,9 +123,9 @@ def test_a_new_chain_goes_to_a_replica_whose_store_can_keep_it():
 
 
 def test_state_aware_keeps_up_with_kv_only_under_a_tight_checkpoint_budget(capsys):
-    """Each replica's store keeps about 10 checkpoints (0.1 MB of 9,600-byte states): gathering the chats
-    behind the shared system prompt on two replicas made their stores push out the chats' states (4,417
-    prompt tokens computed against kv-only's 2,126); weighing each replica's capacity spreads them."""
+    """Each replica's store keeps about 10 checkpoints (0.1 MB of 9,600-byte states): chats gathered behind
+    the shared system prompt on two replicas would push each other's states out of their stores; weighing
+    each replica's capacity spreads them."""
     out = run_bench(
         capsys,
         "--simulate",

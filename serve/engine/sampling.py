@@ -107,7 +107,7 @@ def _batch_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
 
 def batch_arrays(
     params: Sequence[SamplingParams | None], seeds: Sequence[int], steps: Sequence[int]
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, jax.Array]:
     """Per-row (temperature [B] f32, top_k [B] int32, top_p [B] f32, keys [B]) for `sample`.
 
     None rows are inactive slots and get greedy defaults (their key is still built from seeds/steps).
@@ -126,8 +126,10 @@ def batch_arrays(
         raise ValueError("seeds must lie in [0, 2**32)")
     if np.any((steps_np < 0) | (steps_np >= 2**32)):
         raise ValueError("steps must lie in [0, 2**32)")
-    keys = _batch_keys(jnp.asarray(seeds_np.astype(np.uint32)), jnp.asarray(steps_np.astype(np.uint32)))
-    return jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), keys
+    # Host arrays go to the programs as they are: a jitted call transfers them for less than jnp.asarray
+    # does, and this runs once a step while the device computes.
+    keys = _batch_keys(seeds_np.astype(np.uint32), steps_np.astype(np.uint32))
+    return temperature, top_k, top_p, keys
 
 
 def _sorted_filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
