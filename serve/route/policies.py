@@ -25,8 +25,6 @@ from collections import Counter
 from collections.abc import Sequence
 from enum import StrEnum
 
-import numpy as np
-
 from serve.route.backends import Backend
 from serve.route.index import block_keys
 
@@ -66,11 +64,9 @@ class Candidate:
 def prefix_digests(tokens: Sequence[int], block: int = PENDING_BLOCK) -> tuple[bytes, ...]:
     """A digest of each of the prompt's block-aligned prefixes (the i-th: its first (i + 1) x `block`
     tokens), so that prompts routed but not yet computed can be matched by their shared prefix."""
-    n = len(tokens) // block
-    raw, step = np.asarray(tokens[: n * block], np.int64).tobytes(), block * 8
     h, out = hashlib.blake2b(digest_size=16), []
-    for i in range(n):
-        h.update(raw[i * step : (i + 1) * step])
+    for key in block_keys(tokens, block):
+        h.update(key)
         out.append(h.copy().digest())
     return tuple(out)
 
