@@ -118,3 +118,37 @@ def test_info_and_memory_count_what_serve_allocates(bf16_dir, capsys):
     assert mem["dtype"] == "float32" and mem["dtype_reason"] == "random weights: the model's default"
     assert main(["info", "--config", "tiny", "--dtype", "bfloat16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["dtype_reason"] == "--dtype"
+
+
+def test_cli_runs_float32_products_at_full_precision(monkeypatch):
+    """JAX's default precision lets a GPU (or TPU) run a float32 product at reduced precision (TF32 on an
+    H200 changed `small`'s greedy tokens against transformers'); every `jaxhybrid` command asks for full
+    float32 products, unless $JAX_DEFAULT_MATMUL_PRECISION says otherwise. The oracle is the lowered
+    program of the model's forward pass: every product carries the precision asked for."""
+    from jaxhybrid.model import HybridLM
+    from serve.cli import full_precision_products
+
+    model = HybridLM(CFG, rngs=nnx.Rngs(0))
+    tokens = jnp.zeros((1, 8), jnp.int32)
+
+    def precisions() -> set[str]:
+        text = jax.jit(lambda t: model(t)).lower(tokens).as_text()
+        lines = [line for line in text.splitlines() if "dot_general" in line]
+        assert lines, "the forward pass lowered without a matrix product"
+        return {line.split("precision = [")[1].split(",")[0] for line in lines if "precision = [" in line} | (
+            {"DEFAULT"} if any("precision = [" not in line for line in lines) else set()
+        )
+
+    saved = jax.config.jax_default_matmul_precision
+    try:
+        monkeypatch.delenv("JAX_DEFAULT_MATMUL_PRECISION", raising=False)
+        jax.config.update("jax_default_matmul_precision", None)
+        assert "DEFAULT" in precisions()  # the oracle can tell: some products are left to the backend
+        full_precision_products()
+        assert precisions() == {"HIGHEST"}
+        monkeypatch.setenv("JAX_DEFAULT_MATMUL_PRECISION", "default")
+        jax.config.update("jax_default_matmul_precision", None)
+        full_precision_products()
+        assert "DEFAULT" in precisions()  # the user's setting wins
+    finally:
+        jax.config.update("jax_default_matmul_precision", saved)

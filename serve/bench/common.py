@@ -22,6 +22,7 @@ def environment() -> dict[str, Any]:
         "device_kind": devices[0].device_kind,
         "device_count": len(devices),
         "jax_version": jax.__version__,
+        "matmul_precision": jax.config.jax_default_matmul_precision or "default",
         "host": platform.node(),
         "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
