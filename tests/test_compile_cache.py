@@ -162,7 +162,7 @@ def test_tiered_compile_serves_the_full_pass_quick_first_then_optimized(model, m
 
     def recording(self, slot, lowered, tier):
         install(self, slot, lowered, tier)
-        compiles.append((lowered[0].args_info[0][3].shape, tier, True))
+        compiles.append(((slot.program.rows, slot.program.length), tier, True))
 
     monkeypatch.setattr(executables.ModelExecutables, "_install", recording)
     eng = Engine(model, dataclasses.replace(SMALL, tiered_compile=True))
@@ -194,3 +194,28 @@ def test_a_background_compile_of_a_program_compiling_elsewhere_waits_there_not_o
         job = ex.compile(DECODE, "run", None, args, executables.Tier.OPTIMIZED, background=True)
         assert not job.done()
     assert job.result(timeout=60) is False
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's fusion options")
+def test_decode_programs_compile_without_xnnpack_fusions_and_prefill_programs_with_them(model, monkeypatch):
+    """A decode step's few-row products and reductions compile without XLA:CPU's XNNPACK fusions
+    (`executables.DECODE_OPTIONS`), a prefill chunk's with them; both programs give the same logits as the
+    unfused full causal pass within fp32 round-off (the options change how, not what, is computed)."""
+    monkeypatch.setattr(executables, "_SLOTS", collections.OrderedDict())
+    runner = Runner(model, EngineShape.resolve(SMALL, model.config))
+
+    def compiled_text(program):
+        name, run, args = runner._ahead_args(program)
+        return runner._executables.get(program, name, run, args)[0].as_text()
+
+    prefill = ProgramShape(1, SMALL.prefill_chunk, DECODE.width)
+    assert "__ynn_fusion" in compiled_text(prefill)  # the oracle can tell: XLA's default fuses here
+    assert "__ynn_fusion" not in compiled_text(DECODE)
+
+    tokens = np.array([[5, 9, 2, 7]], np.int32)
+    want = np.asarray(model(jnp.asarray(tokens)))[0]
+    tables = np.zeros((1, DECODE.width), np.int32)
+    tables[0, 0] = 1
+    for i, t in enumerate(tokens[0]):
+        got = runner.run_program(np.array([[t]]), np.array([0]), tables, np.array([i]), np.array([1]))
+        np.testing.assert_allclose(np.asarray(got)[0], want[i], rtol=0, atol=1e-4 * np.abs(want[i]).max())

@@ -177,6 +177,20 @@ class Tier(enum.Enum):
     OPTIMIZED = "optimized"
 
 
+# A decode step's products and reductions are a few rows each, and XLA:CPU's XNNPACK ("ynn") fusions of
+# them cost more to call than they compute (BENCHMARKS.md, "XNNPACK fusions in the decode step"); a
+# prefill's large products keep them.
+DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def program_options(program: Any, tier: Tier) -> dict[str, Any] | None:
+    """XLA's compile options for `program` (a `ProgramShape`) at `tier`: None for XLA's defaults."""
+    options = dict(QUICK_OPTIONS) if tier is Tier.QUICK else {}
+    if getattr(program, "is_decode", False) and jax.default_backend() == "cpu":
+        options |= DECODE_OPTIONS
+    return options or None
+
+
 @dataclasses.dataclass(eq=False)
 class _Slot:
     """One program (model program + rows' write) of one key, shared by the runners of this process: its key
@@ -184,6 +198,7 @@ class _Slot:
     lock held while compiling (a second caller waits for the compile in progress instead of repeating it)."""
 
     key: str
+    program: Any = None  # its `ProgramShape` (which compile options it takes)
     best: tuple[Any, Any] | None = None
     quick: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -284,7 +299,7 @@ class ModelExecutables:
         if slot is None:
             self._structure_text = self._structure_text or self._structure()
             key = self.cache.key(name, self._structure_text, args)
-            slot = self._slots[program] = _shared_slot(key)
+            slot = self._slots[program] = _shared_slot(key, program)
         return slot
 
     def _load(self, slot: _Slot) -> bool:
@@ -305,7 +320,7 @@ class ModelExecutables:
     def _install(self, slot: _Slot, lowered: tuple[Any, tuple[Any, ...]], tier: Tier) -> None:
         """Compile `lowered` at `tier` into `slot` (the caller holds its lock), with the rows' write for the
         states as the compiled program leaves them; optimized ones are kept in the cache."""
-        options = QUICK_OPTIONS if tier is Tier.QUICK else None
+        options = program_options(slot.program, tier)
         run, (pools, slots) = lowered
         with fresh_compile() if self.cache.enabled else contextlib.nullcontext():
             compiled_run = run.compile(compiler_options=options)
@@ -348,11 +363,11 @@ _SLOTS_MAX = 64
 _SLOTS_LOCK = threading.Lock()
 
 
-def _shared_slot(key: str) -> _Slot:
+def _shared_slot(key: str, program: Any) -> _Slot:
     with _SLOTS_LOCK:
         slot = _SLOTS.get(key)
         if slot is None:
-            slot = _SLOTS[key] = _Slot(key)
+            slot = _SLOTS[key] = _Slot(key, program)
         _SLOTS.move_to_end(key)
         while len(_SLOTS) > _SLOTS_MAX:
             _SLOTS.popitem(last=False)
