@@ -301,8 +301,8 @@ def test_drafts_that_do_not_pay_are_not_verified(model):
     class ThreeTimes(StepCosts):
         """A verify step costs 3 plain ones, whatever the clock says."""
 
-        def observe(self, verify, rows, seconds):
-            super().observe(verify, rows, 3.0 if verify else 1.0)
+        def observe(self, verify, rows, seconds, compiled=False):
+            super().observe(verify, rows, 3.0 if verify else 1.0, compiled)
 
     eng = Engine(
         model,
@@ -312,6 +312,36 @@ def test_drafts_that_do_not_pay_are_not_verified(model):
     )
     assert eng.generate([p], greedy(40))[0].token_ids == want
     assert 2 <= eng.speculation.windows <= 4 < drafter.proposed
+
+
+def test_a_step_that_compiled_a_program_does_not_count_as_what_verifying_costs(model):
+    """A verify step that first runs a program (here the wider block table a request grows into halfway)
+    spends its time compiling: that time is not what a verify step costs, and drafts that stand go on being
+    verified after it. Clock: a plain step costs 1, a verify step 1.2, a step that compiled 1000 more."""
+    p = prompts([9], seed=8)[0]
+    want = engine(model).generate([p], greedy(110, spec=None))[0].token_ids
+    now = [0.0]
+    config = EngineConfig(max_slots=1, block_size=8, prefill_chunk=32, max_model_len=256, prefix=None)
+    eng = Engine(model, config, drafter=Continuations([p + want]), clock=lambda: now[0])
+    for program in eng.shape.decode_programs():  # the warm-up's, where requests do not speculate by default
+        eng.compile_program(program)
+    runner = eng.runner
+
+    def timed(real, cost):
+        def step(*args):
+            before = runner.compiled_programs()
+            out = real(*args)
+            now[0] += cost + (1000.0 if runner.compiled_programs() != before else 0.0)
+            return out
+
+        return step
+
+    runner.decode, runner.verify = timed(runner.decode, 1.0), timed(runner.verify, 1.2)
+    assert eng.generate([p], greedy(110))[0].token_ids == want
+    widths = {x.width for x in runner.compiled_programs() if x.verify}
+    assert len(widths) >= 2  # a verify program compiled after the first one (counted before the fix)
+    # every draft stands (k = 4): about 110 / 5 windows; with the compile counted, speculation stopped there
+    assert eng.speculation.windows >= 18 and eng.speculation.accepted == eng.speculation.drafted
 
 
 def test_the_warm_up_compiles_the_verify_programs_a_step_then_finds(model):

@@ -169,6 +169,10 @@ class SimRunner(SimSource):
     def pools_lost(self) -> bool:
         return False
 
+    def compiled_programs(self) -> frozenset:
+        """None: a simulated step compiles nothing."""
+        return frozenset()
+
     def decode(self, reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
         self._spend("decode", sum(self.cost.flops(r.num_computed, 1) for r in reqs))
         return self._next(reqs)

@@ -466,10 +466,10 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
                     self._fail(job.request, exc, outputs)
 
     def _decode(self, reqs: list[Request], outputs: dict[str, RequestOutput]) -> None:
-        t0 = self.clock()
+        t0, programs = self.clock(), len(self.runner.compiled_programs())
         ids, logps = self.runner.decode(reqs)
-        dt = self.clock() - t0
-        self.step_costs.observe(False, self.shape.decode_rows(len(reqs)), dt)
+        dt, compiled = self.clock() - t0, len(self.runner.compiled_programs()) > programs
+        self.step_costs.observe(False, self.shape.decode_rows(len(reqs)), dt, compiled)
         for req, token, logp in zip(reqs, ids, logps, strict=True):
             req.decode_time += dt
             self._take(req, [int(token)], [float(logp)], outputs)
@@ -480,10 +480,10 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         """A decode step whose rows carry drafted tokens: each request takes its accepted drafts and the
         token after them, one at a time as `_decode` takes one (the prefix store sees every position; the
         scheduler's limits put its checkpoints and the request's end at the window's end)."""
-        t0 = self.clock()
+        t0, programs = self.clock(), len(self.runner.compiled_programs())
         verified = self.runner.verify(reqs, drafts)
-        dt = self.clock() - t0
-        self.step_costs.observe(True, self.shape.decode_rows(len(reqs)), dt)
+        dt, compiled = self.clock() - t0, len(self.runner.compiled_programs()) > programs
+        self.step_costs.observe(True, self.shape.decode_rows(len(reqs)), dt, compiled)
         for i, req in enumerate(reqs):
             accepted = int(verified.accepted[i])
             req.decode_time += dt

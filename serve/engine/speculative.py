@@ -122,8 +122,9 @@ class StepCosts:
     step runs every row over the longest window, so on hardware where that costs much more than one token
     (a CPU's MoE reads more experts for more tokens) drafts that stand only now and then lose; until both
     are measured for a row count it tries the missing one, and it tries drafts again every `retry` steps
-    (0: every step with drafts verifies them). The first step of each kind is not counted: it compiled.
-    Drafting counts toward the step it drafted for (a draft model runs programs of its own)."""
+    (0: every step with drafts verifies them). A step that compiled (or first loaded) a program is not
+    counted, nor the first step of each kind. Drafting counts toward the step it drafted for (a draft model
+    runs programs of its own)."""
 
     def __init__(self, retry: int = 64, weight: float = 0.25):
         self.retry, self.weight = retry, weight
@@ -136,10 +137,14 @@ class StepCosts:
         """Time spent drafting for the coming step."""
         self._drafting += seconds
 
-    def observe(self, verify: bool, rows: int, seconds: float) -> None:
+    def observe(self, verify: bool, rows: int, seconds: float, compiled: bool = False) -> None:
+        """A step of `rows` rows (`verify`: with drafts) took `seconds`; `compiled`: it first ran a program
+        (its time went mostly to compiling it, not to the step)."""
         seconds, self._drafting = seconds + self._drafting, 0.0
         key = (verify, rows)
         self._since_verify[rows] = 0 if verify else self._since_verify.get(rows, 0) + 1
+        if compiled:
+            return
         if key not in self._seen:
             self._seen.add(key)
             return
