@@ -220,3 +220,14 @@ def test_decode_programs_compile_without_xnnpack_fusions_and_prefill_programs_wi
     for i, t in enumerate(tokens[0]):
         got = runner.run_program(np.array([[t]]), np.array([0]), tables, np.array([i]), np.array([1]))
         np.testing.assert_allclose(np.asarray(got)[0], want[i], rtol=0, atol=1e-4 * np.abs(want[i]).max())
+
+
+def test_the_products_precision_is_part_of_a_programs_key(tmp_path):
+    """A program traced with float32 products at full precision (what every command asks for) and one traced
+    with the backend's default are different programs on an accelerator: they never share an entry."""
+    cache, args = ExecutableCache(tmp_path), (jnp.zeros((2, 3), jnp.float32),)
+    with jax.default_matmul_precision("highest"):
+        highest, again = cache.key("run", "structure", args), cache.key("run", "structure", args)
+    with jax.default_matmul_precision("default"):
+        default = cache.key("run", "structure", args)
+    assert highest == again and highest != default

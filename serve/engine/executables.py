@@ -115,7 +115,9 @@ class ExecutableCache:
     def key(self, name: str, structure: str, args: tuple[Any, ...]) -> str:
         """The entry of program `name` of a model of static `structure` (its graph) called with `args`."""
         h = hashlib.sha256()
-        for part in (FORMAT, _platform(), code_fingerprint(), name, structure, input_spec(args)):
+        # the products' precision is traced into the program (`serve.cli.full_precision_products`)
+        precision = f"precision={jax.config.jax_default_matmul_precision}"
+        for part in (FORMAT, _platform(), code_fingerprint(), precision, name, structure, input_spec(args)):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()
