@@ -14,6 +14,7 @@ from jaxhybrid.cache import LayerCache, init_cache
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import Embedding, Linear, RMSNorm
 from jaxhybrid.layers.decoder import DecoderLayer, res_mix
+from jaxhybrid.ops import precision
 
 
 class NotImplementedConfigError(NotImplementedError):
@@ -105,7 +106,8 @@ class HybridLM(nnx.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         h = self.model.norm(h)
         if self.lm_head is None:
-            return jnp.einsum("...d,vd->...v", h, self.model.embed_tokens.weight[...].astype(h.dtype))
+            w = self.model.embed_tokens.weight[...]
+            return jnp.einsum("...d,vd->...v", h, w.astype(h.dtype), precision=precision.of(h, w))
         return self.lm_head(h)
 
     def __call__(

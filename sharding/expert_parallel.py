@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxhybrid.ops import precision
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 from jaxhybrid.ops.moe import check_expert_shapes, used_experts
 from jaxhybrid.ops.mxfp4 import GROUP, MXFP4, ExpertWeight, is_packed
@@ -127,7 +128,9 @@ def _grouped_experts(
     sizes = jnp.bincount(keys, length=groups + 1)[:groups].astype(jnp.int32)
 
     def grouped_matmul(lhs: jax.Array, w: jax.Array) -> jax.Array:
-        return jax.lax.ragged_dot_general(lhs, w, sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
+        return jax.lax.ragged_dot_general(
+            lhs, w, sizes, _RAGGED_DN, precision=precision.of(lhs, w), preferred_element_type=jnp.float32
+        )
 
     hidden = gated_act(grouped_matmul(sorted_rows, w1), grouped_matmul(sorted_rows, w3), act).astype(dtype)
     out = grouped_matmul(hidden, w2)

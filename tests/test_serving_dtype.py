@@ -120,35 +120,23 @@ def test_info_and_memory_count_what_serve_allocates(bf16_dir, capsys):
     assert json.loads(capsys.readouterr().out)["dtype_reason"] == "--dtype"
 
 
-def test_cli_runs_float32_products_at_full_precision(monkeypatch):
-    """JAX's default precision lets a GPU (or TPU) run a float32 product at reduced precision (TF32 on an
-    H200 changed `small`'s greedy tokens against transformers'); every `jaxhybrid` command asks for full
-    float32 products, unless $JAX_DEFAULT_MATMUL_PRECISION says otherwise. The oracle is the lowered
-    program of the model's forward pass: every product carries the precision asked for."""
+def test_float32_products_ask_for_float32_precision_and_bfloat16_ones_for_the_default():
+    """JAX leaves a product's precision to the backend: a GPU runs float32 operands in TF32 and a TPU in one
+    bfloat16 pass (TF32 on an H200 changed `small`'s greedy tokens against transformers'). Every product of
+    a float32 model asks for HIGHEST (`jaxhybrid.ops.precision`); the projections of bfloat16 weights keep
+    the default, the speed they are served for. The oracle is the lowered program of
+    the forward pass: each product's precision and operand types, in both dtypes."""
     from jaxhybrid.model import HybridLM
-    from serve.cli import full_precision_products
 
-    model = HybridLM(CFG, rngs=nnx.Rngs(0))
     tokens = jnp.zeros((1, 8), jnp.int32)
-
-    def precisions() -> set[str]:
-        text = jax.jit(lambda t: model(t)).lower(tokens).as_text()
-        lines = [line for line in text.splitlines() if "dot_general" in line]
-        assert lines, "the forward pass lowered without a matrix product"
-        return {line.split("precision = [")[1].split(",")[0] for line in lines if "precision = [" in line} | (
-            {"DEFAULT"} if any("precision = [" not in line for line in lines) else set()
-        )
-
-    saved = jax.config.jax_default_matmul_precision
-    try:
-        monkeypatch.delenv("JAX_DEFAULT_MATMUL_PRECISION", raising=False)
-        jax.config.update("jax_default_matmul_precision", None)
-        assert "DEFAULT" in precisions()  # the oracle can tell: some products are left to the backend
-        full_precision_products()
-        assert precisions() == {"HIGHEST"}
-        monkeypatch.setenv("JAX_DEFAULT_MATMUL_PRECISION", "default")
-        jax.config.update("jax_default_matmul_precision", None)
-        full_precision_products()
-        assert "DEFAULT" in precisions()  # the user's setting wins
-    finally:
-        jax.config.update("jax_default_matmul_precision", saved)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        model = HybridLM(CFG, rngs=nnx.Rngs(0), dtype=dtype)
+        with jax.default_matmul_precision("default"):  # JAX's own default (conftest asks for "highest")
+            text = jax.jit(lambda t, model=model: model(t)).lower(tokens).as_text()
+        products = [line for line in text.splitlines() if "dot_general" in line]
+        assert products, "the forward pass lowered without a matrix product"
+        if dtype == jnp.float32:
+            missing = [line for line in products if "HIGHEST" not in line]
+            assert not missing, missing[0]
+        else:  # the projections of bfloat16 weights keep the backend's default
+            assert sum("HIGHEST" not in line for line in products) >= CFG.num_hidden_layers

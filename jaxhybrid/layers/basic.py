@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxhybrid.config import ModelConfig
-from jaxhybrid.ops import int8
+from jaxhybrid.ops import int8, precision
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 from jaxhybrid.ops.norms import gated_rms_norm, rms_norm
 
@@ -64,7 +64,8 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.is_int8:
             return int8.matmul(x, int8.Int8(self.weight[...], self.weight_scale[...])).astype(x.dtype)
-        return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
+        w = self.weight[...]  # its stored dtype decides the precision (bfloat16 weights: the default)
+        return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=precision.of(x, w))
 
     @property
     def is_int8(self) -> bool:

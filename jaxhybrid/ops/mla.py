@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxhybrid.ops import precision
+
 __all__ = ["causal_mask", "mla_attention_absorbed", "mla_attention_causal_blocks", "mla_attention_expanded"]
 
 
@@ -30,9 +32,10 @@ def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     CPU backend sub-32-bit float operands are upcast first. That is exact (a bf16 product fits in
     f32), so results match what accelerators compute natively from the low-precision operands.
     """
+    hi = precision.of(a, b)  # of the operands as given (bfloat16 ones keep the default)
     if jax.default_backend() == "cpu":
         a, b = (x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x for x in (a, b))
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, a, b, precision=hi, preferred_element_type=jnp.float32)
 
 
 def causal_mask(start: jax.Array, num_new: int, kv_len: int, valid: jax.Array | None = None) -> jax.Array:

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import int8, mxfp4
+from jaxhybrid.ops import int8, mxfp4, precision
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 from jaxhybrid.ops.int8 import Int8
 from jaxhybrid.ops.mxfp4 import ExpertWeight, as_dense, expert_slice, is_packed
@@ -213,7 +213,14 @@ def moe_experts_ragged(
     group_sizes = jnp.bincount(key, length=groups + 1)[:groups].astype(jnp.int32)
 
     def grouped_matmul(lhs: jax.Array, w: jax.Array) -> jax.Array:
-        return jax.lax.ragged_dot_general(lhs, w, group_sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
+        return jax.lax.ragged_dot_general(
+            lhs,
+            w,
+            group_sizes,
+            _RAGGED_DN,
+            precision=precision.of(lhs, w),
+            preferred_element_type=jnp.float32,
+        )
 
     gate = grouped_matmul(rows, w1)
     up = grouped_matmul(rows, w3)
@@ -253,11 +260,15 @@ def moe_experts_dense(
     )
     w1, w2, w3 = (as_dense(w, x.dtype) for w in (w1, w2, w3))
     xs, w1, w3 = _f32_operands(x, w1, w3)
-    gate = jnp.einsum("nd,efd->nef", xs, w1, preferred_element_type=jnp.float32)
-    up = jnp.einsum("nd,efd->nef", xs, w3, preferred_element_type=jnp.float32)
+    gate = jnp.einsum(
+        "nd,efd->nef", xs, w1, precision=precision.of(xs, w1), preferred_element_type=jnp.float32
+    )
+    up = jnp.einsum("nd,efd->nef", xs, w3, precision=precision.of(xs, w3), preferred_element_type=jnp.float32)
     hidden, w2 = _f32_operands(gated_act(gate, up, act).astype(x.dtype), w2)
-    out_all = jnp.einsum("nef,edf->ned", hidden, w2, preferred_element_type=jnp.float32)
-    out = jnp.einsum("ne,ned->nd", combine, out_all)
+    out_all = jnp.einsum(
+        "nef,edf->ned", hidden, w2, precision=precision.of(hidden, w2), preferred_element_type=jnp.float32
+    )
+    out = jnp.einsum("ne,ned->nd", combine, out_all, precision=precision.of(combine, out_all))
     return out.astype(x.dtype)
 
 
@@ -346,10 +357,17 @@ def moe_experts_blocked(
     rows = _block_rows_of(x, blocks, k)
     b1, b3, b2 = (as_dense(expert_slice(w, block_expert), x.dtype) for w in (w1, w3, w2))
     rows, b1, b3, b2 = _f32_operands(rows.reshape(num_blocks, m, dim), b1, b3, b2)
-    gate = jnp.einsum("bmd,bfd->bmf", rows, b1, preferred_element_type=jnp.float32)
-    up = jnp.einsum("bmd,bfd->bmf", rows, b3, preferred_element_type=jnp.float32)
+    gate = jnp.einsum(
+        "bmd,bfd->bmf", rows, b1, precision=precision.of(rows, b1), preferred_element_type=jnp.float32
+    )
+    up = jnp.einsum(
+        "bmd,bfd->bmf", rows, b3, precision=precision.of(rows, b3), preferred_element_type=jnp.float32
+    )
     hidden = gated_act(gate, up, act).astype(b2.dtype)
-    out = jnp.einsum("bmf,bdf->bmd", hidden, b2, preferred_element_type=jnp.float32).reshape(-1, dim)
+    hi = precision.of(hidden, b2)
+    out = jnp.einsum("bmf,bdf->bmd", hidden, b2, precision=hi, preferred_element_type=jnp.float32).reshape(
+        -1, dim
+    )
     return _combine(out, blocks, weights, k, num_tokens).astype(x.dtype)
 
 
@@ -458,10 +476,10 @@ def _skipping_forward(
 
     def rows(e: jax.Array, r: jax.Array) -> jax.Array:
         r, a, c, b = _f32_operands(r, pick(w1, e), pick(w3, e), pick(w2, e))
-        gate = jnp.dot(r, a.T, preferred_element_type=jnp.float32)
-        up = jnp.dot(r, c.T, preferred_element_type=jnp.float32)
+        gate = jnp.dot(r, a.T, precision=precision.of(r, a), preferred_element_type=jnp.float32)
+        up = jnp.dot(r, c.T, precision=precision.of(r, c), preferred_element_type=jnp.float32)
         hidden = gated_act(gate, up, act).astype(b.dtype)
-        return jnp.dot(hidden, b.T, preferred_element_type=jnp.float32)
+        return jnp.dot(hidden, b.T, precision=precision.of(hidden, b), preferred_element_type=jnp.float32)
 
     def int8_rows(e: jax.Array, r: jax.Array) -> jax.Array:
         """[m, D] -> [m, D] through int8 expert e, read in place (`int8.matmul`: the CPU kernel)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
@@ -22,21 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def full_precision_products() -> None:
-    """Run float32 matrix products at float32 precision on every backend. JAX's default leaves the precision
-    to the backend: a GPU runs them in TF32 and a TPU in one bfloat16 pass, which changes greedy tokens
-    (BENCHMARKS.md, "On a GPU"). Serve bfloat16 weights for speed. $JAX_DEFAULT_MATMUL_PRECISION, when set,
-    wins. A no-op for the CPU, whose float32 products are float32 either way."""
-    if "JAX_DEFAULT_MATMUL_PRECISION" in os.environ:
-        return
-    import jax
-
-    jax.config.update("jax_default_matmul_precision", "highest")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    full_precision_products()
     return args.func(args)
 
 
