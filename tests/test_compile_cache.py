@@ -223,8 +223,9 @@ def test_decode_programs_compile_without_xnnpack_fusions_and_prefill_programs_wi
 
 
 def test_the_products_precision_is_part_of_a_programs_key(tmp_path):
-    """A program traced with float32 products at full precision (what every command asks for) and one traced
-    with the backend's default are different programs on an accelerator: they never share an entry."""
+    """A program traced under JAX's default precision "highest" (what the test suite sets, or a user's
+    $JAX_DEFAULT_MATMUL_PRECISION) and one traced under the backend's default are different programs on an
+    accelerator: they never share an entry."""
     cache, args = ExecutableCache(tmp_path), (jnp.zeros((2, 3), jnp.float32),)
     with jax.default_matmul_precision("highest"):
         highest, again = cache.key("run", "structure", args), cache.key("run", "structure", args)

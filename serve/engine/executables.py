@@ -115,7 +115,7 @@ class ExecutableCache:
     def key(self, name: str, structure: str, args: tuple[Any, ...]) -> str:
         """The entry of program `name` of a model of static `structure` (its graph) called with `args`."""
         h = hashlib.sha256()
-        # the products' precision is traced into the program (`serve.cli.full_precision_products`)
+        # JAX's default precision of a product is traced into the program ($JAX_DEFAULT_MATMUL_PRECISION)
         precision = f"precision={jax.config.jax_default_matmul_precision}"
         for part in (FORMAT, _platform(), code_fingerprint(), precision, name, structure, input_spec(args)):
             h.update(part.encode())
