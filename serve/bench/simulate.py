@@ -170,7 +170,7 @@ class SimRunner(SimSource):
         return False
 
     def compiled_programs(self) -> frozenset:
-        """None: a simulated step compiles nothing."""
+        """Always empty: a simulated step compiles nothing."""
         return frozenset()
 
     def decode(self, reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:

@@ -465,11 +465,17 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
                 for job in group:
                     self._fail(job.request, exc, outputs)
 
-    def _decode(self, reqs: list[Request], outputs: dict[str, RequestOutput]) -> None:
+    def _measured(self, verify: bool, rows: int, step: Callable[[], Any]) -> tuple[Any, float]:
+        """(what `step` returned, its seconds), the seconds told to `step_costs` as a decode step of `rows`
+        requests (`verify`: with drafts), marked when it first ran a program (compiling, not stepping)."""
         t0, programs = self.clock(), len(self.runner.compiled_programs())
-        ids, logps = self.runner.decode(reqs)
+        out = step()
         dt, compiled = self.clock() - t0, len(self.runner.compiled_programs()) > programs
-        self.step_costs.observe(False, self.shape.decode_rows(len(reqs)), dt, compiled)
+        self.step_costs.observe(verify, self.shape.decode_rows(rows), dt, compiled)
+        return out, dt
+
+    def _decode(self, reqs: list[Request], outputs: dict[str, RequestOutput]) -> None:
+        (ids, logps), dt = self._measured(False, len(reqs), lambda: self.runner.decode(reqs))
         for req, token, logp in zip(reqs, ids, logps, strict=True):
             req.decode_time += dt
             self._take(req, [int(token)], [float(logp)], outputs)
@@ -480,10 +486,7 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         """A decode step whose rows carry drafted tokens: each request takes its accepted drafts and the
         token after them, one at a time as `_decode` takes one (the prefix store sees every position; the
         scheduler's limits put its checkpoints and the request's end at the window's end)."""
-        t0, programs = self.clock(), len(self.runner.compiled_programs())
-        verified = self.runner.verify(reqs, drafts)
-        dt, compiled = self.clock() - t0, len(self.runner.compiled_programs()) > programs
-        self.step_costs.observe(True, self.shape.decode_rows(len(reqs)), dt, compiled)
+        verified, dt = self._measured(True, len(reqs), lambda: self.runner.verify(reqs, drafts))
         for i, req in enumerate(reqs):
             accepted = int(verified.accepted[i])
             req.decode_time += dt
