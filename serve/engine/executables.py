@@ -179,16 +179,17 @@ class Tier(enum.Enum):
     OPTIMIZED = "optimized"
 
 
-# A decode step's products and reductions are a few rows each, and XLA:CPU's XNNPACK ("ynn") fusions of
-# them cost more to call than they compute (BENCHMARKS.md, "XNNPACK fusions in the decode step"); a
-# prefill's large products keep them.
+# A one-row decode step's products and reductions are one row each, and XLA:CPU's XNNPACK ("ynn") fusions
+# of them cost more to call than they compute (BENCHMARKS.md, "XNNPACK fusions in the decode step"). From
+# two rows on they pay: without them XLA:CPU multiplies a few rows by a weight stored [out, in] in a loop
+# that reads it at under 1 GB/s (`small`'s lm_head: 158 ms at two rows). Every other program keeps them.
 DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def program_options(program: Any, tier: Tier) -> dict[str, Any] | None:
     """XLA's compile options for `program` (a `ProgramShape`) at `tier`: None for XLA's defaults."""
     options = dict(QUICK_OPTIONS) if tier is Tier.QUICK else {}
-    if getattr(program, "is_decode", False) and jax.default_backend() == "cpu":
+    if getattr(program, "is_decode", False) and program.rows == 1 and jax.default_backend() == "cpu":
         options |= DECODE_OPTIONS
     return options or None
 
