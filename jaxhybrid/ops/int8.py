@@ -36,7 +36,7 @@ __all__ = [
     "BLOCK",
 ]
 
-KERNEL_ROWS = 8  # up to this many rows the kernel (one read of the weights); past that the blocked product
+KERNEL_ROWS = 16  # up to this many rows the kernel (one read of the weights); past that the blocked product
 BLOCK = 1024  # at most this many output channels dequantized at a time by the blocked product
 QMAX = 127  # symmetric codes -127..127
 
@@ -118,8 +118,9 @@ def matmul_pairs_reference(x: jax.Array, w: Int8, ids: jax.Array) -> jax.Array:
 
 
 def matmul_pairs(x: jax.Array, w: Int8, ids: jax.Array) -> jax.Array:
-    """:func:`matmul_pairs_reference` with each row's matrix read in place by the CPU kernel (one call for
-    all rows, e.g. every (token, expert) pair of a decode step); elsewhere the reference."""
+    """:func:`matmul_pairs_reference` with the rows' matrices read in place by the CPU kernel (one call for
+    all rows, e.g. every (token, expert) pair of a decode step; each matrix in use read once for all its
+    rows); elsewhere the reference."""
     if jax.default_backend() == "cpu" and _target() is not None:
         return _kernel(x, w, ids)
     return matmul_pairs_reference(x, w, ids)

@@ -4,16 +4,19 @@
 //
 // x is float32 [M, K]; q int8 [E, N, K] (E = 1 for a plain layer); scale float32 [E, N]; index int32 [1]
 // (one matrix of the stack for every row: an expert, read in place, never copied) or [M] (row m against
-// matrix index[m], e.g. the (token, expert) pairs of a decode step; negative: a row of zeros). Each weight byte is read once and
-// widened to float32 in registers; every row of x uses it while it is there. The rows n are split over
+// matrix index[m], e.g. the (token, expert) pairs of a decode step, in any order; negative: a row of zeros).
+// The rows of x are grouped by their matrix: each weight byte of a matrix in use is read once and widened
+// to float32 in registers, and every row of its group uses it while it is there. The rows n are split over
 // XLA's intra-op thread pool. AVX-512 or AVX2 (+FMA) intrinsics, whichever the build machine has
 // (-march=native); `jaxhybrid_matvec_int8_isa` says which.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -34,9 +37,9 @@ constexpr int kIsa = 0;
 constexpr int64_t kLanes = 1;
 #endif
 
-// The vector body: acc[i] += widen(w[k .. k + kLanes)) * x_i[k .. k + kLanes) for k < body; returns the
+// The vector body: acc[i] += widen(w[k .. k + kLanes)) * x[i][k .. k + kLanes) for k < body; returns the
 // per-row sums of the accumulators in out[i].
-inline void Body(const int8_t* w, const float* x, int64_t K, int64_t mm, int64_t body, float* out) {
+inline void Body(const int8_t* w, const float* const* x, int64_t mm, int64_t body, float* out) {
 #if defined(__AVX512F__)
   __m512 acc[kRows][2];
   for (int64_t i = 0; i < kRows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -45,7 +48,7 @@ inline void Body(const int8_t* w, const float* x, int64_t K, int64_t mm, int64_t
     const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
     const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
     for (int64_t i = 0; i < mm; ++i) {
-      const float* xr = x + i * K + k;
+      const float* xr = x[i] + k;
       acc[i][0] = _mm512_fmadd_ps(a, _mm512_loadu_ps(xr), acc[i][0]);
       acc[i][1] = _mm512_fmadd_ps(b, _mm512_loadu_ps(xr + 16), acc[i][1]);
     }
@@ -60,7 +63,7 @@ inline void Body(const int8_t* w, const float* x, int64_t K, int64_t mm, int64_t
     const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
     const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
     for (int64_t i = 0; i < mm; ++i) {
-      const float* xr = x + i * K + k;
+      const float* xr = x[i] + k;
       acc[i][0] = _mm256_fmadd_ps(a, _mm256_loadu_ps(xr), acc[i][0]);
       acc[i][1] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xr + 8), acc[i][1]);
     }
@@ -77,45 +80,69 @@ inline void Body(const int8_t* w, const float* x, int64_t K, int64_t mm, int64_t
 #endif
 }
 
-// Rows [n0, n1) of y for rows [m0, m0 + mm) of x; mm <= kRows.
-// Rows [n0, n1) of y for rows [m0, m1) of x: each weight row is read from memory once, then used by
-// every row of x, kRows at a time, while it stays in the L1 cache.
-void Block(const float* x, const int8_t* q, const float* scale, float* y, int64_t N, int64_t K, int64_t m0,
-           int64_t m1, int64_t n0, int64_t n1) {
+// Rows [n0, n1) of y for the rows `rows` [count] of x against one matrix (q [N, K], scale [N]): each weight
+// row is read from memory once, then used by every one of those rows, kRows at a time, while it stays in
+// the L1 cache.
+void Block(const float* x, const int64_t* rows, int64_t count, const int8_t* q, const float* scale, float* y,
+           int64_t N, int64_t K, int64_t n0, int64_t n1) {
   const int64_t body = K - K % kLanes;
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* w = q + n * K;
-    for (int64_t r = m0; r < m1; r += kRows) {
-      const int64_t mm = m1 - r < kRows ? m1 - r : kRows;
-      const float* xm = x + r * K;
+    for (int64_t r = 0; r < count; r += kRows) {
+      const int64_t mm = count - r < kRows ? count - r : kRows;
+      const float* xs[kRows];
+      for (int64_t i = 0; i < mm; ++i) xs[i] = x + rows[r + i] * K;
       float sums[kRows];
-      Body(w, xm, K, mm, body, sums);
+      Body(w, xs, mm, body, sums);
       for (int64_t i = 0; i < mm; ++i) {
-        const float* xr = xm + i * K;
         float s = sums[i];
-        for (int64_t k = body; k < K; ++k) s += static_cast<float>(w[k]) * xr[k];
-        y[(r + i) * N + n] = s * scale[n];
+        for (int64_t k = body; k < K; ++k) s += static_cast<float>(w[k]) * xs[i][k];
+        y[rows[r + i] * N + n] = s * scale[n];
       }
     }
   }
 }
 
-// Rows [n0, n1) of y: every row of x against matrix index[0], or (per_row) row m against matrix index[m]
-// (an index out of range: a row of zeros, nothing read).
-void Rows(const float* x, const int8_t* q, const float* scale, const int32_t* index, bool per_row, float* y,
-          int64_t M, int64_t E, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  if (!per_row && index[0] >= 0 && index[0] < E) {
-    const int64_t e = index[0];
-    Block(x, q + e * N * K, scale + e * N, y, N, K, 0, M, n0, n1);
-    return;
-  }
-  for (int64_t m = 0; m < M; ++m) {
+// The rows of x grouped by the matrix they go through: `order` lists the rows, group g holding
+// order[start[g] .. start[g + 1]) against matrix `matrix[g]` (-1: a row of zeros, nothing read).
+struct Groups {
+  std::vector<int64_t> order, start, matrix;
+};
+
+// One group of every row against index[0], or (per_row) one group per distinct index[m] in range, each
+// matrix then read once for all its rows however they are ordered; the rest in a group of zeros.
+Groups GroupRows(const int32_t* index, bool per_row, int64_t M, int64_t E) {
+  Groups g;
+  g.order.resize(M);
+  for (int64_t m = 0; m < M; ++m) g.order[m] = m;
+  auto key = [&](int64_t m) -> int64_t {
     const int64_t e = index[per_row ? m : 0];
-    if (e < 0 || e >= E) {
-      for (int64_t n = n0; n < n1; ++n) y[m * N + n] = 0.0f;
+    return e < 0 || e >= E ? -1 : e;
+  };
+  std::stable_sort(g.order.begin(), g.order.end(), [&](int64_t a, int64_t b) { return key(a) < key(b); });
+  for (int64_t i = 0; i < M; ++i) {
+    if (i == 0 || key(g.order[i]) != key(g.order[i - 1])) {
+      g.start.push_back(i);
+      g.matrix.push_back(key(g.order[i]));
+    }
+  }
+  g.start.push_back(M);
+  return g;
+}
+
+// Rows [n0, n1) of y for every group.
+void Rows(const Groups& g, const float* x, const int8_t* q, const float* scale, float* y, int64_t N, int64_t K,
+          int64_t n0, int64_t n1) {
+  for (size_t i = 0; i < g.matrix.size(); ++i) {
+    const int64_t* rows = g.order.data() + g.start[i];
+    const int64_t count = g.start[i + 1] - g.start[i];
+    const int64_t e = g.matrix[i];
+    if (e < 0) {
+      for (int64_t r = 0; r < count; ++r)
+        for (int64_t n = n0; n < n1; ++n) y[rows[r] * N + n] = 0.0f;
       continue;
     }
-    Block(x, q + e * N * K, scale + e * N, y, N, K, m, m + 1, n0, n1);
+    Block(x, rows, count, q + e * N * K, scale + e * N, y, N, K, n0, n1);
   }
 }
 
@@ -136,6 +163,7 @@ ffi::Error MatvecInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const float* s = scale.typed_data();
   const int32_t* idx = index.typed_data();
   float* out = y->typed_data();
+  auto groups = std::make_shared<const Groups>(GroupRows(idx, per_row, M, E));
   int64_t parts = N * K >= (int64_t{1} << 16) ? 2 * pool.num_threads() : 1;
   parts = parts < 1 ? 1 : (parts > N ? N : parts);
   const int64_t step = (N + parts - 1) / parts;
@@ -150,7 +178,7 @@ ffi::Error MatvecInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   auto work = [=] {
     for (int64_t p; (p = state->next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
       const int64_t n0 = p * step, n1 = n0 + step < N ? n0 + step : N;
-      if (n0 < n1) Rows(xs, w, s, idx, per_row, out, M, E, N, K, n0, n1);
+      if (n0 < n1) Rows(*groups, xs, w, s, out, N, K, n0, n1);
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
