@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from oracles import FullPass, assert_matches_full_pass, log_softmax
+from oracles import FullPass, assert_matches_full_pass, assert_same_greedy_tokens, log_softmax
 from scipy import stats
 
 from jaxhybrid.cache import kda_state_bytes, mla_kv_bytes
@@ -591,13 +591,23 @@ TURNS = st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 20)), TOKENS), mi
     policy=st.sampled_from(["fixed", "adaptive"]),
     wrong=st.sampled_from([0, 2, 3]),
 )
+# A near-tie (two logits 1.2e-6 apart at the third request's 8th token, under the tests' compile flags on an
+# AMD EPYC) that the decode program and the verify program decided differently.
+@example(
+    rounds=[[(None, [3]), (None, [3]), (None, [500, 511, 107, 293, 269, 99, 15])]],
+    interval=8,
+    device_states=0,
+    num_blocks=None,
+    policy="fixed",
+    wrong=0,
+)
 def test_speculation_on_equals_off_with_the_store(
-    model, rounds, interval, device_states, num_blocks, policy, wrong
+    model, full_pass, rounds, interval, device_states, num_blocks, policy, wrong
 ):
     """Chats (a turn continues an earlier turn's whole sequence, so it resumes from checkpoints taken while
     that turn decoded with drafts), with interval, prompt-end, sequence-end and junction checkpoints, a
     device budget down to nothing and a pool that preempts: speculation on gives the tokens of speculation
-    off with the same store."""
+    off with the same store (up to a near-tie of the full pass, `assert_same_greedy_tokens`)."""
     state = kda_state_bytes(model.config, jnp.float32)["total"]
     cfg = PrefixStoreConfig(
         checkpoint_policy=policy,
@@ -615,6 +625,7 @@ def test_speculation_on_equals_off_with_the_store(
         ps = [(system if i is None or not sequences else sequences[i % len(sequences)]) + t for i, t in turns]
         want = [r.token_ids for r in off.generate(ps, greedy(10, spec=None))]
         drafter.sequences = [p + t for p, t in zip(ps, want, strict=True)]
-        assert [r.token_ids for r in on.generate(ps, greedy(10))] == want
+        for p, r, w in zip(ps, on.generate(ps, greedy(10)), want, strict=True):
+            assert_same_greedy_tokens(full_pass, p, r.token_ids, w)
         sequences += drafter.sequences
     assert on.speculation.drafted > 0
