@@ -289,6 +289,9 @@ def test_step_costs_verify_only_what_pays():
     drafting.observe(True, 2, 1.0)
     drafting.observe(False, 2, 1.0)
     assert drafting.pays(2, 8.0) and not drafting.pays(2, 7.9)
+    drafting.drafted(1000.0, compiled=True)  # a drafting that compiled: its step is not counted
+    drafting.observe(True, 2, 1.0)
+    assert drafting.pays(2, 8.0) and not drafting.pays(2, 7.9)
 
 
 def test_drafts_that_do_not_pay_are_not_verified(model):
@@ -341,6 +344,49 @@ def test_a_step_that_compiled_a_program_does_not_count_as_what_verifying_costs(m
     widths = {x.width for x in runner.compiled_programs() if x.verify}
     assert len(widths) >= 2  # a verify program compiled after the first one (counted before the fix)
     # every draft stands (k = 4): about 110 / 5 windows; with the compile counted, speculation stopped there
+    assert eng.speculation.windows >= 18 and eng.speculation.accepted == eng.speculation.drafted
+
+
+def test_a_draft_model_compiling_does_not_count_as_what_verifying_costs(model):
+    """The draft model's programs compile when first run too (its run-ahead at each wider block table a
+    request grows into): that time is not what drafting costs a step, and drafts that stand go on being
+    verified. Clock: a plain step 1, a verify step 1.2, drafting 0.01, and 1000 more for a drafting that
+    compiled (JAX's own trace events say when)."""
+    p = prompts([9], seed=8)[0]
+    want = engine(model).generate([p], greedy(110, spec=None))[0].token_ids
+    now, traces, charged = [0.0], [0], [0]
+
+    def listen(event, *args, **kwargs):  # a program traced: run for the first time (compiled or loaded)
+        traces[0] += event == "/jax/core/compile/jaxpr_trace_duration"
+
+    config = EngineConfig(max_slots=1, block_size=8, prefill_chunk=32, max_model_len=256, prefix=None)
+    eng = Engine(model, config, draft_model=model, clock=lambda: now[0])
+    for program in eng.shape.decode_programs():
+        eng.compile_program(program)
+    runner, draft = eng.runner, eng.draft
+
+    def timed(real, cost, charge_compiles=False):
+        def call(*args):
+            before = traces[0]
+            out = real(*args)
+            compiled = charge_compiles and traces[0] != before
+            now[0] += cost + 1000.0 * compiled
+            charged[0] += compiled
+            return out
+
+        return call
+
+    runner.decode, runner.verify = timed(runner.decode, 1.0), timed(runner.verify, 1.2)
+    draft.propose = timed(draft.propose, 0.01, charge_compiles=True)
+    spec = greedy(110, spec=Speculation(DraftMethod.DRAFT, 4))
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        assert eng.generate([p], spec)[0].token_ids == want
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert charged[0] >= 2  # the draft ran a program for the first time after its first drafting
+    # every draft stands (the model drafts for itself): about 110 / 5 windows; with a compile counted,
+    # speculation stopped there
     assert eng.speculation.windows >= 18 and eng.speculation.accepted == eng.speculation.drafted
 
 

@@ -71,6 +71,15 @@ def _ahead(graphdef: Any, layer_types: tuple[str, ...], steps: int) -> Any:
 class DraftRunner(Runner):
     """The draft model's pools and programs: the runner's, and the run-ahead of greedy steps."""
 
+    def __init__(self, model: HybridLM, shape: EngineShape):
+        super().__init__(model, shape)
+        self._ahead_shapes: set[tuple[int, int]] = set()  # (steps, table width) of every run-ahead run
+
+    def programs_run(self) -> int:
+        """Programs run so far (each compiled or loaded when first run): the model programs and the
+        run-ahead at each shape."""
+        return len(self.compiled_programs()) + len(self._ahead_shapes)
+
     def run_ahead(self, view: _View, first: int, steps: int) -> list[int]:
         """`steps` greedy tokens after `first` (at position view.num_computed), leaving the KDA pools as they
         were."""
@@ -79,6 +88,7 @@ class DraftRunner(Runner):
             math.ceil((view.num_computed + steps) / self.shape.block_size), self.shape.table_buckets[-1]
         )
         width = self.shape.table_width(need)
+        self._ahead_shapes.add((steps, width))
         table = np.zeros((1, width), np.int32)
         table[0, : min(len(view.blocks), width)] = view.blocks[:width]
         kda, mla = self._split_pools()
@@ -97,6 +107,10 @@ class DraftModel:
         self.runner = DraftRunner(model, shape)
         self.shape = shape
         self._progress: dict[int, _Progress] = {}  # by slot: what the draft's cache holds for its request
+
+    def programs_run(self) -> int:
+        """Programs of its own run so far (`DraftSource`)."""
+        return self.runner.programs_run()
 
     def held_bytes(self) -> int:
         """Bytes the draft model holds: its weights and its pools."""

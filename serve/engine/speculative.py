@@ -69,12 +69,19 @@ class Speculation:
 
 class DraftSource(Protocol):
     """Proposes up to `k` tokens to follow a request's tokens (`req.tokens`: its prompt and what it generated
-    so far)."""
+    so far). A source that runs programs of its own (a draft model) also says how many it has run so far,
+    `programs_run() -> int`: a drafting during which that grew compiled or loaded one, and its time is not
+    what drafting costs a step."""
 
     def propose(self, req: Any, k: int) -> list[int]: ...
 
 
-@dataclasses.dataclass
+def count_programs(source: Any) -> int:
+    """How many programs of its own `source` has run so far (`DraftSource`; 0 for one that runs none)."""
+    count = getattr(source, "programs_run", None)
+    return 0 if count is None else count()
+
+
 @dataclasses.dataclass
 class NgramIndex:
     """The latest start of every n-gram (n in `sizes`) of a growing token list that has a token after it,
@@ -132,15 +139,19 @@ class StepCosts:
         self._seen: set[tuple[bool, int]] = set()
         self._since_verify: dict[int, int] = {}
         self._drafting = 0.0
+        self._drafting_compiled = False
 
-    def drafted(self, seconds: float) -> None:
-        """Time spent drafting for the coming step."""
+    def drafted(self, seconds: float, compiled: bool = False) -> None:
+        """Time spent drafting for the coming step; `compiled`: the drafting first ran a program of its own
+        (the coming step is then not counted, as one that compiled)."""
         self._drafting += seconds
+        self._drafting_compiled |= compiled
 
     def observe(self, verify: bool, rows: int, seconds: float, compiled: bool = False) -> None:
         """A step of `rows` rows (`verify`: with drafts) took `seconds`; `compiled`: it first ran a program
         (its time went mostly to compiling it, not to the step)."""
         seconds, self._drafting = seconds + self._drafting, 0.0
+        compiled, self._drafting_compiled = compiled or self._drafting_compiled, False
         key = (verify, rows)
         self._since_verify[rows] = 0 if verify else self._since_verify.get(rows, 0) + 1
         if compiled:
@@ -193,7 +204,7 @@ class DraftPlanner:
         best = len(decode) + sum(r.drafting.rate * limits[r.id] for r in decode if r.id in limits)
         if not limits or not self.costs.pays(self.shape.decode_rows(len(decode)), best):
             return out  # not even every draft standing as often as before would pay: propose none
-        t0 = self.clock()
+        t0, programs = self.clock(), count_programs(self.drafter)
         for req in decode:
             if req.id not in limits or budget <= 0:
                 continue
@@ -205,7 +216,7 @@ class DraftPlanner:
             out[req.id] = drafts
             budget -= len(drafts)
             expected += req.drafting.rate * len(drafts)
-        self.costs.drafted(self.clock() - t0)
+        self.costs.drafted(self.clock() - t0, compiled=count_programs(self.drafter) != programs)
         if not out or not self.costs.pays(self.shape.decode_rows(len(decode)), expected):
             return {}
         for req in decode:
@@ -241,6 +252,9 @@ class Drafters:
 
     def propose(self, req: Any, k: int) -> list[int]:
         return self.by_method[req.drafting.method].propose(req, k)
+
+    def programs_run(self) -> int:
+        return sum(count_programs(source) for source in self.by_method.values())
 
 
 def truncate_at_stop(drafts: list[int], stop_ids: frozenset[int]) -> list[int]:
