@@ -234,3 +234,19 @@ def test_the_products_precision_is_part_of_a_programs_key(tmp_path):
     with jax.default_matmul_precision("default"):
         default = cache.key("run", "structure", args)
     assert highest == again and highest != default
+
+
+def test_xla_flags_and_the_native_kernels_source_are_part_of_a_programs_key(tmp_path, monkeypatch):
+    """A program compiled under other $XLA_FLAGS (how XLA compiles it) is another entry, and so is one whose
+    native kernel's C++ changed (a program calls the kernel by name): neither is loaded for the other."""
+    cache, args = ExecutableCache(tmp_path), (jnp.zeros((2, 3), jnp.float32),)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=1")
+    one, again = cache.key("run", "structure", args), cache.key("run", "structure", args)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2")
+    assert one == again != cache.key("run", "structure", args)
+    kernel = tmp_path / "jaxhybrid" / "ops" / "native" / "kernel.cc"
+    kernel.parent.mkdir(parents=True)
+    kernel.write_text("int f() { return 1; }")
+    before = executables.source_digest(tmp_path)
+    kernel.write_text("int f() { return 2; }")
+    assert executables.source_digest(tmp_path) != before

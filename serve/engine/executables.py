@@ -45,11 +45,16 @@ _PACKAGES = ("jaxhybrid", "serve/engine", "sharding")  # the code a program's tr
 
 @functools.cache
 def code_fingerprint() -> str:
-    """A digest of the source of the packages whose code the engine's programs trace."""
-    root = Path(__file__).resolve().parents[2]
+    """A digest of the source of the packages whose code the engine's programs trace or call (the native
+    kernels' C++ too: a program calls them by name)."""
+    return source_digest(Path(__file__).resolve().parents[2])
+
+
+def source_digest(root: Path) -> str:
+    """A digest of the Python and C++ files of `_PACKAGES` under `root`."""
     h = hashlib.sha256()
     for package in _PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
+        for path in sorted(p for pattern in ("*.py", "*.cc") for p in (root / package).rglob(pattern)):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
@@ -115,9 +120,12 @@ class ExecutableCache:
     def key(self, name: str, structure: str, args: tuple[Any, ...]) -> str:
         """The entry of program `name` of a model of static `structure` (its graph) called with `args`."""
         h = hashlib.sha256()
-        # JAX's default precision of a product is traced into the program ($JAX_DEFAULT_MATMUL_PRECISION)
+        # JAX's default precision of a product is traced into the program ($JAX_DEFAULT_MATMUL_PRECISION),
+        # and $XLA_FLAGS decide how XLA compiles it
         precision = f"precision={jax.config.jax_default_matmul_precision}"
-        for part in (FORMAT, _platform(), code_fingerprint(), precision, name, structure, input_spec(args)):
+        flags = f"xla_flags={os.environ.get('XLA_FLAGS', '')}"
+        parts = (FORMAT, _platform(), code_fingerprint(), precision, flags, name, structure, input_spec(args))
+        for part in parts:
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()
