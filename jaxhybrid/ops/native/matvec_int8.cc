@@ -24,7 +24,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kRows = 4;  // rows of x per pass over a weight row
+constexpr int64_t kRows = 4;  // rows of x per pass over a weight row (`Body` has a case for each)
 
 #if defined(__AVX512F__)
 constexpr int kIsa = 512;
@@ -37,38 +37,41 @@ constexpr int kIsa = 0;
 constexpr int64_t kLanes = 1;
 #endif
 
-// The vector body: acc[i] += widen(w[k .. k + kLanes)) * x[i][k .. k + kLanes) for k < body; returns the
-// per-row sums of the accumulators in out[i].
-inline void Body(const int8_t* w, const float* const* x, int64_t mm, int64_t body, float* out) {
+// The vector body for MM rows of x: acc[i] += widen(w[k .. k + kLanes)) * x[i][k .. k + kLanes) for
+// k < body; returns the per-row sums of the accumulators in out[i]. MM is a constant so that the compiler
+// keeps the accumulators in registers (with a row count known only at run time it kept them on the stack,
+// a load and a store around every multiply-add).
+template <int MM>
+inline void BodyOf(const int8_t* w, const float* const* x, int64_t body, float* out) {
 #if defined(__AVX512F__)
-  __m512 acc[kRows][2];
-  for (int64_t i = 0; i < kRows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  __m512 acc[MM][2];
+  for (int i = 0; i < MM; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < body; k += kLanes) {
     const __m128i* p = reinterpret_cast<const __m128i*>(w + k);
     const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
     const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
-    for (int64_t i = 0; i < mm; ++i) {
+    for (int i = 0; i < MM; ++i) {
       const float* xr = x[i] + k;
       acc[i][0] = _mm512_fmadd_ps(a, _mm512_loadu_ps(xr), acc[i][0]);
       acc[i][1] = _mm512_fmadd_ps(b, _mm512_loadu_ps(xr + 16), acc[i][1]);
     }
   }
-  for (int64_t i = 0; i < mm; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+  for (int i = 0; i < MM; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
 #elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[kRows][2];
-  for (int64_t i = 0; i < kRows; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  __m256 acc[MM][2];
+  for (int i = 0; i < MM; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < body; k += kLanes) {
     const __m128i* p = reinterpret_cast<const __m128i*>(w + k);
     const __m128i bytes = _mm_loadu_si128(p);
     const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
     const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
-    for (int64_t i = 0; i < mm; ++i) {
+    for (int i = 0; i < MM; ++i) {
       const float* xr = x[i] + k;
       acc[i][0] = _mm256_fmadd_ps(a, _mm256_loadu_ps(xr), acc[i][0]);
       acc[i][1] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xr + 8), acc[i][1]);
     }
   }
-  for (int64_t i = 0; i < mm; ++i) {
+  for (int i = 0; i < MM; ++i) {
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, _mm256_add_ps(acc[i][0], acc[i][1]));
     float s = 0.0f;
@@ -76,8 +79,18 @@ inline void Body(const int8_t* w, const float* const* x, int64_t mm, int64_t bod
     out[i] = s;
   }
 #else
-  for (int64_t i = 0; i < mm; ++i) out[i] = 0.0f;
+  for (int i = 0; i < MM; ++i) out[i] = 0.0f;
 #endif
+}
+
+// BodyOf for mm (1 .. kRows) rows.
+inline void Body(const int8_t* w, const float* const* x, int64_t mm, int64_t body, float* out) {
+  switch (mm) {
+    case 1: return BodyOf<1>(w, x, body, out);
+    case 2: return BodyOf<2>(w, x, body, out);
+    case 3: return BodyOf<3>(w, x, body, out);
+    default: return BodyOf<4>(w, x, body, out);
+  }
 }
 
 // Rows [n0, n1) of y for the rows `rows` [count] of x against one matrix (q [N, K], scale [N]): each weight
