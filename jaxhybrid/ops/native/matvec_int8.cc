@@ -24,7 +24,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kRows = 4;  // rows of x per pass over a weight row (`Body` has a case for each)
+constexpr int64_t kRows = 8;  // rows of x per pass over a weight row (`Body` has a case for each)
 
 #if defined(__AVX512F__)
 constexpr int kIsa = 512;
@@ -89,7 +89,11 @@ inline void Body(const int8_t* w, const float* const* x, int64_t mm, int64_t bod
     case 1: return BodyOf<1>(w, x, body, out);
     case 2: return BodyOf<2>(w, x, body, out);
     case 3: return BodyOf<3>(w, x, body, out);
-    default: return BodyOf<4>(w, x, body, out);
+    case 4: return BodyOf<4>(w, x, body, out);
+    case 5: return BodyOf<5>(w, x, body, out);
+    case 6: return BodyOf<6>(w, x, body, out);
+    case 7: return BodyOf<7>(w, x, body, out);
+    default: return BodyOf<8>(w, x, body, out);
   }
 }
 
