@@ -24,17 +24,20 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kRows = 8;  // rows of x per pass over a weight row (`Body` has a case for each)
-
+// kRows: rows of x per pass over a weight row, two accumulators each (`Body` has a case for each count):
+// 8 fill half of AVX-512's 32 registers; AVX2 has 16, so 4.
 #if defined(__AVX512F__)
 constexpr int kIsa = 512;
 constexpr int64_t kLanes = 32;  // two 16-float registers per step
+constexpr int64_t kRows = 8;
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kIsa = 256;
 constexpr int64_t kLanes = 16;  // two 8-float registers per step
+constexpr int64_t kRows = 4;
 #else
 constexpr int kIsa = 0;
 constexpr int64_t kLanes = 1;
+constexpr int64_t kRows = 4;
 #endif
 
 // The vector body for MM rows of x: acc[i] += widen(w[k .. k + kLanes)) * x[i][k .. k + kLanes) for
