@@ -28,13 +28,10 @@ __all__ = ["causal_mask", "mla_attention_absorbed", "mla_attention_causal_blocks
 def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """``einsum`` accumulating (and returning) float32, whatever the operand dtypes.
 
-    XLA:CPU's DotThunk rejects some BF16 x BF16 -> F32 dots ("Unsupported element type"), so on the
-    CPU backend sub-32-bit float operands are upcast first. That is exact (a bf16 product fits in
-    f32), so results match what accelerators compute natively from the low-precision operands.
+    On the CPU backend sub-32-bit float operands are upcast first (`precision.f32_operands`).
     """
     hi = precision.of(a, b)  # of the operands as given (bfloat16 ones keep the default)
-    if jax.default_backend() == "cpu":
-        a, b = (x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x for x in (a, b))
+    a, b = precision.f32_operands(a, b)
     return jnp.einsum(spec, a, b, precision=hi, preferred_element_type=jnp.float32)
 
 

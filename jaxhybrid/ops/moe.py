@@ -54,17 +54,6 @@ _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
-def _f32_operands(*arrays: jax.Array) -> tuple[jax.Array, ...]:
-    """Operands for a float32-accumulating dot, upcast from bf16/f16 on the CPU backend only.
-
-    XLA:CPU's DotThunk rejects some BF16 x BF16 -> F32 dots ("Unsupported element type"). The upcast
-    is exact (a bf16 product fits in f32), so CPU results match what accelerators compute natively.
-    """
-    if jax.default_backend() != "cpu":
-        return arrays
-    return tuple(a.astype(jnp.float32) if a.dtype in (jnp.bfloat16, jnp.float16) else a for a in arrays)
-
-
 def route(
     x: jax.Array,
     gate_weight: jax.Array,
@@ -259,12 +248,12 @@ def moe_experts_dense(
         .add(weights.astype(jnp.float32))
     )
     w1, w2, w3 = (as_dense(w, x.dtype) for w in (w1, w2, w3))
-    xs, w1, w3 = _f32_operands(x, w1, w3)
+    xs, w1, w3 = precision.f32_operands(x, w1, w3)
     gate = jnp.einsum(
         "nd,efd->nef", xs, w1, precision=precision.of(xs, w1), preferred_element_type=jnp.float32
     )
     up = jnp.einsum("nd,efd->nef", xs, w3, precision=precision.of(xs, w3), preferred_element_type=jnp.float32)
-    hidden, w2 = _f32_operands(gated_act(gate, up, act).astype(x.dtype), w2)
+    hidden, w2 = precision.f32_operands(gated_act(gate, up, act).astype(x.dtype), w2)
     out_all = jnp.einsum(
         "nef,edf->ned", hidden, w2, precision=precision.of(hidden, w2), preferred_element_type=jnp.float32
     )
@@ -356,7 +345,7 @@ def moe_experts_blocked(
     num_blocks, block_expert = blocks.num_rows // m, blocks.block_expert
     rows = _block_rows_of(x, blocks, k)
     b1, b3, b2 = (as_dense(expert_slice(w, block_expert), x.dtype) for w in (w1, w3, w2))
-    rows, b1, b3, b2 = _f32_operands(rows.reshape(num_blocks, m, dim), b1, b3, b2)
+    rows, b1, b3, b2 = precision.f32_operands(rows.reshape(num_blocks, m, dim), b1, b3, b2)
     gate = jnp.einsum(
         "bmd,bfd->bmf", rows, b1, precision=precision.of(rows, b1), preferred_element_type=jnp.float32
     )
@@ -475,7 +464,7 @@ def _skipping_forward(
         return mxfp4.matvec(expert_slice(w2, at), hidden)[None]
 
     def rows(e: jax.Array, r: jax.Array) -> jax.Array:
-        r, a, c, b = _f32_operands(r, pick(w1, e), pick(w3, e), pick(w2, e))
+        r, a, c, b = precision.f32_operands(r, pick(w1, e), pick(w3, e), pick(w2, e))
         gate = jnp.dot(r, a.T, precision=precision.of(r, a), preferred_element_type=jnp.float32)
         up = jnp.dot(r, c.T, precision=precision.of(r, c), preferred_element_type=jnp.float32)
         hidden = gated_act(gate, up, act).astype(b.dtype)
@@ -488,7 +477,7 @@ def _skipping_forward(
         gate, up = (int8.matmul(r, w, at) for w in (w1, w3))
         return int8.matmul(gated_act(gate, up, act), w2, at)
 
-    hidden_dtype = _f32_operands(x[:0])[0].dtype  # the dtype `rows` gives its hidden activations
+    hidden_dtype = precision.f32_operands(x[:0])[0].dtype  # the dtype `rows` gives its hidden activations
     if isinstance(w1, Int8):
         expert_rows = int8_rows
     else:
