@@ -40,6 +40,11 @@ constexpr int64_t kLanes = 1;
 constexpr int64_t kRows = 4;
 #endif
 
+// Bytes ahead of the weight being read that the body asks the cache to fetch: with the hardware
+// prefetchers alone a core streams weights from memory well below the rate it multiplies them at
+// (BENCHMARKS.md, "int8 weights from memory").
+constexpr int64_t kPrefetch = 2048;
+
 // The vector body for MM rows of x: acc[i] += widen(w[k .. k + kLanes)) * x[i][k .. k + kLanes) for
 // k < body; returns the per-row sums of the accumulators in out[i]. MM is a constant so that the compiler
 // keeps the accumulators in registers (with a row count known only at run time it kept them on the stack,
@@ -51,6 +56,7 @@ inline void BodyOf(const int8_t* w, const float* const* x, int64_t body, float* 
   for (int i = 0; i < MM; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < body; k += kLanes) {
     const __m128i* p = reinterpret_cast<const __m128i*>(w + k);
+    _mm_prefetch(reinterpret_cast<const char*>(w + k + kPrefetch), _MM_HINT_T0);
     const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
     const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
     for (int i = 0; i < MM; ++i) {
@@ -65,6 +71,7 @@ inline void BodyOf(const int8_t* w, const float* const* x, int64_t body, float* 
   for (int i = 0; i < MM; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < body; k += kLanes) {
     const __m128i* p = reinterpret_cast<const __m128i*>(w + k);
+    _mm_prefetch(reinterpret_cast<const char*>(w + k + kPrefetch), _MM_HINT_T0);
     const __m128i bytes = _mm_loadu_si128(p);
     const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
     const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
