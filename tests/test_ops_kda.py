@@ -14,13 +14,15 @@ import numpy as np
 import pytest
 
 from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_reference
-from jaxhybrid.ops.kda import kda_chunked, kda_recurrent
+from jaxhybrid.ops.kda import kda_chunked, kda_decode, kda_recurrent
+from jaxhybrid.ops.native import kda_decode_kernel
 
 B, H = 2, 2
 TOL = 1e-5  # relative error bound for fp32 forward results
 GRAD_TOL = 1e-4
 
 recurrent_jit = jax.jit(kda_recurrent)
+decode_jit = jax.jit(kda_decode)
 chunked_jit = jax.jit(kda_chunked, static_argnames="chunk_size")
 
 
@@ -96,6 +98,52 @@ def test_kda_forms_match_oracle(t: int, with_state: bool, strong: bool) -> None:
     }
     print(f"T={t} state={with_state} strong={strong}: " + ", ".join(f"{n}={e:.2e}" for n, e in errs.items()))
     assert max(errs.values()) < TOL, errs
+
+
+@pytest.mark.skipif(kda_decode_kernel() is None, reason="no C++ compiler here")
+@pytest.mark.parametrize("dk,dv", [(16, 16), (32, 24), (128, 128)])
+@pytest.mark.parametrize("strong", [False, True], ids=["g_mild", "g_strong"])
+def test_kda_decode_kernel_matches_oracle(dk: int, dv: int, strong: bool) -> None:
+    """The native one-token step (several steps chained, each from the last one's state) against the
+    float64 loop: o and S within the fp32 tolerance, and the same as `kda_recurrent` to a few ulps."""
+    t = 3
+    (q, k, v, g, beta), s0 = make_inputs(dk + dv + strong, t, dk=dk, dv=dv, strong=strong, state=True)
+    o_ref, s_ref = kda_oracle(q, k, v, g, beta, s0)
+    s, outs = s0, []
+    for i in range(t):
+        o, s = decode_jit(*(x[:, i : i + 1] for x in (q, k, v, g, beta)), s)
+        assert o.shape == (B, 1, H, dv) and s.shape == (B, H, dk, dv) and s.dtype == jnp.float32
+        outs.append(o)
+    o = jnp.concatenate(outs, axis=1)
+    assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
+    o_rec, s_rec = recurrent_jit(q, k, v, g, beta, s0)
+    assert rel_err(o, o_rec) < 1e-6 and rel_err(s, s_rec) < 1e-6
+    hlo = decode_jit.lower(*(x[:, :1] for x in (q, k, v, g, beta)), s0).as_text()
+    assert "jaxhybrid_kda_decode" in hlo  # the kernel ran, not the fallback
+
+
+@pytest.mark.skipif(kda_decode_kernel() is None, reason="no C++ compiler here")
+def test_kda_decode_kernel_padding_none_state_and_dtypes() -> None:
+    """A padded row (g = 0, beta = 0) keeps its state bit for bit; no state is zeros; bf16 inputs give o in
+    v.dtype and a float32 state; more than one token per row takes `kda_recurrent`."""
+    (q, k, v, g, beta), s0 = make_inputs(23, 1, dk=32, dv=16, state=True)
+    g = g.at[1].set(0.0)
+    beta = beta.at[1].set(0.0)
+    _, s = decode_jit(q, k, v, g, beta, s0)
+    np.testing.assert_array_equal(np.asarray(s[1]), np.asarray(s0[1]))
+    o_none, s_none = decode_jit(q, k, v, g, beta, None)
+    o_zero, s_zero = decode_jit(q, k, v, g, beta, jnp.zeros_like(s0))
+    np.testing.assert_array_equal(np.asarray(o_none), np.asarray(o_zero))
+    np.testing.assert_array_equal(np.asarray(s_none), np.asarray(s_zero))
+    lo = [x.astype(jnp.bfloat16) for x in (q, k, v, g, beta)]
+    o_lo, s_lo = decode_jit(*lo, s0)
+    o_ref, s_ref = kda_oracle(*(x.astype(jnp.float32) for x in lo), s0)
+    assert o_lo.dtype == jnp.bfloat16 and s_lo.dtype == jnp.float32
+    assert rel_err(s_lo, s_ref) < TOL and rel_err(o_lo, o_ref) < 1e-2
+    (q, k, v, g, beta), s0 = make_inputs(29, 5, state=True)
+    o5, s5 = decode_jit(q, k, v, g, beta, s0)
+    o_ref, s_ref = kda_oracle(q, k, v, g, beta, s0)
+    assert rel_err(o5, o_ref) < TOL and rel_err(s5, s_ref) < TOL
 
 
 def test_kda_rectangular_head_dims() -> None:

@@ -15,7 +15,7 @@ from jaxhybrid.cache import KDACache
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import DepthwiseConv, GatedRMSNorm, Linear, param
 from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_windows
-from jaxhybrid.ops.kda import kda_chunked, kda_recurrent, kda_recurrent_states
+from jaxhybrid.ops.kda import kda_chunked, kda_decode, kda_recurrent_states
 from jaxhybrid.ops.norms import l2_normalize
 
 
@@ -107,7 +107,7 @@ class KimiDeltaAttention(nnx.Module):
         if mask is not None:  # padded tokens must leave the state untouched: no decay, no write
             g = g * mask[:, :, None, None]
             beta = beta * mask[:, :, None]
-        kda = kda_recurrent_states if keep_states else kda_recurrent if T == 1 else kda_chunked
+        kda = kda_recurrent_states if keep_states else kda_decode if T == 1 else kda_chunked
         o, state = kda(q, k, v.astype(jnp.float32), g, beta, None if cache is None else cache.state)
         gate = self.output_gate(x).reshape(B, T, H, d)
         o = self.o_norm(o.astype(x.dtype), gate).reshape(B, T, H * d)

@@ -94,6 +94,36 @@ def kda_recurrent(
     return _token_scan(q, k, v, g, beta, initial_state, keep_states=False)
 
 
+def kda_decode(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`kda_recurrent` for one token per row (T == 1), on the CPU through the native kernel
+    (`jaxhybrid.ops.native`, one read and one write of each state where XLA:CPU makes a dozen passes);
+    elsewhere, or for longer T, :func:`kda_recurrent` itself. Same signature and results."""
+    if q.shape[1] != 1 or jax.default_backend() != "cpu" or _kda_target() is None:
+        return kda_recurrent(q, k, v, g, beta, initial_state)
+    _check_shapes(q, k, v, g, beta, initial_state)
+    b, _, h, dk = q.shape
+    dv = v.shape[-1]
+    state = _init_state(initial_state, b, h, dk, dv)
+    f32 = lambda x: x[:, 0].astype(jnp.float32)  # noqa: E731
+    out = (jax.ShapeDtypeStruct((b, h, dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32))
+    call = jax.ffi.ffi_call(_kda_target(), out, vmap_method="sequential")
+    o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), state)
+    return o[:, None].astype(v.dtype), new
+
+
+def _kda_target() -> str | None:
+    from jaxhybrid.ops.native import kda_decode_kernel
+
+    return kda_decode_kernel()
+
+
 def kda_recurrent_states(
     q: jax.Array,
     k: jax.Array,

@@ -51,10 +51,10 @@ def code_fingerprint() -> str:
 
 
 def source_digest(root: Path) -> str:
-    """A digest of the Python and C++ files of `_PACKAGES` under `root`."""
+    """A digest of the Python and C++ files (sources and headers) of `_PACKAGES` under `root`."""
     h = hashlib.sha256()
     for package in _PACKAGES:
-        for path in sorted(p for pattern in ("*.py", "*.cc") for p in (root / package).rglob(pattern)):
+        for path in sorted(p for pattern in ("*.py", "*.cc", "*.h") for p in (root / package).rglob(pattern)):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()

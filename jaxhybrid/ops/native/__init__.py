@@ -1,14 +1,17 @@
 """CPU kernels that XLA:CPU does not emit, built from source on first use and called as XLA FFI custom calls.
 
-XLA:CPU runs a float32 matrix-vector product near the machine's read bandwidth, but a product with int8
-(or bf16) weights it runs at under 1 GB/s (a loop without vectors), and a convert-then-multiply-then-sum
-formulation reads int8 at the speed of float32 (measured in BENCHMARKS.md, "Weight-only int8"). The one
-kernel here, `matvec_int8.cc`, reads each weight byte once at full speed.
+- `matvec_int8.cc`: XLA:CPU runs a float32 matrix-vector product near the machine's read bandwidth, but a
+  product with int8 (or bf16) weights it runs at under 1 GB/s (a loop without vectors), and a
+  convert-then-multiply-then-sum formulation reads int8 at the speed of float32 (measured in BENCHMARKS.md,
+  "Weight-only int8"). The kernel reads each weight byte once at full speed.
+- `kda_decode.cc`: one KDA step (`jaxhybrid.ops.kda.kda_decode`), which XLA:CPU runs as a dozen passes over
+  the recurrent state; the kernel reads and writes each state once.
 
-The shared library is compiled with the machine's C++ compiler (`$CXX`, else g++, else c++) and
+Each shared library is compiled with the machine's C++ compiler (`$CXX`, else g++, else c++) and
 `-march=native`, once per source, compiler and CPU, into the user's cache directory (or
-`$JAXHYBRID_KERNEL_DIR`); compiling takes a few seconds. Where that fails (no compiler, no AVX2), `int8`
-says why once and every product takes the XLA formulation, which gives the same numbers.
+`$JAXHYBRID_KERNEL_DIR`); compiling takes a few seconds. Where that fails (no compiler, no AVX2), the op
+says why once and takes its XLA formulation, which gives the same numbers. `JAXHYBRID_NATIVE=0` turns
+every kernel off.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("matvec_int8.cc")
 TARGET = "jaxhybrid_matvec_int8"
+KDA_SOURCE = Path(__file__).with_name("kda_decode.cc")
+KDA_TARGET = "jaxhybrid_kda_decode"
 
 
 def _cache_dir() -> Path:
@@ -55,24 +60,40 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cxx: str) -> Path:
+def _build(path: Path, cxx: str) -> Path:
     import jax.ffi
 
-    source = SOURCE.read_bytes()
+    source = path.read_bytes() + b"".join(h.read_bytes() for h in sorted(path.parent.glob("*.h")))
     key = hashlib.sha256(source + cxx.encode() + _cpu_flags().encode() + jax.__version__.encode()).hexdigest()
-    out = _cache_dir() / f"matvec_int8-{key[:16]}.so"
+    out = _cache_dir() / f"{path.stem}-{key[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         lib = Path(tmp) / out.name
         cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
-        cmd += [f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(lib)]
+        cmd += [f"-I{jax.ffi.include_dir()}", str(path), "-o", str(lib)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd[:2])} ... failed: {done.stderr.strip()[-500:]}")
         os.replace(lib, out)  # atomic: a concurrent builder finds a whole library or none
     return out
+
+
+def _library(path: Path, fallback: str) -> ctypes.CDLL | None:
+    """The kernel library built from `path`; None (with one log line saying why, and that `fallback` is
+    used instead) where it cannot be built or native kernels are turned off."""
+    if os.environ.get("JAXHYBRID_NATIVE", "1") == "0":
+        return None
+    cxx = _compiler()
+    if cxx is None:
+        log.warning("no C++ compiler: %s (slower on the CPU)", fallback)
+        return None
+    try:
+        return ctypes.cdll.LoadLibrary(str(_build(path, cxx)))
+    except (OSError, RuntimeError) as exc:
+        log.warning("the kernel %s did not build (%s); %s", path.name, exc, fallback)
+        return None
 
 
 @functools.cache
@@ -81,19 +102,24 @@ def int8_kernel() -> str | None:
     one log line saying why) where it cannot be built or would be no faster than XLA."""
     import jax
 
-    if os.environ.get("JAXHYBRID_NATIVE", "1") == "0":
-        return None
-    cxx = _compiler()
-    if cxx is None:
-        log.warning("no C++ compiler: int8 weights use XLA's products (slower on the CPU)")
-        return None
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
-    except (OSError, RuntimeError) as exc:
-        log.warning("the int8 kernel did not build (%s); int8 weights use XLA's products", exc)
+    lib = _library(SOURCE, "int8 weights use XLA's products")
+    if lib is None:
         return None
     if lib.jaxhybrid_matvec_int8_isa() == 0:
         log.warning("the int8 kernel has no AVX2 or AVX-512 on this CPU; int8 weights use XLA's products")
         return None
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxhybrid_matvec_int8), platform="cpu")
     return TARGET
+
+
+@functools.cache
+def kda_decode_kernel() -> str | None:
+    """The FFI target name of the one-token KDA kernel, registered with JAX for the CPU; None (with one log
+    line saying why) where it cannot be built."""
+    import jax
+
+    lib = _library(KDA_SOURCE, "KDA decode steps use XLA's formulation")
+    if lib is None:
+        return None
+    jax.ffi.register_ffi_target(KDA_TARGET, jax.ffi.pycapsule(lib.jaxhybrid_kda_decode), platform="cpu")
+    return KDA_TARGET

@@ -12,12 +12,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -194,24 +193,10 @@ ffi::Error MatvecInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   int64_t parts = N * K >= (int64_t{1} << 16) ? 2 * pool.num_threads() : 1;
   parts = parts < 1 ? 1 : (parts > N ? N : parts);
   const int64_t step = (N + parts - 1) / parts;
-  // Parts are claimed from a counter by the caller and by helper tasks on XLA's pool. The caller never waits
-  // for a task to start (the pool's threads may all be busy, e.g. in other calls of this kernel): it runs
-  // every part nobody has claimed, then waits only for parts claimed and running elsewhere. A task that
-  // starts after the call returned finds nothing to claim; the state it touches is shared, not on the stack.
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto work = [=] {
-    for (int64_t p; (p = state->next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
-      const int64_t n0 = p * step, n1 = n0 + step < N ? n0 + step : N;
-      if (n0 < n1) Rows(*groups, xs, w, s, out, N, K, n0, n1);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t p = 1; p < parts && p <= pool.num_threads(); ++p) pool.Schedule(decltype(work)(work));
-  work();
-  while (state->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
+  jaxhybrid::ForParts(pool, parts, [=](int64_t p) {
+    const int64_t n0 = p * step, n1 = n0 + step < N ? n0 + step : N;
+    if (n0 < n1) Rows(*groups, xs, w, s, out, N, K, n0, n1);
+  });
   return ffi::Error::Success();
 }
 
