@@ -29,8 +29,9 @@ class FullPass:
         self.fn, self.state = pure_fn(model)
         self.pad = pad
 
-    def __call__(self, toks) -> np.ndarray:
-        padded = np.zeros((1, -(-len(toks) // self.pad) * self.pad), np.int32)
+    def __call__(self, toks, pad: int | None = None) -> np.ndarray:
+        pad = pad or self.pad
+        padded = np.zeros((1, -(-len(toks) // pad) * pad), np.int32)
         padded[0, : len(toks)] = toks
         return np.asarray(self.fn(self.state, jnp.asarray(padded))[0, : len(toks)], np.float64)
 
@@ -44,13 +45,26 @@ def assert_matches_full_pass(
     full: Callable[[list[int]], np.ndarray], prompt, generated, logprobs=None, tol: float = LOGPROB_TOL
 ):
     """Every greedy token is the argmax of the full pass over everything before it, and (when given) its
-    logprob equals that pass's log-softmax within `tol`. `full`: tokens -> logits [T, vocab] (a FullPass)."""
+    logprob equals that pass's log-softmax within `tol`. `full`: tokens -> logits [T, vocab] (a FullPass).
+
+    Where a logprob is further off, the full pass runs again at two other padded lengths (other fp32
+    evaluation orders): a position where the passes themselves differ (seen on an Intel VM: by 1.2e-4 at one
+    position of tiny, padded to 32 or 64) allows twice that difference on top of `tol`; elsewhere `tol`
+    stands."""
     seq = list(prompt) + list(generated)
     logits = full(seq[:-1])[len(prompt) - 1 :]
     assert list(logits.argmax(-1)) == list(generated)
-    if logprobs is not None:
-        want = log_softmax(logits)[np.arange(len(generated)), generated]
-        np.testing.assert_allclose(logprobs, want, rtol=0, atol=tol)
+    if logprobs is None:
+        return
+    rows = np.arange(len(generated))
+    want = log_softmax(logits)[rows, generated]
+    allowed = np.full(len(generated), tol)
+    if np.any(np.abs(np.asarray(logprobs) - want) > tol) and isinstance(full, FullPass):
+        for pad in (2 * full.pad, max(full.pad // 2, 1)):
+            again = log_softmax(full(seq[:-1], pad=pad)[len(prompt) - 1 :])[rows, generated]
+            allowed = np.maximum(allowed, tol + 2 * np.abs(again - want))
+    off = np.abs(np.asarray(logprobs) - want)
+    assert np.all(off <= allowed), f"logprobs off by {off.max():.3g} at {off.argmax()} (allowed {allowed})"
 
 
 def assert_same_greedy_tokens(

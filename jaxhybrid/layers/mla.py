@@ -20,6 +20,8 @@ from jaxhybrid.ops.mla import (
     mla_attention_absorbed,
     mla_attention_causal_blocks,
     mla_attention_expanded,
+    mla_attention_paged,
+    paged_kernel_applies,
 )
 
 # Queries per block of the full pass's causal attention (2048 tokens on small: 142 ms a layer, 230 unblocked).
@@ -134,11 +136,37 @@ class MultiHeadLatentAttention(nnx.Module):
             v_dim=self.v_dim,
             scale=self.scale,
         )
-        o = o.reshape(*q.shape[:2], self.num_heads * self.v_dim)
+        return self.output(o, x)
+
+    def output(self, o: jax.Array, x: jax.Array) -> jax.Array:
+        """The heads' attention o [B, T, H, v] gated by `sigmoid(g_proj(x))` (K3) and projected by o_proj."""
+        o = o.reshape(*o.shape[:2], self.num_heads * self.v_dim)
         if self.output_gate:
             gate = jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32))
             o = (o.astype(jnp.float32) * gate).astype(o.dtype)
         return self.o_proj(o)
+
+    def decode_paged(
+        self,
+        x: jax.Array,
+        q: jax.Array,
+        new: jax.Array,
+        cache: PagedMLACache,
+        lengths: jax.Array | None,
+        added: jax.Array,
+    ) -> tuple[jax.Array, PagedMLACache] | None:
+        """One new token per row where `mla_attention_paged` runs its CPU kernel: the new latents written into
+        the pool first, then attention over the pool where it lies (no gathered copy of the rows' view).
+        None where the kernel does not apply (the caller takes the view path)."""
+        w = self.kv_b_proj.dense_weight(q.dtype)
+        if x.shape[1] != 1 or not paged_kernel_applies(q, cache.pool, w):
+            return None
+        pool = write_paged(cache, new, lengths)
+        end = cache.length + added
+        o = mla_attention_paged(
+            q, pool, cache.block_table, end, w, nope_dim=self.nope, v_dim=self.v_dim, scale=self.scale
+        )
+        return self.output(o, x), PagedMLACache(pool=pool, block_table=cache.block_table, length=end)
 
     def attend_rows(
         self,
@@ -171,6 +199,8 @@ class MultiHeadLatentAttention(nnx.Module):
         B, T, _ = x.shape
         q, new = self.query(x), self.latent(x)
         added = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+        if isinstance(cache, PagedMLACache) and (done := self.decode_paged(x, q, new, cache, lengths, added)):
+            return done
         if isinstance(cache, PagedMLACache):
             # Read the pool before writing it and put the new latents into the read copy: the write then
             # updates the pool in place (read after the write, XLA reads the old pool and copies it whole).

@@ -19,10 +19,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxhybrid.ops import precision
 
-__all__ = ["causal_mask", "mla_attention_absorbed", "mla_attention_causal_blocks", "mla_attention_expanded"]
+__all__ = [
+    "causal_mask",
+    "mla_attention_absorbed",
+    "mla_attention_causal_blocks",
+    "mla_attention_expanded",
+    "mla_attention_paged",
+    "mla_attention_paged_reference",
+]
 
 
 def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -189,3 +197,73 @@ def mla_attention_absorbed(
     out_lat = _einsum_f32("bhts,bsr->bthr", exp.astype(q.dtype), c.astype(q.dtype)) * inv
     out = _einsum_f32("bthr,hvr->bthv", out_lat.astype(q.dtype), w_uv)
     return out.astype(q.dtype)
+
+
+def mla_attention_paged_reference(
+    q: jax.Array,
+    pool: jax.Array,
+    block_table: jax.Array,
+    end: jax.Array,
+    kv_b_weight: jax.Array,
+    *,
+    nope_dim: int,
+    v_dim: int,
+    scale: float,
+) -> jax.Array:
+    """One new token per row (q ``[B, 1, H, nope + rope]``) attending over its positions ``t < end[b]`` of a
+    paged latent pool ``[num_blocks, block_size, R + rope]`` through ``block_table`` ``[B, W]`` (the new
+    token's latent already written there): the rows' view gathered, then :func:`mla_attention_absorbed`.
+    Returns ``[B, 1, H, v]`` in q.dtype; a row with ``end = 0`` gives zeros."""
+    b, w = block_table.shape
+    view = pool[block_table].reshape(b, w * pool.shape[1], pool.shape[2])
+    mask = jnp.arange(view.shape[1])[None, None, :] < jnp.asarray(end, jnp.int32)[:, None, None]
+    return mla_attention_absorbed(
+        q, view.astype(q.dtype), kv_b_weight, mask, nope_dim=nope_dim, v_dim=v_dim, scale=scale
+    )
+
+
+def mla_attention_paged(
+    q: jax.Array,
+    pool: jax.Array,
+    block_table: jax.Array,
+    end: jax.Array,
+    kv_b_weight: jax.Array,
+    *,
+    nope_dim: int,
+    v_dim: int,
+    scale: float,
+) -> jax.Array:
+    """:func:`mla_attention_paged_reference` through the CPU kernel (`jaxhybrid.ops.native`: the latents read
+    in place through the block table, once for all heads) where it applies: the CPU, float32 q, pool and
+    weight, one token per row; elsewhere the reference. Same signature and results."""
+    if not paged_kernel_applies(q, pool, kv_b_weight):
+        return mla_attention_paged_reference(
+            q, pool, block_table, end, kv_b_weight, nope_dim=nope_dim, v_dim=v_dim, scale=scale
+        )
+    from jaxhybrid.ops.native import mla_decode_kernel
+
+    b, _, h, _ = q.shape
+    call = jax.ffi.ffi_call(
+        mla_decode_kernel(), jax.ShapeDtypeStruct((b, h, v_dim), jnp.float32), vmap_method="sequential"
+    )
+    o = call(
+        q[:, 0],
+        pool,
+        jnp.asarray(block_table, jnp.int32),
+        jnp.asarray(end, jnp.int32),
+        kv_b_weight,
+        scale=np.float32(scale),
+        nope=np.int64(nope_dim),
+    )
+    return o[:, None].astype(q.dtype)
+
+
+def paged_kernel_applies(q: jax.Array, pool: jax.Array, kv_b_weight: jax.Array) -> bool:
+    """Whether :func:`mla_attention_paged` runs the CPU kernel for these operands."""
+    if q.shape[1] != 1 or jax.default_backend() != "cpu":
+        return False
+    if any(x.dtype != jnp.float32 for x in (q, pool, kv_b_weight)):
+        return False
+    from jaxhybrid.ops.native import mla_decode_kernel
+
+    return mla_decode_kernel() is not None

@@ -232,6 +232,22 @@ def add_compile_cache_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _kernel_dir(directory: Path | None) -> None:
+    """The native CPU kernels (`jaxhybrid.ops.native`) are built where a `--compile-cache DIR` keeps the
+    compiled programs (DIR/kernels), or, with the cache off, in a temporary directory removed at exit; an
+    explicit $JAXHYBRID_KERNEL_DIR stands."""
+    if os.environ.get("JAXHYBRID_KERNEL_DIR"):
+        return
+    if directory is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        directory = Path(tempfile.mkdtemp(prefix="jaxhybrid-kernels-"))
+        atexit.register(shutil.rmtree, directory, True)
+    os.environ["JAXHYBRID_KERNEL_DIR"] = str(directory)
+
+
 def setup_compile_cache(setting: str | None) -> Path | None:
     """Turn JAX's persistent compilation cache on in the directory `setting` names (None: the default,
     `default_compile_cache_dir`, or $JAX_COMPILATION_CACHE_DIR) or off ("off"); the directory in use, or
@@ -244,7 +260,10 @@ def setup_compile_cache(setting: str | None) -> Path | None:
     if setting == "off":
         jax.config.update("jax_enable_compilation_cache", False)
         log.info("compilation cache off (--compile-cache off): every program compiles at this start")
+        _kernel_dir(None)
         return None
+    if setting:
+        _kernel_dir(Path(setting) / "kernels")
     directory = Path(setting or os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_compile_cache_dir())
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(directory))

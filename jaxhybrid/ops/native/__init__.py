@@ -4,6 +4,9 @@
   product with int8 (or bf16) weights it runs at under 1 GB/s (a loop without vectors), and a
   convert-then-multiply-then-sum formulation reads int8 at the speed of float32 (measured in BENCHMARKS.md,
   "Weight-only int8"). The kernel reads each weight byte once at full speed.
+- `mla_decode.cc`: MLA attention of one new token over the paged latent pool
+  (`jaxhybrid.ops.mla.mla_attention_paged`), reading the latents in place through the block table where
+  XLA:CPU gathers them into a copy, transposes it and runs a dozen small products.
 - `kda_decode.cc`: one KDA step (`jaxhybrid.ops.kda.kda_decode`), which XLA:CPU runs as a dozen passes over
   the recurrent state; the kernel reads and writes each state once.
 
@@ -33,6 +36,8 @@ SOURCE = Path(__file__).with_name("matvec_int8.cc")
 TARGET = "jaxhybrid_matvec_int8"
 KDA_SOURCE = Path(__file__).with_name("kda_decode.cc")
 KDA_TARGET = "jaxhybrid_kda_decode"
+MLA_SOURCE = Path(__file__).with_name("mla_decode.cc")
+MLA_TARGET = "jaxhybrid_mla_decode"
 
 
 def _cache_dir() -> Path:
@@ -123,3 +128,16 @@ def kda_decode_kernel() -> str | None:
         return None
     jax.ffi.register_ffi_target(KDA_TARGET, jax.ffi.pycapsule(lib.jaxhybrid_kda_decode), platform="cpu")
     return KDA_TARGET
+
+
+@functools.cache
+def mla_decode_kernel() -> str | None:
+    """The FFI target name of the one-token paged MLA kernel, registered with JAX for the CPU; None (with
+    one log line saying why) where it cannot be built."""
+    import jax
+
+    lib = _library(MLA_SOURCE, "MLA decode steps use XLA's formulation")
+    if lib is None:
+        return None
+    jax.ffi.register_ffi_target(MLA_TARGET, jax.ffi.pycapsule(lib.jaxhybrid_mla_decode), platform="cpu")
+    return MLA_TARGET

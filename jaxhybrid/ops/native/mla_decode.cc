@@ -1,0 +1,131 @@
+// MLA attention of one new token per row over a paged latent pool on the CPU, as an XLA FFI custom call:
+// `mla_attention_paged` (the absorbed form, reading the pool through the block table in place).
+//
+// q float32 [B, H, nope + rope]; pool float32 [NB, bs, R + rope]; table int32 [B, W]; end int32 [B] (row b
+// sees its positions t < end[b]); w float32 [H * (nope + v), R] (kv_b_proj, checkpoint layout)
+// -> o float32 [B, H, v]. Attributes: scale (float), nope (int64).
+//
+// Per row and head: q_lat = W_uk^T q_nope; s_t = scale (q_lat . c_t + q_rope . k_r,t); p = softmax(s);
+// o = W_uv (sum_t p_t c_t). XLA:CPU gathers the row's pool into a copy, copies it again transposed for
+// one of the two products and runs a dozen small products and fusions; here each latent is read once
+// from the pool for every head of a part, where it lies. Parts: (row, half of the heads) over XLA's pool.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Shapes {
+  int64_t B, H, nope, rope, v, R, NB, bs, W;
+};
+
+// a . b in 16 running sums (a loop the compiler vectorizes without reordering any one sum).
+inline float Dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  constexpr int64_t kLanes = 16;
+  float part[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t u = 0; u < kLanes; ++u) part[u] += a[i + u] * b[i + u];
+  }
+  float acc = 0.0f;
+  for (; i < n; ++i) acc += a[i] * b[i];
+  for (int64_t u = 0; u < kLanes; ++u) acc += part[u];
+  return acc;
+}
+
+// Heads [h0, h1) of row b.
+void Heads(const Shapes& s, const float* q, const float* pool, const int32_t* table, int32_t end, const float* w,
+           float scale, int64_t b, int64_t h0, int64_t h1, float* o) {
+  const int64_t L = s.R + s.rope, nh = h1 - h0, n = std::clamp<int64_t>(end, 0, s.W * s.bs);
+  std::vector<float> qlat(nh * s.R, 0.0f), p(nh * std::max<int64_t>(n, 1)), olat(nh * s.R, 0.0f);
+  for (int64_t i = 0; i < nh; ++i) {
+    const float* qh = q + (b * s.H + h0 + i) * (s.nope + s.rope);
+    const float* wk = w + (h0 + i) * (s.nope + s.v) * s.R;
+    float* __restrict ql = qlat.data() + i * s.R;
+    for (int64_t m = 0; m < s.nope; ++m) {
+      const float a = qh[m];
+      const float* __restrict row = wk + m * s.R;
+      for (int64_t r = 0; r < s.R; ++r) ql[r] += a * row[r];
+    }
+  }
+  auto latent = [&](int64_t t) {
+    const int64_t blk = std::min<int64_t>(std::max<int32_t>(table[b * s.W + t / s.bs], 0), s.NB - 1);
+    return pool + (blk * s.bs + t % s.bs) * L;
+  };
+  for (int64_t t = 0; t < n; ++t) {
+    const float* c = latent(t);
+    for (int64_t i = 0; i < nh; ++i) {
+      const float* __restrict ql = qlat.data() + i * s.R;
+      const float* qr = q + (b * s.H + h0 + i) * (s.nope + s.rope) + s.nope;
+      p[i * n + t] = (Dot(ql, c, s.R) + Dot(qr, c + s.R, s.rope)) * scale;
+    }
+  }
+  std::vector<float> inv(nh, 0.0f);
+  for (int64_t i = 0; i < nh && n > 0; ++i) {
+    float* pi = p.data() + i * n;
+    const float mx = *std::max_element(pi, pi + n);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) sum += (pi[t] = std::exp(pi[t] - mx));
+    inv[i] = 1.0f / sum;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float* __restrict c = latent(t);
+    for (int64_t i = 0; i < nh; ++i) {
+      const float a = p[i * n + t];
+      float* __restrict ol = olat.data() + i * s.R;
+      for (int64_t r = 0; r < s.R; ++r) ol[r] += a * c[r];
+    }
+  }
+  for (int64_t i = 0; i < nh; ++i) {
+    const float* wv = w + ((h0 + i) * (s.nope + s.v) + s.nope) * s.R;
+    const float* __restrict ol = olat.data() + i * s.R;
+    float* oh = o + (b * s.H + h0 + i) * s.v;
+    for (int64_t j = 0; j < s.v; ++j) {
+      oh[j] = Dot(ol, wv + j * s.R, s.R) * inv[i];
+    }
+  }
+}
+
+ffi::Error MlaDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv,
+                     ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> end, ffi::Buffer<ffi::F32> w, float scale,
+                     int64_t nope, ffi::ResultBuffer<ffi::F32> o) {
+  const auto qd = q.dimensions(), pd = kv.dimensions(), td = table.dimensions(), od = o->dimensions();
+  if (qd.size() != 3 || pd.size() != 3 || td.size() != 2 || od.size() != 3 || w.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("mla_decode: q [B, H, D], pool [NB, bs, L], table [B, W], w [H*(n+v), R]");
+  }
+  Shapes s{qd[0], qd[1], nope, qd[2] - nope, od[2], w.dimensions()[1], pd[0], pd[1], td[1]};
+  if (s.rope < 0 || pd[2] != s.R + s.rope || td[0] != s.B || end.element_count() != s.B ||
+      w.dimensions()[0] != s.H * (s.nope + s.v) || od[0] != s.B || od[1] != s.H) {
+    return ffi::Error::InvalidArgument("mla_decode: shapes do not line up");
+  }
+  const float *qs = q.typed_data(), *ps = kv.typed_data(), *ws = w.typed_data();
+  const int32_t *ts = table.typed_data(), *es = end.typed_data();
+  float* os = o->typed_data();
+  const int64_t halves = s.H > 1 && s.B < pool.num_threads() + 1 ? 2 : 1;
+  jaxhybrid::ForParts(pool, s.B * halves, [=](int64_t part) {
+    const int64_t b = part / halves, half = part % halves;
+    const int64_t h0 = half * s.H / halves, h1 = (half + 1) * s.H / halves;
+    Heads(s, qs, ps, ts, es[b], ws, scale, b, h0, h1, os);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_mla_decode, MlaDecode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("nope")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
