@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxhybrid.ops import int8
 from jaxhybrid.ops.mla import (
     causal_mask,
     mla_attention_absorbed,
@@ -190,6 +191,12 @@ def test_paged_decode_kernel_matches_the_oracle() -> None:
     assert got.shape == (batch, 1, _H, _V) and got.dtype == jnp.float32
     assert _rel_err(got, want) < 1e-5 and _rel_err(got, ref) < 1e-5
     np.testing.assert_array_equal(np.asarray(got[1]), 0.0)
+    # int8 codes of the weight, read by the kernel as they are: the oracle on the dequantized weight
+    codes = int8.quantize(jnp.asarray(kv_b))
+    got8 = fast(*args[:4], codes)
+    assert "jaxhybrid_mla_decode" in fast.lower(*args[:4], codes).as_text()
+    want8 = _oracle(q, view, np.asarray(int8.dequantize(codes)), mask)
+    assert _rel_err(got8, want8) < 1e-5 and _rel_err(got8, want) > 1e-4  # the codes, not the float weight
     # more than one token per row takes the reference
     q2, _, _ = _inputs(rng, batch, 2, 1)
     two = fast(jnp.asarray(q2), *args[1:])

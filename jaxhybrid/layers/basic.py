@@ -63,7 +63,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.is_int8:
-            return int8.matmul(x, int8.Int8(self.weight[...], self.weight_scale[...])).astype(x.dtype)
+            return int8.matmul(x, self.codes()).astype(x.dtype)
         w = self.weight[...]  # its stored dtype decides the precision (bfloat16 weights: the default)
         return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=precision.of(x, w))
 
@@ -71,9 +71,13 @@ class Linear(nnx.Module):
     def is_int8(self) -> bool:
         return self.weight[...].dtype == jnp.int8
 
+    def codes(self) -> int8.Int8:
+        """The int8 codes and their scales (an int8 layer only)."""
+        return int8.Int8(self.weight[...], self.weight_scale[...])
+
     def dense_weight(self, dtype: jnp.dtype) -> jax.Array:
         if self.is_int8:
-            return int8.dequantize(int8.Int8(self.weight[...], self.weight_scale[...]), dtype)
+            return int8.dequantize(self.codes(), dtype)
         return self.weight[...].astype(dtype)
 
     def to_int8(self) -> None:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.ops import precision
+from jaxhybrid.ops import int8, precision
 
 __all__ = [
     "causal_mask",
@@ -204,7 +204,7 @@ def mla_attention_paged_reference(
     pool: jax.Array,
     block_table: jax.Array,
     end: jax.Array,
-    kv_b_weight: jax.Array,
+    kv_b_weight: jax.Array | int8.Int8,
     *,
     nope_dim: int,
     v_dim: int,
@@ -213,7 +213,10 @@ def mla_attention_paged_reference(
     """One new token per row (q ``[B, 1, H, nope + rope]``) attending over its positions ``t < end[b]`` of a
     paged latent pool ``[num_blocks, block_size, R + rope]`` through ``block_table`` ``[B, W]`` (the new
     token's latent already written there): the rows' view gathered, then :func:`mla_attention_absorbed`.
-    Returns ``[B, 1, H, v]`` in q.dtype; a row with ``end = 0`` gives zeros."""
+    ``kv_b_weight``: the weight, or its int8 codes (dequantized here). Returns ``[B, 1, H, v]`` in q.dtype;
+    a row with ``end = 0`` gives zeros."""
+    if isinstance(kv_b_weight, int8.Int8):
+        kv_b_weight = int8.dequantize(kv_b_weight, q.dtype)
     b, w = block_table.shape
     view = pool[block_table].reshape(b, w * pool.shape[1], pool.shape[2])
     mask = jnp.arange(view.shape[1])[None, None, :] < jnp.asarray(end, jnp.int32)[:, None, None]
@@ -227,15 +230,16 @@ def mla_attention_paged(
     pool: jax.Array,
     block_table: jax.Array,
     end: jax.Array,
-    kv_b_weight: jax.Array,
+    kv_b_weight: jax.Array | int8.Int8,
     *,
     nope_dim: int,
     v_dim: int,
     scale: float,
 ) -> jax.Array:
     """:func:`mla_attention_paged_reference` through the CPU kernel (`jaxhybrid.ops.native`: the latents read
-    in place through the block table, once for all heads) where it applies: the CPU, float32 q, pool and
-    weight, one token per row; elsewhere the reference. Same signature and results."""
+    in place through the block table, once for all heads) where it applies: the CPU, float32 q and pool, a
+    float32 weight or int8 codes (read as they are), one token per row; elsewhere the reference. Same
+    signature and results."""
     if not paged_kernel_applies(q, pool, kv_b_weight):
         return mla_attention_paged_reference(
             q, pool, block_table, end, kv_b_weight, nope_dim=nope_dim, v_dim=v_dim, scale=scale
@@ -246,23 +250,29 @@ def mla_attention_paged(
     call = jax.ffi.ffi_call(
         mla_decode_kernel(), jax.ShapeDtypeStruct((b, h, v_dim), jnp.float32), vmap_method="sequential"
     )
+    if isinstance(kv_b_weight, int8.Int8):
+        w, w_scale = kv_b_weight.q, kv_b_weight.scale
+    else:
+        w, w_scale = kv_b_weight, jnp.ones(kv_b_weight.shape[:1], jnp.float32)
     o = call(
         q[:, 0],
         pool,
         jnp.asarray(block_table, jnp.int32),
         jnp.asarray(end, jnp.int32),
-        kv_b_weight,
+        w,
+        w_scale,
         scale=np.float32(scale),
         nope=np.int64(nope_dim),
     )
     return o[:, None].astype(q.dtype)
 
 
-def paged_kernel_applies(q: jax.Array, pool: jax.Array, kv_b_weight: jax.Array) -> bool:
+def paged_kernel_applies(q: jax.Array, pool: jax.Array, kv_b_weight: jax.Array | int8.Int8) -> bool:
     """Whether :func:`mla_attention_paged` runs the CPU kernel for these operands."""
     if q.shape[1] != 1 or jax.default_backend() != "cpu":
         return False
-    if any(x.dtype != jnp.float32 for x in (q, pool, kv_b_weight)):
+    weight_ok = isinstance(kv_b_weight, int8.Int8) or kv_b_weight.dtype == jnp.float32
+    if q.dtype != jnp.float32 or pool.dtype != jnp.float32 or not weight_ok:
         return False
     from jaxhybrid.ops.native import mla_decode_kernel
 

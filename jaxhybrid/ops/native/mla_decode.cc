@@ -26,32 +26,34 @@ struct Shapes {
 };
 
 // a . b in 16 running sums (a loop the compiler vectorizes without reordering any one sum).
-inline float Dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+template <typename T>
+inline float Dot(const float* __restrict a, const T* __restrict b, int64_t n) {
   constexpr int64_t kLanes = 16;
   float part[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    for (int64_t u = 0; u < kLanes; ++u) part[u] += a[i + u] * b[i + u];
+    for (int64_t u = 0; u < kLanes; ++u) part[u] += a[i + u] * static_cast<float>(b[i + u]);
   }
   float acc = 0.0f;
-  for (; i < n; ++i) acc += a[i] * b[i];
+  for (; i < n; ++i) acc += a[i] * static_cast<float>(b[i]);
   for (int64_t u = 0; u < kLanes; ++u) acc += part[u];
   return acc;
 }
 
-// Heads [h0, h1) of row b.
-void Heads(const Shapes& s, const float* q, const float* pool, const int32_t* table, int32_t end, const float* w,
-           float scale, int64_t b, int64_t h0, int64_t h1, float* o) {
+// Heads [h0, h1) of row b; W: the weight's element type (float or int8_t), ws its per-row scale.
+template <typename W>
+void Heads(const Shapes& s, const float* q, const float* pool, const int32_t* table, int32_t end, const W* w,
+           const float* ws, float scale, int64_t b, int64_t h0, int64_t h1, float* o) {
   const int64_t L = s.R + s.rope, nh = h1 - h0, n = std::clamp<int64_t>(end, 0, s.W * s.bs);
   std::vector<float> qlat(nh * s.R, 0.0f), p(nh * std::max<int64_t>(n, 1)), olat(nh * s.R, 0.0f);
   for (int64_t i = 0; i < nh; ++i) {
     const float* qh = q + (b * s.H + h0 + i) * (s.nope + s.rope);
-    const float* wk = w + (h0 + i) * (s.nope + s.v) * s.R;
+    const int64_t first = (h0 + i) * (s.nope + s.v);
     float* __restrict ql = qlat.data() + i * s.R;
     for (int64_t m = 0; m < s.nope; ++m) {
-      const float a = qh[m];
-      const float* __restrict row = wk + m * s.R;
-      for (int64_t r = 0; r < s.R; ++r) ql[r] += a * row[r];
+      const float a = qh[m] * ws[first + m];
+      const W* __restrict row = w + (first + m) * s.R;
+      for (int64_t r = 0; r < s.R; ++r) ql[r] += a * static_cast<float>(row[r]);
     }
   }
   auto latent = [&](int64_t t) {
@@ -83,35 +85,45 @@ void Heads(const Shapes& s, const float* q, const float* pool, const int32_t* ta
     }
   }
   for (int64_t i = 0; i < nh; ++i) {
-    const float* wv = w + ((h0 + i) * (s.nope + s.v) + s.nope) * s.R;
+    const int64_t first = (h0 + i) * (s.nope + s.v) + s.nope;
     const float* __restrict ol = olat.data() + i * s.R;
     float* oh = o + (b * s.H + h0 + i) * s.v;
     for (int64_t j = 0; j < s.v; ++j) {
-      oh[j] = Dot(ol, wv + j * s.R, s.R) * inv[i];
+      oh[j] = Dot(ol, w + (first + j) * s.R, s.R) * ws[first + j] * inv[i];
     }
   }
 }
 
 ffi::Error MlaDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv,
-                     ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> end, ffi::Buffer<ffi::F32> w, float scale,
-                     int64_t nope, ffi::ResultBuffer<ffi::F32> o) {
+                     ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> end, ffi::AnyBuffer w,
+                     ffi::Buffer<ffi::F32> w_scale, float scale, int64_t nope, ffi::ResultBuffer<ffi::F32> o) {
   const auto qd = q.dimensions(), pd = kv.dimensions(), td = table.dimensions(), od = o->dimensions();
   if (qd.size() != 3 || pd.size() != 3 || td.size() != 2 || od.size() != 3 || w.dimensions().size() != 2) {
     return ffi::Error::InvalidArgument("mla_decode: q [B, H, D], pool [NB, bs, L], table [B, W], w [H*(n+v), R]");
   }
   Shapes s{qd[0], qd[1], nope, qd[2] - nope, od[2], w.dimensions()[1], pd[0], pd[1], td[1]};
   if (s.rope < 0 || pd[2] != s.R + s.rope || td[0] != s.B || end.element_count() != s.B ||
-      w.dimensions()[0] != s.H * (s.nope + s.v) || od[0] != s.B || od[1] != s.H) {
+      w.dimensions()[0] != s.H * (s.nope + s.v) || w_scale.element_count() != w.dimensions()[0] || od[0] != s.B ||
+      od[1] != s.H) {
     return ffi::Error::InvalidArgument("mla_decode: shapes do not line up");
   }
-  const float *qs = q.typed_data(), *ps = kv.typed_data(), *ws = w.typed_data();
+  const bool codes = w.element_type() == ffi::DataType::S8;
+  if (!codes && w.element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("mla_decode: w must be float32 or int8");
+  }
+  const void* ws = w.untyped_data();
+  const float *qs = q.typed_data(), *ps = kv.typed_data(), *scales = w_scale.typed_data();
   const int32_t *ts = table.typed_data(), *es = end.typed_data();
   float* os = o->typed_data();
   const int64_t halves = s.H > 1 && s.B < pool.num_threads() + 1 ? 2 : 1;
   jaxhybrid::ForParts(pool, s.B * halves, [=](int64_t part) {
     const int64_t b = part / halves, half = part % halves;
     const int64_t h0 = half * s.H / halves, h1 = (half + 1) * s.H / halves;
-    Heads(s, qs, ps, ts, es[b], ws, scale, b, h0, h1, os);
+    if (codes) {
+      Heads(s, qs, ps, ts, es[b], static_cast<const int8_t*>(ws), scales, scale, b, h0, h1, os);
+    } else {
+      Heads(s, qs, ps, ts, es[b], static_cast<const float*>(ws), scales, scale, b, h0, h1, os);
+    }
   });
   return ffi::Error::Success();
 }
@@ -125,6 +137,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_mla_decode, MlaDecode,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("nope")
