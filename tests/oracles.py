@@ -58,12 +58,12 @@ def assert_matches_full_pass(
         return
     rows = np.arange(len(generated))
     want = log_softmax(logits)[rows, generated]
+    off = np.abs(np.asarray(logprobs) - want)
     allowed = np.full(len(generated), tol)
-    if np.any(np.abs(np.asarray(logprobs) - want) > tol) and isinstance(full, FullPass):
+    if np.any(off > tol) and isinstance(full, FullPass):
         for pad in (2 * full.pad, max(full.pad // 2, 1)):
             again = log_softmax(full(seq[:-1], pad=pad)[len(prompt) - 1 :])[rows, generated]
             allowed = np.maximum(allowed, tol + 2 * np.abs(again - want))
-    off = np.abs(np.asarray(logprobs) - want)
     assert np.all(off <= allowed), f"logprobs off by {off.max():.3g} at {off.argmax()} (allowed {allowed})"
 
 

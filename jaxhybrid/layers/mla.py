@@ -159,7 +159,7 @@ class MultiHeadLatentAttention(nnx.Module):
         the pool first, then attention over the pool where it lies (no gathered copy of the rows' view).
         None where the kernel does not apply (the caller takes the view path)."""
         w = self.kv_b_proj.codes() if self.kv_b_proj.is_int8 else self.kv_b_proj.dense_weight(q.dtype)
-        if x.shape[1] != 1 or not paged_kernel_applies(q, cache.pool, w):
+        if not paged_kernel_applies(q, cache.pool, w):
             return None
         pool = write_paged(cache, new, lengths)
         end = cache.length + added

@@ -101,43 +101,38 @@ def _library(path: Path, fallback: str) -> ctypes.CDLL | None:
         return None
 
 
+def _register(lib: ctypes.CDLL, target: str) -> str:
+    """Register the library's handler `target` (its symbol has the target's name) with JAX for the CPU."""
+    import jax
+
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    return target
+
+
 @functools.cache
 def int8_kernel() -> str | None:
     """The FFI target name of the int8 matrix-vector kernel, registered with JAX for the CPU; None (with
     one log line saying why) where it cannot be built or would be no faster than XLA."""
-    import jax
-
     lib = _library(SOURCE, "int8 weights use XLA's products")
     if lib is None:
         return None
     if lib.jaxhybrid_matvec_int8_isa() == 0:
         log.warning("the int8 kernel has no AVX2 or AVX-512 on this CPU; int8 weights use XLA's products")
         return None
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxhybrid_matvec_int8), platform="cpu")
-    return TARGET
+    return _register(lib, TARGET)
 
 
 @functools.cache
 def kda_decode_kernel() -> str | None:
     """The FFI target name of the one-token KDA kernel, registered with JAX for the CPU; None (with one log
     line saying why) where it cannot be built."""
-    import jax
-
     lib = _library(KDA_SOURCE, "KDA decode steps use XLA's formulation")
-    if lib is None:
-        return None
-    jax.ffi.register_ffi_target(KDA_TARGET, jax.ffi.pycapsule(lib.jaxhybrid_kda_decode), platform="cpu")
-    return KDA_TARGET
+    return None if lib is None else _register(lib, KDA_TARGET)
 
 
 @functools.cache
 def mla_decode_kernel() -> str | None:
     """The FFI target name of the one-token paged MLA kernel, registered with JAX for the CPU; None (with
     one log line saying why) where it cannot be built."""
-    import jax
-
     lib = _library(MLA_SOURCE, "MLA decode steps use XLA's formulation")
-    if lib is None:
-        return None
-    jax.ffi.register_ffi_target(MLA_TARGET, jax.ffi.pycapsule(lib.jaxhybrid_mla_decode), platform="cpu")
-    return MLA_TARGET
+    return None if lib is None else _register(lib, MLA_TARGET)
