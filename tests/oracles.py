@@ -9,6 +9,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from numpy_reference import NumpyReference
 
 from jaxhybrid.layers.basic import Buffer
 from jaxhybrid.model import HybridLM, pure_fn
@@ -28,6 +29,14 @@ class FullPass:
     def __init__(self, model: HybridLM, pad: int = 64):
         self.fn, self.state = pure_fn(model)
         self.pad = pad
+        self.model = model
+        self._exact: NumpyReference | None = None
+
+    def exact(self, toks) -> np.ndarray:
+        """The same logits from the float64 NumPy reference: where two fp32 programs part, what is right."""
+        if self._exact is None:
+            self._exact = NumpyReference(self.model.config, named_arrays(self.model))
+        return self._exact.forward(np.asarray(toks))
 
     def __call__(self, toks, pad: int | None = None) -> np.ndarray:
         pad = pad or self.pad
@@ -49,8 +58,10 @@ def assert_matches_full_pass(
 
     Where a logprob is further off, the full pass runs again at two other padded lengths (other fp32
     evaluation orders): a position where the passes themselves differ (seen on an Intel VM: by 1.2e-4 at one
-    position of tiny, padded to 32 or 64) allows twice that difference on top of `tol`; elsewhere `tol`
-    stands."""
+    position of tiny, padded to 32 or 64) allows twice that difference on top of `tol`. And there the float64
+    NumPy reference decides: a logprob within `tol` of the exact one passes (seen: one position of tiny where
+    the fp32 full pass is 2.1e-5 from exact and the engine's decode products, in another summation order,
+    land 6.3e-5 from the pass but 1.5e-5 from exact). Elsewhere `tol` against the full pass stands."""
     seq = list(prompt) + list(generated)
     logits = full(seq[:-1])[len(prompt) - 1 :]
     assert list(logits.argmax(-1)) == list(generated)
@@ -64,6 +75,9 @@ def assert_matches_full_pass(
         for pad in (2 * full.pad, max(full.pad // 2, 1)):
             again = log_softmax(full(seq[:-1], pad=pad)[len(prompt) - 1 :])[rows, generated]
             allowed = np.maximum(allowed, tol + 2 * np.abs(again - want))
+        if np.any(off > allowed):
+            exact = log_softmax(full.exact(seq[:-1])[len(prompt) - 1 :])[rows, generated]
+            off = np.where(np.abs(np.asarray(logprobs) - exact) <= tol, 0.0, off)
     assert np.all(off <= allowed), f"logprobs off by {off.max():.3g} at {off.argmax()} (allowed {allowed})"
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxhybrid.config import ModelConfig
-from jaxhybrid.ops import int8, precision
+from jaxhybrid.ops import dense, int8
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 from jaxhybrid.ops.norms import gated_rms_norm, rms_norm
 
@@ -64,8 +64,7 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.is_int8:
             return int8.matmul(x, self.codes()).astype(x.dtype)
-        w = self.weight[...]  # its stored dtype decides the precision (bfloat16 weights: the default)
-        return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=precision.of(x, w))
+        return dense.matmul(x, self.weight[...])  # the stored dtype decides the precision
 
     @property
     def is_int8(self) -> bool:
@@ -88,6 +87,21 @@ class Linear(nnx.Module):
         q = int8.quantize(self.weight[...])
         self.weight = param(q.q, axes)
         self.weight_scale = param(q.scale, axes[:1])
+
+
+def project(x: jax.Array, *layers: Linear) -> tuple[jax.Array, ...]:
+    """`x` through several `Linear` layers of the same input, `tuple(l(x) for l in layers)`: one kernel call
+    for all of them where they are all int8 or all float (`matmul_many`: a decode step's projections split
+    over the threads as one product, not each on its own)."""
+    import os
+
+    if os.environ.get("NOGROUP"):
+        return tuple(layer(x) for layer in layers)
+    if all(layer.is_int8 for layer in layers):
+        return tuple(y.astype(x.dtype) for y in int8.matmul_many(x, [layer.codes() for layer in layers]))
+    if not any(layer.is_int8 for layer in layers):
+        return dense.matmul_many(x, [layer.weight[...] for layer in layers])
+    return tuple(layer(x) for layer in layers)
 
 
 class Embedding(nnx.Module):
@@ -167,4 +181,4 @@ class SwiGLU(nnx.Module):
         self.act = act
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x), self.act))
+        return self.down_proj(gated_act(*project(x, self.gate_proj, self.up_proj), self.act))

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxhybrid.cache import KDACache
 from jaxhybrid.config import ModelConfig
-from jaxhybrid.layers.basic import DepthwiseConv, GatedRMSNorm, Linear, param
+from jaxhybrid.layers.basic import DepthwiseConv, GatedRMSNorm, Linear, param, project
 from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_windows
 from jaxhybrid.ops.kda import kda_chunked, kda_decode, kda_recurrent_states
 from jaxhybrid.ops.norms import l2_normalize
@@ -63,8 +63,12 @@ class KimiDeltaAttention(nnx.Module):
 
     def forget_gate(self, x: jax.Array) -> jax.Array:
         """Per-channel log-decay g [B, T, H, d] (<= 0), in fp32."""
-        B, T, _ = x.shape
-        raw = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32).reshape(B, T, self.num_heads, self.head_dim)
+        return self.decay(self.f_a_proj(x))
+
+    def decay(self, f_a: jax.Array) -> jax.Array:
+        """The forget gate from `f_a_proj(x)` [B, T, d]."""
+        B, T, _ = f_a.shape
+        raw = self.f_b_proj(f_a).astype(jnp.float32).reshape(B, T, self.num_heads, self.head_dim)
         raw = raw + self.dt_bias[...].astype(jnp.float32).reshape(self.num_heads, self.head_dim)
         a = jnp.exp(
             self.A_log[...].astype(jnp.float32).reshape(-1)[: self.num_heads].reshape(self.num_heads, 1)
@@ -75,9 +79,15 @@ class KimiDeltaAttention(nnx.Module):
 
     def output_gate(self, x: jax.Array) -> jax.Array:
         """Pre-sigmoid gate [B, T, H*d] of the gated o_norm: full rank (K3) or low rank."""
-        if self.full_rank_gate:
-            return self.g_proj(x)
-        return self.g_b_proj(self.g_a_proj(x))
+        return self.gate_from(self.gate_input()(x))
+
+    def gate_input(self) -> Linear:
+        """The output gate's projection of x: `g_proj` (full rank) or `g_a_proj` (low rank)."""
+        return self.g_proj if self.full_rank_gate else self.g_a_proj
+
+    def gate_from(self, projected: jax.Array) -> jax.Array:
+        """The output gate from `gate_input()(x)`."""
+        return projected if self.full_rank_gate else self.g_b_proj(projected)
 
     def __call__(
         self,
@@ -91,7 +101,11 @@ class KimiDeltaAttention(nnx.Module):
         state [B, T, H, d, d]; past a row's length, the cache after its last valid token)."""
         B, T, _ = x.shape
         H, d = self.num_heads, self.head_dim
-        qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        # every projection of x at once (one kernel call in a CPU decode step)
+        *qkv, f_a, b, gate = project(
+            x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.gate_input()
+        )
+        qkv = jnp.concatenate(qkv, axis=-1)
         conv_w = jnp.concatenate(
             [c.weight[...][:, 0, :] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], axis=0
         ).astype(x.dtype)
@@ -101,14 +115,14 @@ class KimiDeltaAttention(nnx.Module):
         q, k, v = (t.reshape(B, T, H, d) for t in jnp.split(qkv, 3, axis=-1))
         q = l2_normalize(q.astype(jnp.float32)) * (d**-0.5)
         k = l2_normalize(k.astype(jnp.float32))
-        g = self.forget_gate(x)
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        g = self.decay(f_a)
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
         mask = valid_mask(B, T, lengths)
         if mask is not None:  # padded tokens must leave the state untouched: no decay, no write
             g = g * mask[:, :, None, None]
             beta = beta * mask[:, :, None]
         kda = kda_recurrent_states if keep_states else kda_decode if T == 1 else kda_chunked
         o, state = kda(q, k, v.astype(jnp.float32), g, beta, None if cache is None else cache.state)
-        gate = self.output_gate(x).reshape(B, T, H, d)
+        gate = self.gate_from(gate).reshape(B, T, H, d)
         o = self.o_norm(o.astype(x.dtype), gate).reshape(B, T, H * d)
         return self.o_proj(o), KDACache(conv=conv_state, state=state)

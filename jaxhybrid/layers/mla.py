@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxhybrid.cache import SCRATCH_BLOCK, MLACache, MLAView, MLAWrite, PagedMLACache
 from jaxhybrid.config import ModelConfig
-from jaxhybrid.layers.basic import Linear, RMSNorm
+from jaxhybrid.layers.basic import Linear, RMSNorm, project
 from jaxhybrid.ops.mla import (
     causal_mask,
     mla_attention_absorbed,
@@ -108,15 +108,16 @@ class MultiHeadLatentAttention(nnx.Module):
         if self.output_gate:
             self.g_proj = Linear(D, H * cfg.v_head_dim, rngs=rngs, dtype=dtype, axes=("heads", "embed"))
 
-    def query(self, x: jax.Array) -> jax.Array:
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
-        return q.reshape(*x.shape[:-1], self.num_heads, self.nope + self.rope)
-
-    def latent(self, x: jax.Array) -> jax.Array:
-        """Per-token cache entry [.., kv_lora_rank + rope]: normalised c and the shared unrotated k_r."""
-        ckr = self.kv_a_proj_with_mqa(x)
+    def query_and_latent(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The queries [.., H, nope + rope] and each token's cache entry [.., kv_lora_rank + rope] (normalised
+        c and the shared unrotated k_r); both projections of x at once (one kernel call in a CPU decode)."""
+        first = self.q_a_proj if self.q_lora else self.q_proj
+        q, ckr = project(x, first, self.kv_a_proj_with_mqa)
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         c, k_r = ckr[..., : self.rank], ckr[..., self.rank :]
-        return jnp.concatenate([self.kv_a_layernorm(c), k_r], axis=-1)
+        latent = jnp.concatenate([self.kv_a_layernorm(c), k_r], axis=-1)
+        return q.reshape(*x.shape[:-1], self.num_heads, self.nope + self.rope), latent
 
     def attend(
         self, q: jax.Array, kv: jax.Array, mask: jax.Array, absorbed: bool, x: jax.Array, causal: bool = False
@@ -197,7 +198,7 @@ class MultiHeadLatentAttention(nnx.Module):
         """x [B, T, D] -> (y, cache). No cache: causal attention within x. T == 1 uses the absorbed form.
         An `MLAView` returns the latents to write (`MLAWrite`), the pool stays with the caller."""
         B, T, _ = x.shape
-        q, new = self.query(x), self.latent(x)
+        q, new = self.query_and_latent(x)
         added = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
         if isinstance(cache, PagedMLACache) and (done := self.decode_paged(x, q, new, cache, lengths, added)):
             return done

@@ -17,12 +17,13 @@ place: the kernel reads it where it lies, nothing is sliced out first.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops.stacks import take_leading
+from jaxhybrid.ops.stacks import flat_index, take_leading
 
 __all__ = [
     "Int8",
@@ -32,6 +33,10 @@ __all__ = [
     "matmul_reference",
     "matmul_pairs",
     "matmul_pairs_reference",
+    "matmul_many",
+    "matmul_many_reference",
+    "matmul_pairs_many",
+    "matmul_pairs_many_reference",
     "KERNEL_ROWS",
     "BLOCK",
 ]
@@ -83,17 +88,6 @@ def flatten(w: Int8) -> Int8:
     return Int8(w.q.reshape(math.prod(lead), *w.q.shape[-2:]), w.scale.reshape(math.prod(lead), -1))
 
 
-def flat_index(w: Int8, index: Any) -> jax.Array:
-    """The position in `flatten(w)` of matrix `index` (an index or a tuple over the leading dims; arrays of
-    them give arrays of positions); None: 0, the one matrix."""
-    if index is None:
-        return jnp.int32(0)
-    flat = jnp.int32(0)
-    for i, n in zip(index if isinstance(index, tuple) else (index,), w.q.shape[:-2], strict=True):
-        flat = flat * n + jnp.asarray(i, jnp.int32)
-    return flat
-
-
 def matmul_reference(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
     m = select(w, index)
     return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), dequantize(m), precision="highest")
@@ -102,10 +96,24 @@ def matmul_reference(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
 def matmul(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
     if jax.default_backend() != "cpu":
         return matmul_reference(x, w, index)
-    if math.prod(x.shape[:-1]) <= KERNEL_ROWS and _target() is not None:
-        y = _kernel(x.reshape(-1, x.shape[-1]), flatten(w), flat_index(w, index).reshape(1))
+    if _kernel_rows(x):
+        (y,) = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w)], flat_index(w.q.shape[:-2], index).reshape(1))
         return y.reshape(*x.shape[:-1], w.q.shape[-2])
     return _blocked(x, select(w, index))
+
+
+def matmul_many_reference(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, ...]:
+    """x [..., in] times each of several matrices [out_i, in] (the projections of one input)."""
+    return tuple(matmul_reference(x, w) for w in ws)
+
+
+def matmul_many(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, ...]:
+    """:func:`matmul_many_reference` as one kernel call on the CPU (decode-sized rows: the matrices' rows
+    are split over the threads as one product); else one :func:`matmul` each."""
+    if jax.default_backend() == "cpu" and _kernel_rows(x):
+        ys = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w) for w in ws], jnp.zeros((1,), jnp.int32))
+        return tuple(y.reshape(*x.shape[:-1], w.q.shape[-2]) for y, w in zip(ys, ws, strict=True))
+    return tuple(matmul(x, w) for w in ws)
 
 
 def matmul_pairs_reference(x: jax.Array, w: Int8, ids: jax.Array) -> jax.Array:
@@ -122,8 +130,20 @@ def matmul_pairs(x: jax.Array, w: Int8, ids: jax.Array) -> jax.Array:
     all rows, e.g. every (token, expert) pair of a decode step; each matrix in use read once for all its
     rows); elsewhere the reference."""
     if jax.default_backend() == "cpu" and _target() is not None:
-        return _kernel(x, w, ids)
+        return _kernel(x, [w], ids)[0]
     return matmul_pairs_reference(x, w, ids)
+
+
+def matmul_pairs_many_reference(x: jax.Array, ws: Sequence[Int8], ids: jax.Array) -> tuple[jax.Array, ...]:
+    """:func:`matmul_pairs_reference` for each of several stacks of one E (an expert's projections)."""
+    return tuple(matmul_pairs_reference(x, w, ids) for w in ws)
+
+
+def matmul_pairs_many(x: jax.Array, ws: Sequence[Int8], ids: jax.Array) -> tuple[jax.Array, ...]:
+    """:func:`matmul_pairs_many_reference` as one kernel call on the CPU; elsewhere the reference."""
+    if jax.default_backend() == "cpu" and _target() is not None:
+        return tuple(_kernel(x, ws, ids))
+    return matmul_pairs_many_reference(x, ws, ids)
 
 
 def _target() -> str | None:
@@ -132,12 +152,16 @@ def _target() -> str | None:
     return int8_kernel()
 
 
-def _kernel(x: jax.Array, w: Int8, ids: jax.Array) -> jax.Array:
-    """The FFI kernel: x [M, in] against matrix ids[0] of w [S, out, in] for every row, or ids[m] for row m
-    (ids [M]); -> [M, out] float32."""
-    result = jax.ShapeDtypeStruct((x.shape[0], w.q.shape[1]), jnp.float32)
-    call = jax.ffi.ffi_call(_target(), result, vmap_method="sequential")
-    return call(x.astype(jnp.float32), w.q, w.scale, ids.astype(jnp.int32))
+def _kernel_rows(x: jax.Array) -> bool:
+    return math.prod(x.shape[:-1]) <= KERNEL_ROWS and _target() is not None
+
+
+def _kernel(x: jax.Array, ws: Sequence[Int8], ids: jax.Array) -> list[jax.Array]:
+    """The FFI kernel: x [M, in] against matrix ids[0] of each w [S, out_i, in] for every row, or ids[m] for
+    row m (ids [M]); -> [M, out_i] float32 for each w."""
+    results = [jax.ShapeDtypeStruct((x.shape[0], w.q.shape[1]), jnp.float32) for w in ws]
+    call = jax.ffi.ffi_call(_target(), results, vmap_method="sequential")
+    return call(x.astype(jnp.float32), ids.astype(jnp.int32), *(a for w in ws for a in (w.q, w.scale)))
 
 
 def _block_size(out: int) -> int:

@@ -28,10 +28,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import int8, mxfp4, precision
+from jaxhybrid.ops import dense, int8, mxfp4, precision
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 from jaxhybrid.ops.int8 import Int8
 from jaxhybrid.ops.mxfp4 import ExpertWeight, as_dense, expert_slice, is_packed
+from jaxhybrid.ops.stacks import flat_index
 
 __all__ = [
     "route",
@@ -436,8 +437,10 @@ def _skipping_forward(
     groups ([G, E, ...]) and the loop reads expert (group, e) in place."""
     num_tokens, k = expert_ids.shape
     num_experts, _, dim = w1.shape[-3:]
-    if isinstance(w1, Int8) and num_tokens * k <= max(INT8_PAIRS, INT8_PAIRS_PER_EXPERT * num_experts):
-        return _int8_pairs(x, w1, w2, w3, weights, expert_ids, valid, act, group)
+    if num_tokens * k <= max(INT8_PAIRS, INT8_PAIRS_PER_EXPERT * num_experts) and (
+        isinstance(w1, Int8) or (not is_packed(w1) and dense.kernel_applies(x, w1))
+    ):
+        return _kernel_pairs(x, w1, w2, w3, weights, expert_ids, valid, act, group)
 
     def pick(w: ExpertWeight, e: jax.Array) -> jax.Array:
         """Expert e (of `group`) read in place; a packed one dequantized here, one expert at a time."""
@@ -492,35 +495,41 @@ def _skipping_forward(
     return out.astype(x.dtype)
 
 
-# Up to this many (token, expert) pairs, or this many per expert on average, int8 experts run as one kernel
-# product per projection (each expert in use read once, no loop); past that the kernel's arithmetic on many
-# rows costs more than the expert loop's dequantized products (`small`'s MoE layer: 64 tokens 8.8 ms against
-# 12.8 in the loop, 128 tokens 18.3 against 14.5).
+# Up to this many (token, expert) pairs, or this many per expert on average, int8 (and float32) experts run
+# as one kernel product per projection (each expert in use read once, no loop); past that the kernel's
+# arithmetic on many rows costs more than the expert loop's dequantized products (`small`'s MoE layer: 64
+# tokens 8.8 ms against 12.8 in the loop, 128 tokens 18.3 against 14.5).
 INT8_PAIRS = 16
 INT8_PAIRS_PER_EXPERT = 8
 
 
-def _int8_pairs(
+def _kernel_pairs(
     x: jax.Array,
-    w1: Int8,
-    w2: Int8,
-    w3: Int8,
+    w1: Int8 | jax.Array,
+    w2: Int8 | jax.Array,
+    w3: Int8 | jax.Array,
     weights: jax.Array,
     expert_ids: jax.Array,
     valid: jax.Array,
     act: GatedActivation,
     group: jax.Array | None,
 ) -> jax.Array:
-    """The decode-sized int8 experts: no sort and no loop; each projection is one `int8.matmul_pairs` over
-    all (token, expert) pairs, every pair's expert read in place (pairs of rows not valid read nothing)."""
+    """The decode-sized int8 or float32 experts: no sort and no loop; gate and up are one kernel product, down
+    another (`matmul_pairs_many` of `int8` or `dense`), over all (token, expert) pairs, every pair's expert
+    read in place (pairs of rows not valid read nothing)."""
     num_tokens, k = expert_ids.shape
     ids = expert_ids.reshape(-1)
-    ids = int8.flat_index(w1, ids if group is None else (group, ids))
+    ids = flat_index(w1.shape[:-2], ids if group is None else (group, ids))
     ids = jnp.where(jnp.repeat(valid, k), ids, -1)
     rows = jnp.repeat(x.astype(jnp.float32), k, axis=0)
-    w1, w2, w3 = (int8.flatten(w) for w in (w1, w2, w3))
-    gate, up = (int8.matmul_pairs(rows, w, ids) for w in (w1, w3))
-    y = int8.matmul_pairs(gated_act(gate, up, act), w2, ids)
+    if isinstance(w1, Int8):
+        w1, w2, w3 = (int8.flatten(w) for w in (w1, w2, w3))
+        products = int8.matmul_pairs_many
+    else:
+        w1, w2, w3 = (w.reshape(-1, *w.shape[-2:]) for w in (w1, w2, w3))
+        products = dense.matmul_pairs_many
+    gate, up = products(rows, [w1, w3], ids)
+    (y,) = products(gated_act(gate, up, act), [w2], ids)
     out = jnp.sum(y.reshape(num_tokens, k, -1) * _valid_weights(weights, valid)[..., None], axis=1)
     return out.astype(x.dtype)
 

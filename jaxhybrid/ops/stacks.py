@@ -19,3 +19,14 @@ def take_leading(x: jax.Array, index: Any) -> jax.Array:
     sizes = (1,) * len(index) + x.shape[len(index) :]
     out = jax.lax.dynamic_slice(x, starts, sizes, allow_negative_indices=False)
     return out.reshape(x.shape[len(index) :])
+
+
+def flat_index(lead: tuple[int, ...], index: Any) -> jax.Array:
+    """The position of matrix `index` (an index or a tuple over the leading dims `lead`; arrays of them give
+    arrays of positions) in the stack flattened to [S, ...]; None: 0, the one matrix."""
+    flat = jnp.int32(0)
+    if index is None:
+        return flat
+    for i, n in zip(index if isinstance(index, tuple) else (index,), lead, strict=True):
+        flat = flat * n + jnp.asarray(i, jnp.int32)
+    return flat

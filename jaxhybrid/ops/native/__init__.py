@@ -1,9 +1,10 @@
 """CPU kernels that XLA:CPU does not emit, built from source on first use and called as XLA FFI custom calls.
 
-- `matvec_int8.cc`: XLA:CPU runs a float32 matrix-vector product near the machine's read bandwidth, but a
-  product with int8 (or bf16) weights it runs at under 1 GB/s (a loop without vectors), and a
-  convert-then-multiply-then-sum formulation reads int8 at the speed of float32 (measured in BENCHMARKS.md,
-  "Weight-only int8"). The kernel reads each weight byte once at full speed.
+- `matvec.cc`: products of a few rows with int8 or float32 weights. XLA:CPU runs a product with int8 (or
+  bf16) weights at under 1 GB/s (a loop without vectors), and a convert-then-multiply-then-sum formulation
+  reads int8 at the speed of float32 (measured in BENCHMARKS.md, "Weight-only int8"); the kernel reads
+  each weight byte once at full speed. Float32 matrices of a few MB XLA:CPU multiplies on one thread, and
+  an expert picked out of a stack it copies first (BENCHMARKS.md, "Float32 decode products").
 - `mla_decode.cc`: MLA attention of one new token over the paged latent pool
   (`jaxhybrid.ops.mla.mla_attention_paged`), reading the latents in place through the block table where
   XLA:CPU gathers them into a copy, transposes it and runs a dozen small products.
@@ -32,8 +33,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("matvec_int8.cc")
+SOURCE = Path(__file__).with_name("matvec.cc")
 TARGET = "jaxhybrid_matvec_int8"
+F32_TARGET = "jaxhybrid_matvec_f32"
 KDA_SOURCE = Path(__file__).with_name("kda_decode.cc")
 KDA_TARGET = "jaxhybrid_kda_decode"
 MLA_SOURCE = Path(__file__).with_name("mla_decode.cc")
@@ -110,16 +112,30 @@ def _register(lib: ctypes.CDLL, target: str) -> str:
 
 
 @functools.cache
+def _matvec_library() -> ctypes.CDLL | None:
+    """The products' library (None, with one log line saying why, where it cannot be built or would be no
+    faster than XLA)."""
+    lib = _library(SOURCE, "decode-sized products use XLA's")
+    if lib is not None and lib.jaxhybrid_matvec_isa() == 0:
+        log.warning("the product kernels have no AVX2 or AVX-512 here; decode-sized products use XLA's")
+        return None
+    return lib
+
+
+@functools.cache
 def int8_kernel() -> str | None:
-    """The FFI target name of the int8 matrix-vector kernel, registered with JAX for the CPU; None (with
-    one log line saying why) where it cannot be built or would be no faster than XLA."""
-    lib = _library(SOURCE, "int8 weights use XLA's products")
-    if lib is None:
-        return None
-    if lib.jaxhybrid_matvec_int8_isa() == 0:
-        log.warning("the int8 kernel has no AVX2 or AVX-512 on this CPU; int8 weights use XLA's products")
-        return None
-    return _register(lib, TARGET)
+    """The FFI target name of the int8 matrix-vector kernel, registered with JAX for the CPU; None where
+    the library is not there."""
+    lib = _matvec_library()
+    return None if lib is None else _register(lib, TARGET)
+
+
+@functools.cache
+def f32_kernel() -> str | None:
+    """The FFI target name of the float32 matrix-vector kernel, registered with JAX for the CPU; None where
+    the library is not there."""
+    lib = _matvec_library()
+    return None if lib is None else _register(lib, F32_TARGET)
 
 
 @functools.cache
