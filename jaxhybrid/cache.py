@@ -25,6 +25,20 @@ class KDACache(NamedTuple):
     state: jax.Array
 
 
+class KDAPoolRows(NamedTuple):
+    """The rows of a program call in a pool of KDA caches (the serving engine's layout): `conv` their slots'
+    conv windows [B, ...] (gathered: small), `state` the whole pool of states [S, H, d, d] and `rows` [B]
+    int32 their slots. A one-token step reads each row's state where it lies (`kda_decode`'s `rows`: XLA
+    would copy a slot out of the pool first); any other use takes `gathered()`."""
+
+    conv: jax.Array
+    state: jax.Array
+    rows: jax.Array
+
+    def gathered(self) -> KDACache:
+        return KDACache(conv=self.conv, state=self.state[self.rows])
+
+
 class MLACache(NamedTuple):
     """kv: [B, S, kv_lora_rank + rope] latent per position; length: [B] int32 tokens written so far."""
 

@@ -146,6 +146,28 @@ def test_kda_decode_kernel_padding_none_state_and_dtypes() -> None:
     assert rel_err(o5, o_ref) < TOL and rel_err(s5, s_ref) < TOL
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "xla"])
+def test_kda_decode_reads_rows_of_a_pool_in_place(monkeypatch, kernel: bool) -> None:
+    """`rows`: each row starts from its slot of a pool of states (slots in any order, one slot read by two
+    rows); the same as the float64 loop from the gathered states, and the pool itself is left as it was."""
+    import jaxhybrid.ops.kda as kda_ops
+
+    if not kernel:
+        monkeypatch.setattr(kda_ops, "_kda_target", lambda: None)
+    elif kda_decode_kernel() is None:
+        pytest.skip("no C++ compiler here")
+    (q, k, v, g, beta), _ = make_inputs(31, 1, dk=32, dv=16, state=True)
+    pool = jnp.asarray(np.random.default_rng(5).standard_normal((5, H, 32, 16)), jnp.float32)
+    rows = jnp.asarray(([3, 0, 3, 1] * B)[:B], jnp.int32)
+    before = np.asarray(pool)
+    o, s = jax.jit(kda_decode)(q, k, v, g, beta, pool, rows)
+    o_ref, s_ref = kda_oracle(q, k, v, g, beta, pool[rows])
+    assert s.shape == (B, H, 32, 16) and rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
+    np.testing.assert_array_equal(np.asarray(pool), before)
+    with pytest.raises(ValueError, match="pool"):
+        kda_decode(q, k, v, g, beta, None, rows)
+
+
 def test_kda_rectangular_head_dims() -> None:
     """dk != dv and a chunk length that does not divide T."""
     (q, k, v, g, beta), s0 = make_inputs(11, 45, dk=32, dv=16, state=True)

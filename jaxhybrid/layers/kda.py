@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxhybrid.cache import KDACache
+from jaxhybrid.cache import KDACache, KDAPoolRows
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import DepthwiseConv, GatedRMSNorm, Linear, param, project
 from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_windows
@@ -92,7 +92,7 @@ class KimiDeltaAttention(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
-        cache: KDACache | None = None,
+        cache: KDACache | KDAPoolRows | None = None,
         lengths: jax.Array | None = None,
         keep_states: bool = False,
     ) -> tuple[jax.Array, KDACache]:
@@ -101,6 +101,8 @@ class KimiDeltaAttention(nnx.Module):
         state [B, T, H, d, d]; past a row's length, the cache after its last valid token)."""
         B, T, _ = x.shape
         H, d = self.num_heads, self.head_dim
+        if isinstance(cache, KDAPoolRows) and (T != 1 or keep_states):
+            cache = cache.gathered()  # only the one-token step reads a pool's rows in place
         # every projection of x at once (one kernel call in a CPU decode step)
         *qkv, f_a, b, gate = project(
             x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.gate_input()
@@ -121,8 +123,11 @@ class KimiDeltaAttention(nnx.Module):
         if mask is not None:  # padded tokens must leave the state untouched: no decay, no write
             g = g * mask[:, :, None, None]
             beta = beta * mask[:, :, None]
-        kda = kda_recurrent_states if keep_states else kda_decode if T == 1 else kda_chunked
-        o, state = kda(q, k, v.astype(jnp.float32), g, beta, None if cache is None else cache.state)
+        if isinstance(cache, KDAPoolRows):
+            o, state = kda_decode(q, k, v.astype(jnp.float32), g, beta, cache.state, rows=cache.rows)
+        else:
+            kda = kda_recurrent_states if keep_states else kda_decode if T == 1 else kda_chunked
+            o, state = kda(q, k, v.astype(jnp.float32), g, beta, None if cache is None else cache.state)
         gate = self.gate_from(gate).reshape(B, T, H, d)
         o = self.o_norm(o.astype(x.dtype), gate).reshape(B, T, H * d)
         return self.o_proj(o), KDACache(conv=conv_state, state=state)

@@ -101,20 +101,32 @@ def kda_decode(
     g: jax.Array,
     beta: jax.Array,
     initial_state: jax.Array | None = None,
+    rows: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`kda_recurrent` for one token per row (T == 1), on the CPU through the native kernel
     (`jaxhybrid.ops.native`, one read and one write of each state where XLA:CPU makes a dozen passes);
-    elsewhere, or for longer T, :func:`kda_recurrent` itself. Same signature and results."""
+    elsewhere, or for longer T, :func:`kda_recurrent` itself. Same signature and results, and `rows`
+    ([B] int32): `initial_state` is then a pool of states [S, H, dk, dv] and row b starts from
+    `initial_state[rows[b]]`, which the kernel reads in place (XLA copies a slot out of a pool first)."""
+    if rows is not None and initial_state is None:
+        raise ValueError("rows index a pool of states: give the pool as initial_state")
     if q.shape[1] != 1 or jax.default_backend() != "cpu" or _kda_target() is None:
-        return kda_recurrent(q, k, v, g, beta, initial_state)
-    _check_shapes(q, k, v, g, beta, initial_state)
+        return kda_recurrent(q, k, v, g, beta, initial_state if rows is None else initial_state[rows])
     b, _, h, dk = q.shape
     dv = v.shape[-1]
-    state = _init_state(initial_state, b, h, dk, dv)
+    if rows is None:
+        _check_shapes(q, k, v, g, beta, initial_state)
+        state = _init_state(initial_state, b, h, dk, dv)
+        rows = jnp.arange(b, dtype=jnp.int32)
+    else:
+        _check_shapes(q, k, v, g, beta, None)
+        if initial_state.shape[1:] != (h, dk, dv) or rows.shape != (b,):
+            raise ValueError(f"a pool [S, {h}, {dk}, {dv}] and rows [{b}] expected: {initial_state.shape}")
+        state = initial_state.astype(jnp.float32)
     f32 = lambda x: x[:, 0].astype(jnp.float32)  # noqa: E731
-    out = (jax.ShapeDtypeStruct((b, h, dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32))
+    out = (jax.ShapeDtypeStruct((b, h, dv), jnp.float32), jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32))
     call = jax.ffi.ffi_call(_kda_target(), out, vmap_method="sequential")
-    o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), state)
+    o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), state, rows.astype(jnp.int32))
     return o[:, None].astype(v.dtype), new
 
 

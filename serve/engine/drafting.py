@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxhybrid.cache import KDAPoolRows
 from jaxhybrid.model import HybridLM
 from serve.engine.config import EngineShape
 from serve.engine.runner import Runner, row_caches
@@ -53,6 +54,8 @@ def _ahead(graphdef: Any, layer_types: tuple[str, ...], steps: int) -> Any:
 
     def ahead(params, kda_pools, mla_pools, tokens, slot_ids, block_tables, start, num_valid):
         cache = row_caches(layer_types, kda_pools, mla_pools, slot_ids, block_tables, start)
+        # the scan carries the rows' own KDA states (a cache of one structure from step to step)
+        cache = tuple(c.gathered() if isinstance(c, KDAPoolRows) else c for c in cache)
         model = nnx.merge(graphdef, params)
 
         def step(carry, _):

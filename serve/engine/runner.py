@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, MLAView, PagedMLACache, kda_zero_state
+from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, KDAPoolRows, MLAView, PagedMLACache, kda_zero_state
 from jaxhybrid.layers.mla import read_paged, write_paged
 from jaxhybrid.model import HybridLM
 from jaxhybrid.scan import ScanDefs, forward_scanned, scan_layout, split_for_scan
@@ -152,14 +152,18 @@ def row_caches(
     start: jax.Array,
     scanned: bool = False,
 ) -> tuple[Any, ...]:
-    """Per layer the cache the rows of a program call read: their slots' KDA states, and the MLA pools
-    through their block tables (as a read view for the scanned form)."""
+    """Per layer the cache the rows of a program call read: their slots' KDA states (as rows of the pool,
+    `KDAPoolRows`, for the unrolled form), and the MLA pools through their block tables (as a read view for
+    the scanned form)."""
     kda_it, mla_it = iter(kda_pools), iter(mla_pools)
     cache = []
     for kind in layer_types:
         if kind == "kda":
             pool = next(kda_it)
-            cache.append(KDACache(conv=pool.conv[slot_ids], state=pool.state[slot_ids]))
+            if scanned:
+                cache.append(KDACache(conv=pool.conv[slot_ids], state=pool.state[slot_ids]))
+            else:
+                cache.append(KDAPoolRows(conv=pool.conv[slot_ids], state=pool.state, rows=slot_ids))
         elif scanned:
             cache.append(MLAView(view=read_paged(next(mla_it), block_tables), length=start))
         else:

@@ -2,8 +2,9 @@
 //
 // Per row b and head h, with the float32 state S [dk, dv]:
 //   S <- diag(exp(g)) S;   S <- S + (beta k) (v - k^T S)^T;   o = S^T q
-// q, k, g float32 [B, H, dk]; v float32 [B, H, dv]; beta float32 [B, H]; state float32 [B, H, dk, dv]
-// -> o float32 [B, H, dv], the new state float32 [B, H, dk, dv].
+// q, k, g float32 [B, H, dk]; v float32 [B, H, dv]; beta float32 [B, H]; state float32 [S, H, dk, dv] and
+// rows int32 [B]: row b starts from state[rows[b]], read where it lies (a slot of the engine's pool, which
+// XLA would otherwise copy out first) -> o float32 [B, H, dv], the rows' new states float32 [B, H, dk, dv].
 //
 // XLA:CPU runs this step as a dozen loops over the state, each reading and writing it; here each (b, h)
 // reads its state once and writes it once (two passes over a row block that stays in L1/L2: the decay and
@@ -55,12 +56,18 @@ void Head(const float* q, const float* k, const float* g, const float* v, float 
 
 ffi::Error KdaDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                      ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> beta,
-                     ffi::Buffer<ffi::F32> state, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> out) {
+                     ffi::Buffer<ffi::F32> state, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> o,
+                     ffi::ResultBuffer<ffi::F32> out) {
   const auto sd = state.dimensions();
   if (sd.size() != 4 || q.dimensions().size() != 3) {
-    return ffi::Error::InvalidArgument("kda_decode: q [B, H, dk], state [B, H, dk, dv] expected");
+    return ffi::Error::InvalidArgument("kda_decode: q [B, H, dk], state [S, H, dk, dv] expected");
   }
-  const int64_t B = sd[0], H = sd[1], dk = sd[2], dv = sd[3];
+  const int64_t S = sd[0], B = q.dimensions()[0], H = sd[1], dk = sd[2], dv = sd[3];
+  if (rows.element_count() != B) return ffi::Error::InvalidArgument("kda_decode: rows [B] expected");
+  const int32_t* rs = rows.typed_data();
+  for (int64_t b = 0; b < B; ++b) {
+    if (rs[b] < 0 || rs[b] >= S) return ffi::Error::InvalidArgument("kda_decode: a row past the states");
+  }
   if (q.element_count() != B * H * dk || k.element_count() != B * H * dk || g.element_count() != B * H * dk ||
       v.element_count() != B * H * dv || beta.element_count() != B * H) {
     return ffi::Error::InvalidArgument("kda_decode: q, k, g [B, H, dk], v [B, H, dv], beta [B, H] expected");
@@ -72,8 +79,9 @@ ffi::Error KdaDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   jaxhybrid::ForParts(pool, parts, [=](int64_t p) {
     std::vector<float> scratch(2 * dv);
     for (int64_t bh = p; bh < B * H; bh += parts) {
-      Head(qs + bh * dk, ks + bh * dk, gs + bh * dk, vs + bh * dv, bs[bh], ss + bh * dk * dv,
-           outs + bh * dk * dv, os + bh * dv, dk, dv, scratch.data());
+      const float* from = ss + (rs[bh / H] * H + bh % H) * dk * dv;
+      Head(qs + bh * dk, ks + bh * dk, gs + bh * dk, vs + bh * dv, bs[bh], from, outs + bh * dk * dv, os + bh * dv,
+           dk, dv, scratch.data());
     }
   });
   return ffi::Error::Success();
@@ -90,5 +98,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_kda_decode, KdaDecode,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
