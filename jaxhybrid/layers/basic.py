@@ -93,10 +93,6 @@ def project(x: jax.Array, *layers: Linear) -> tuple[jax.Array, ...]:
     """`x` through several `Linear` layers of the same input, `tuple(l(x) for l in layers)`: one kernel call
     for all of them where they are all int8 or all float (`matmul_many`: a decode step's projections split
     over the threads as one product, not each on its own)."""
-    import os
-
-    if os.environ.get("NOGROUP"):
-        return tuple(layer(x) for layer in layers)
     if all(layer.is_int8 for layer in layers):
         return tuple(y.astype(x.dtype) for y in int8.matmul_many(x, [layer.codes() for layer in layers]))
     if not any(layer.is_int8 for layer in layers):

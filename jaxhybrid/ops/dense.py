@@ -39,6 +39,7 @@ __all__ = [
     "matmul_pairs_many",
     "matmul_pairs_many_reference",
     "kernel_applies",
+    "flatten",
 ]
 
 
@@ -50,7 +51,7 @@ def matmul_reference(x: jax.Array, w: jax.Array, index: Any = None) -> jax.Array
 def matmul(x: jax.Array, w: jax.Array, index: Any = None) -> jax.Array:
     if math.prod(x.shape[:-1]) <= KERNEL_ROWS and kernel_applies(x, w):
         lead = w.shape[:-2]
-        (y,) = _kernel(x.reshape(-1, x.shape[-1]), [_flatten(w)], flat_index(lead, index).reshape(1))
+        (y,) = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w)], flat_index(lead, index).reshape(1))
         return y.reshape(*x.shape[:-1], w.shape[-2])
     return matmul_reference(x, w, index)
 
@@ -64,7 +65,7 @@ def matmul_many(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     """:func:`matmul_many_reference` as one kernel call on the CPU (decode-sized float32 rows: the
     matrices' rows are split over the threads as one product); else the reference."""
     if math.prod(x.shape[:-1]) <= KERNEL_ROWS and all(kernel_applies(x, w) for w in ws):
-        ys = _kernel(x.reshape(-1, x.shape[-1]), [_flatten(w) for w in ws], jnp.zeros((1,), jnp.int32))
+        ys = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w) for w in ws], jnp.zeros((1,), jnp.int32))
         return tuple(y.reshape(*x.shape[:-1], w.shape[-2]) for y, w in zip(ys, ws, strict=True))
     return matmul_many_reference(x, ws)
 
@@ -78,9 +79,7 @@ def matmul_pairs_reference(x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Ar
 def matmul_pairs(x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
     """:func:`matmul_pairs_reference` with every row's matrix read in place by the CPU kernel (one call for
     all rows, each matrix in use read once for all its rows); elsewhere the reference."""
-    if kernel_applies(x, w):
-        return _kernel(x, [w], ids)[0]
-    return matmul_pairs_reference(x, w, ids)
+    return matmul_pairs_many(x, [w], ids)[0]
 
 
 def matmul_pairs_many_reference(
@@ -110,7 +109,7 @@ def _target() -> str | None:
     return f32_kernel()
 
 
-def _flatten(w: jax.Array) -> jax.Array:
+def flatten(w: jax.Array) -> jax.Array:
     """A stack [.., out, in] as [S, out, in] (one matrix: S = 1): what the kernel reads."""
     return w.reshape(math.prod(w.shape[:-2]), *w.shape[-2:])
 

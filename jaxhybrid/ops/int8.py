@@ -129,9 +129,7 @@ def matmul_pairs(x: jax.Array, w: Int8, ids: jax.Array) -> jax.Array:
     """:func:`matmul_pairs_reference` with the rows' matrices read in place by the CPU kernel (one call for
     all rows, e.g. every (token, expert) pair of a decode step; each matrix in use read once for all its
     rows); elsewhere the reference."""
-    if jax.default_backend() == "cpu" and _target() is not None:
-        return _kernel(x, [w], ids)[0]
-    return matmul_pairs_reference(x, w, ids)
+    return matmul_pairs_many(x, [w], ids)[0]
 
 
 def matmul_pairs_many_reference(x: jax.Array, ws: Sequence[Int8], ids: jax.Array) -> tuple[jax.Array, ...]:

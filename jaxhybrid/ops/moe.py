@@ -526,7 +526,7 @@ def _kernel_pairs(
         w1, w2, w3 = (int8.flatten(w) for w in (w1, w2, w3))
         products = int8.matmul_pairs_many
     else:
-        w1, w2, w3 = (w.reshape(-1, *w.shape[-2:]) for w in (w1, w2, w3))
+        w1, w2, w3 = (dense.flatten(w) for w in (w1, w2, w3))
         products = dense.matmul_pairs_many
     gate, up = products(rows, [w1, w3], ids)
     (y,) = products(gated_act(gate, up, act), [w2], ids)
