@@ -72,7 +72,7 @@ def decode_once(runner):
     """One decode step of slot 0 at position 3 over a table of blocks 1..: logits and the pools after."""
     tables = np.full((1, DECODE.width), 0, np.int32)
     tables[0, 0] = 1
-    logits = runner.run_program(np.array([[9]]), np.array([0]), tables, np.array([3]), np.array([1]))
+    logits = runner.run_program(np.array([[9]]), np.array([0]), tables, np.array([3]), np.array([1])).logits
     return np.asarray(logits), [np.asarray(x) for x in jax.tree.leaves(runner.pools)]
 
 
@@ -220,7 +220,7 @@ def test_one_row_decode_programs_compile_without_xnnpack_fusions_and_others_with
     tables = np.zeros((1, DECODE.width), np.int32)
     tables[0, 0] = 1
     for i, t in enumerate(tokens[0]):
-        got = runner.run_program(np.array([[t]]), np.array([0]), tables, np.array([i]), np.array([1]))
+        got = runner.run_program(np.array([[t]]), np.array([0]), tables, np.array([i]), np.array([1])).logits
         np.testing.assert_allclose(np.asarray(got)[0], want[i], rtol=0, atol=1e-4 * np.abs(want[i]).max())
 
 

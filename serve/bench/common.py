@@ -114,6 +114,7 @@ def decode_step(engine: Any, batch: int, context: int, blocks_per_seq: int) -> C
 
     Row b owns the distinct blocks 1 + b * blocks_per_seq ..., as a real batch would; the block table is
     as wide as the engine's bucket for that context. Returns f() -> seconds of one step (blocking)."""
+    import jax
     import numpy as np
 
     nblocks = -(-(context + 1) // engine.config.block_size)
@@ -130,7 +131,7 @@ def decode_step(engine: Any, batch: int, context: int, blocks_per_seq: int) -> C
 
     def step() -> float:
         t0 = time.perf_counter()
-        engine.runner.run_program(tokens, slots, tables, start, valid).block_until_ready()
+        jax.block_until_ready(engine.runner.run_program(tokens, slots, tables, start, valid))
         return time.perf_counter() - t0
 
     return step

@@ -179,6 +179,8 @@ def measure(
     rates: dict[str, Any],
 ) -> tuple[list[dict], list[dict], dict[str, Any]]:
     """Prefill and decode rows for `model` on one engine sized for the largest batch and context."""
+    import jax
+
     from serve.engine.engine import Engine, EngineConfig
 
     cfg = model.config
@@ -204,7 +206,7 @@ def measure(
         table[0, :nblocks] = 1 + np.arange(nblocks)
         tokens = (np.arange(length, dtype=np.int32) % (cfg.vocab_size - 3) + 3)[None]
         zero, valid = np.zeros((1,), np.int32), np.full((1,), length, np.int32)
-        return lambda: engine.runner.run_program(tokens, zero, table, zero, valid).block_until_ready()
+        return lambda: jax.block_until_ready(engine.runner.run_program(tokens, zero, table, zero, valid))
 
     prefill_rows = []
     for length in prompt_lengths:

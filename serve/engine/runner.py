@@ -22,12 +22,14 @@ from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, KDAPoolRows, MLAView, Paged
 from jaxhybrid.layers.mla import read_paged, write_paged
 from jaxhybrid.model import HybridLM
 from jaxhybrid.scan import ScanDefs, forward_scanned, scan_layout, split_for_scan
+from jaxhybrid.weights.pages import move_to_huge_pages
 from serve.engine import copies
 from serve.engine.ahead import AheadOfTime
 from serve.engine.config import EngineShape, ProgramShape, scan_mode
 from serve.engine.executables import ExecutableCache, ModelExecutables, Tier, spec
 from serve.engine.requests import Request
-from serve.engine.sampling import batch_arrays, sample, verify
+from serve.engine.sampling import batch_arrays, greedy, sample, verify
+from serve.engine.store_copies import HostShards, StoreCopies, to_device
 
 # The longest prompt chunk that runs through the decode program while its prefill program compiles
 # (`EngineConfig.tiered_compile`): one decode step per token is milliseconds for a model a CPU serves, against
@@ -49,6 +51,17 @@ class Restore:
     fill_kv: Any = None
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Last:
+    """What a model program gives for each row's last real token: its logits [B, V] f32 and the greedy token
+    [B] int32 with its logprob [B] f32 (a step whose rows are all greedy needs no sampling program)."""
+
+    logits: jax.Array
+    greedy_ids: jax.Array
+    greedy_logprobs: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class Verified:
     """What verifying drafted tokens gave, per request: tokens [n, T] (its accepted drafts, then the token
@@ -59,39 +72,11 @@ class Verified:
     accepted: np.ndarray
 
 
-@dataclasses.dataclass
-class HostShards:
-    """A device array moved to host memory, as this process's shards (with several processes no process
-    holds a whole array that is sharded across them): numpy per addressable device, and the sharding."""
-
-    shape: tuple[int, ...]
-    sharding: Any
-    shards: list[tuple[Any, np.ndarray]]  # (device, its shard)
-
-    @classmethod
-    def of(cls, x: jax.Array) -> HostShards:
-        return cls(x.shape, x.sharding, [(s.device, np.asarray(s.data)) for s in x.addressable_shards])
-
-    def to_device(self) -> jax.Array:
-        arrays = [jax.device_put(data, device) for device, data in self.shards]
-        return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
-
-
-def _to_host(x: Any) -> Any:
-    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
-        return HostShards.of(x)
-    return np.asarray(x)
-
-
-def _to_device(x: Any) -> Any:
-    return x.to_device() if isinstance(x, HostShards) else jnp.asarray(x)
-
-
 @dataclasses.dataclass(frozen=True)
 class Programs:
     """The compiled programs of one model structure: `run` (the model over a batch of rows: reads the KDA
-    pools, donates and returns the MLA pools, returns the rows' new KDA states), `write_rows` (those states
-    into their slots of the donated KDA pools) and `sample`.
+    pools, donates and returns the MLA pools, returns the rows' `Last` and new KDA states), `write_rows`
+    (those states into their slots of the donated KDA pools) and `sample`.
 
     The KDA rows are written by a program of their own: in one program with the model, XLA fuses the read of
     a layer's old conv window into the write of its new state, cannot then update either pool in place and
@@ -138,7 +123,8 @@ def _run_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
         else:
             new_mla = tuple(c.pool for c in mla_new)
         last = jnp.maximum(num_valid - 1, 0)[:, None, None]
-        return jnp.take_along_axis(logits, last, axis=1)[:, 0].astype(jnp.float32), rows, new_mla
+        logits = jnp.take_along_axis(logits, last, axis=1)[:, 0].astype(jnp.float32)
+        return Last(logits, *greedy(logits)), rows, new_mla
 
     return run
 
@@ -250,13 +236,15 @@ def empty_pools(cfg: Any, shape: EngineShape) -> tuple[Any, ...]:
     )
 
 
-class Runner(AheadOfTime):
+class Runner(AheadOfTime, StoreCopies):
     """Pools + programs for one model and one EngineShape (on `mesh` when given: the pools are laid out by
     `sharding.placement.pool_shardings` and the programs keep them there)."""
 
     def __init__(self, model: HybridLM, shape: EngineShape, mesh: Any = None):
         self.shape = shape
         self.model_config = cfg = model.config
+        # a decode step streams every weight: on the CPU it reads them faster from 2 MB pages (same values)
+        move_to_huge_pages(model)
         graphdef, state = nnx.split(model)
         self.graphdef = graphdef  # the model's static structure (a subclass's programs merge it too)
         # plain nested dicts of arrays: a call flattens them in C++, where a State of nnx Variables is
@@ -317,8 +305,8 @@ class Runner(AheadOfTime):
                 for _ in range(cfg.num_mla_layers)
             )
         is_host = lambda x: isinstance(x, HostShards)  # noqa: E731
-        states = jax.tree_util.tree_map(_to_device, r.states, is_leaf=is_host)
-        kv = jax.tree_util.tree_map(_to_device, kv, is_leaf=is_host)
+        states = jax.tree_util.tree_map(to_device, r.states, is_leaf=is_host)
+        kv = jax.tree_util.tree_map(to_device, kv, is_leaf=is_host)
         self.pools = copies.put(self.pools, jnp.int32(r.slot), states, jnp.int32(r.tail_block), kv)
 
     def run_program(
@@ -328,13 +316,12 @@ class Runner(AheadOfTime):
         tables: np.ndarray,
         start: np.ndarray,
         valid: np.ndarray,
-    ) -> jax.Array:
+    ) -> Last:
         """Run `tokens` [B, T] for slots `slot_ids` (block tables [B, W], positions from `start`, `valid` real
-        tokens per row); updates the pools, returns the logits after each row's last real token."""
+        tokens per row); updates the pools, returns what the program gives for each row's last real token."""
         program = ProgramShape(*tokens.shape, tables.shape[1])
-        return self._execute(
-            program, self._program(tokens.shape[1]), (tokens, slot_ids, tables, start, valid)
-        )
+        host = (tokens, slot_ids, tables, start, valid)
+        return self._execute(program, self._program(program.length), host)
 
     def _execute(
         self, program: ProgramShape, fn: tuple[Any, Any], host: tuple[np.ndarray, ...], extra: tuple = ()
@@ -343,8 +330,12 @@ class Runner(AheadOfTime):
         arrays (tokens, slot ids, block tables, start, valid) and `extra` device arguments; write the rows'
         states and take the new pools. Returns the program's first output."""
         kda, mla = self._split_pools()
-        # int32 on the host: no conversion on the device
-        tokens_, slots, tables_, start_, valid_ = (jnp.asarray(np.asarray(a, np.int32)) for a in host)
+        # int32 on the host: no conversion on the device. On one device a compiled call takes host arrays for
+        # a fifth of what placing them first costs (jnp.asarray); on a mesh they are placed first.
+        ints = tuple(np.asarray(a, np.int32) for a in host)
+        if self.pool_shardings is not None:
+            ints = tuple(jnp.asarray(a) for a in ints)
+        tokens_, slots, tables_, start_, valid_ = ints
         inputs = (*fn, kda, mla, tokens_, slots, tables_, start_, valid_, *extra)
         run, write_rows = self._compiled_program(program, inputs)
         out, rows, mla = run(*inputs[1:])
@@ -399,8 +390,12 @@ class Runner(AheadOfTime):
         rows take distinct idle slots with no real token, which leaves their state unchanged."""
         rows = self.shape.decode_rows(len(reqs))
         width = self.shape.table_width(max(len(r.blocks) for r in reqs))
-        logits = self._run_rows(reqs, [1] * len(reqs), ProgramShape(rows, 1, width))
-        ids, logps = self.sample(logits, [*reqs, *([None] * (rows - len(reqs)))])
+        program = ProgramShape(rows, 1, width)
+        last = self.run_program(*self._row_inputs(reqs, [[r.tokens[r.num_computed]] for r in reqs], program))
+        if all(r.params.greedy for r in reqs):
+            ids, logps = jax.device_get((last.greedy_ids, last.greedy_logprobs))
+        else:
+            ids, logps = self.sample(last.logits, [*reqs, *([None] * (rows - len(reqs)))])
         return ids[: len(reqs)], logps[: len(reqs)]
 
     def verify(self, reqs: list[Request], drafts: list[list[int]]) -> Verified:
@@ -451,13 +446,13 @@ class Runner(AheadOfTime):
         table, slot, one = self._table(req, program.width)[None], np.asarray([req.slot]), np.ones(1, np.int32)
         for position in range(req.num_computed, req.num_computed + n):
             token = np.asarray([[req.tokens[position]]], np.int32)
-            logits = self.run_program(token, slot, table, np.asarray([position]), one)
+            logits = self.run_program(token, slot, table, np.asarray([position]), one).logits
         return logits
 
     def _run_rows(self, reqs: list[Request], ns: list[int], program: ProgramShape) -> jax.Array:
         """Run `program` with row i holding the next `ns[i]` tokens of `reqs[i]`."""
         chunks = [r.tokens[r.num_computed : r.num_computed + n] for r, n in zip(reqs, ns, strict=True)]
-        return self.run_program(*self._row_inputs(reqs, chunks, program))
+        return self.run_program(*self._row_inputs(reqs, chunks, program)).logits
 
     def _row_inputs(
         self, reqs: list[Request], chunks: list[list[int]], program: ProgramShape
@@ -485,54 +480,6 @@ class Runner(AheadOfTime):
         temperature, top_k, top_p, keys = batch_arrays(params, seeds, steps)
         ids, logps = self.programs.sample(logits, temperature, top_k, top_p, keys)
         return np.asarray(ids), np.asarray(logps)
-
-    # --- copies the prefix store keeps (its CheckpointSource) ---------------------------------------
-    def take(self, slot: int, block: int) -> tuple[Any, Any]:
-        """(KDA states of `slot`, latent KV of `block`) as new device arrays."""
-        return copies.take(self.pools, jnp.int32(slot), jnp.int32(block), self.shape.checkpoint_dtype)
-
-    def gather(self, blocks: list[int]) -> tuple[Any, ...]:
-        """Per MLA layer the KV of `blocks` (rows beyond len(blocks) are padding up to a table width)."""
-        ids = np.full((self.shape.table_width(len(blocks)),), SCRATCH_BLOCK, np.int32)
-        ids[: len(blocks)] = blocks
-        return copies.gather(self.pools, jnp.asarray(ids))
-
-    def gathered_bytes(self, blocks: int) -> int:
-        """Device bytes one `gather` of `blocks` blocks holds (with its padding)."""
-        return self.shape.table_width(blocks) * self.shape.block_bytes
-
-    @staticmethod
-    def to_host(tree: Any) -> Any:
-        """A checkpoint's arrays in host memory (this process's shards of arrays sharded across processes)."""
-        return jax.tree_util.tree_map(_to_host, tree)
-
-    @staticmethod
-    def pack(states: Any, kv_full: Any, num_full: int, tail: Any) -> dict[str, jax.Array]:
-        """A checkpoint as the named arrays of its disk entry (on the device: with several processes each
-        writes its shards): conv_i / state_i per KDA layer, kv [mla, num_full, block, latent], tail."""
-        arrays = {}
-        for i, (conv, state) in enumerate(states):
-            arrays[f"conv_{i}"], arrays[f"state_{i}"] = conv, state
-        if num_full:
-            arrays["kv"] = jnp.stack([k[:num_full] for k in kv_full])
-        if tail is not None:
-            arrays["tail"] = jnp.stack(list(tail))
-        return arrays
-
-    def init_restore_shardings(self) -> None:
-        """Learn the shardings `take` produces (one program every process runs, so call it in lockstep,
-        before any read runs in the background)."""
-        states, _ = self.take(0, SCRATCH_BLOCK)
-        self._restore_shardings = [(c.sharding, s.sharding) for c, s in states]
-
-    def restore_sharding(self, name: str, shape: tuple[int, ...], dtype: str) -> Any:
-        """Where a disk read puts array `name` on the mesh: a slot's states as `take` leaves them, the KV
-        replicated (as the pools' block axis is)."""
-        if name.startswith(("conv_", "state_")):
-            kind, i = name.split("_")
-            return self._restore_shardings[int(i)][kind == "state"]
-        mesh = jax.tree.leaves(self.pool_shardings)[0].mesh
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     # --- failures --------------------------------------------------------------------------------------
     def pools_lost(self) -> bool:
