@@ -9,7 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serve.engine.sampling import SamplingError, SamplingParams, batch_arrays, request_key, sample
+from serve.engine.sampling import (
+    SamplingError,
+    SamplingParams,
+    _argmax,
+    batch_arrays,
+    greedy,
+    request_key,
+    sample,
+)
 
 _jsample = jax.jit(sample)
 # Frequency tolerance: 4000 draws give a per-id standard error of at most sqrt(0.25 / 4000) ~ 0.008, so 0.03
@@ -67,6 +75,31 @@ def test_greedy_is_argmax_with_exact_logprob(dtype) -> None:
     assert tok.dtype == jnp.int32 and lp.dtype == jnp.float32
     oracle = _np_log_softmax(ref)[np.arange(8), ref.argmax(-1)]
     assert _rel_err(lp, oracle) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_greedy_equals_sampling_at_temperature_zero(dtype) -> None:
+    """The model programs' `greedy` gives `sample`'s greedy tokens, and logprobs within a few ulps (one
+    id's share of the same log_softmax arithmetic)."""
+    logits = (jax.random.normal(jax.random.key(2), (6, 32000), jnp.float32) * 4).astype(dtype)
+    logits = logits.at[1, 7].set(30.0).at[1, 31999].set(30.0)  # a tie: the lowest id
+    tok, lp = greedy(logits)
+    want_tok, want_lp = _jsample(logits, *_greedy_args(6))
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(want_tok))
+    assert int(tok[1]) == 7 and tok.dtype == jnp.int32 and lp.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), rtol=1e-6, atol=1e-6)
+
+
+def test_argmax_is_numpys_on_ties_infinities_and_nans() -> None:
+    """Oracle: numpy's argmax (the first maximum; the first NaN where there is one)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, (200, 50)).astype(np.float32)  # many ties
+    x[5] = -np.inf
+    x[6, 10] = np.inf
+    x[7, [3, 9]] = np.nan
+    x[8] = np.nan
+    x[9, 49] = np.nan
+    np.testing.assert_array_equal(np.asarray(jax.jit(_argmax)(jnp.asarray(x))), x.argmax(-1))
 
 
 def test_top_k_one_equals_greedy_and_tiny_temperature_is_finite() -> None:

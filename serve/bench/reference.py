@@ -149,10 +149,12 @@ class OurModel:
 
         from jaxhybrid.model import pure_fn
         from jaxhybrid.weights import load_pretrained
+        from jaxhybrid.weights.pages import move_to_huge_pages
 
         self.model = load_pretrained(directory, dtype=jnp.float32, progress=False)
         if int8:  # as `--weight-dtype int8` serves it
             self.model.to_int8()
+        move_to_huge_pages(self.model)  # as its engines do, before the full pass takes the weights too
         self.full, self.state = pure_fn(self.model)
         self.max_len = max_len
 

@@ -176,16 +176,23 @@ def _needs_filter(is_greedy: jax.Array, top_k: jax.Array, top_p: jax.Array, voca
 
 
 def _argmax(x: jax.Array) -> jax.Array:
-    return jnp.argmax(x, axis=-1).astype(jnp.int32)  # first maximum -> lowest id on ties
+    """`jnp.argmax` over the last axis (the first maximum: the lowest id on ties; the first NaN where there is
+    one) as two vectorized reductions, a maximum and the least id that holds it: XLA:CPU runs argmax's
+    (value, id) reduction one element at a time, 0.1 ms over a 32000-token vocabulary."""
+    nan = jnp.isnan(x)
+    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == jnp.max(x, axis=-1, keepdims=True))
+    return jnp.min(jnp.where(hit, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
 
 
 def greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`sample` for rows that are all greedy: (argmax ids [B] int32, their logprobs [B] f32). Cheap enough to
     run inside every model program, where `sample`'s PRNG and sorts would add a third of a second to each
-    compile."""
+    compile. The logprob is log_softmax's arithmetic at the chosen id only."""
     x = logits.astype(jnp.float32)
     token = _argmax(x)
-    return token, jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), token[:, None], axis=-1)[:, 0]
+    shifted = x - jnp.max(x, axis=-1, keepdims=True)
+    lse = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
+    return token, jnp.take_along_axis(shifted, token[:, None], axis=-1, mode="clip")[:, 0] - lse
 
 
 def sample(
