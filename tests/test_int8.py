@@ -81,10 +81,12 @@ def test_per_row_matrices_equal_the_reference(pairs, out, cols, experts, seed):
     assert not got[np.asarray(ids) < 0].any()
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("tokens", [1, 5, 40, 200])
 def test_int8_experts_equal_the_dense_reference_on_their_dequantized_weights(tokens):
-    """Decode-sized batches take the loop-free pairs path, larger ones the expert loop; both against every
-    expert on every token (`moe_experts_dense`) with the dequantized weights; rows not valid give zeros."""
+    """Decode-sized batches take the loop-free pairs path, larger ones the expert loop (blocks of up to 16
+    rows through the kernel; 200 tokens: blocks of 64 rows, each expert dequantized once for all of its
+    blocks); all against every expert on every token (`moe_experts_dense`) with the dequantized weights;
+    rows not valid give zeros."""
     rng = np.random.default_rng(tokens)
     E, D, F, k = 6, 32, 48, 2
     w1, w3 = (int8.quantize(jnp.asarray(rng.standard_normal((E, F, D)), jnp.float32)) for _ in range(2))

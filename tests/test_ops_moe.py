@@ -274,22 +274,27 @@ def test_rows_not_valid_are_not_routed(impl, tokens) -> None:
     assert _rel_err(out[v], ref) < 1e-5
 
 
-def test_skipping_reads_only_the_experts_in_use() -> None:
+@pytest.mark.parametrize("tokens", [4, _N], ids=["one-row blocks", "blocks of 8 rows"])
+def test_skipping_reads_only_the_experts_in_use(tokens) -> None:
     """An expert no valid row chose is never read: NaN weights in every other expert leave the result
-    finite and equal to the reference (a path that touched them would turn NaN)."""
+    finite and equal to the reference (a path that touched them would turn NaN). The valid rows choose
+    experts 1, 2 and 3 (40 tokens: 120 pairs, blocks of 8 rows, several per expert)."""
     rng = np.random.default_rng(8)
-    x = jnp.asarray(rng.standard_normal((4, _D)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((tokens, _D)).astype(np.float32))
     w1, w2, w3 = _expert_weights(rng)
-    ids = jnp.asarray(np.array([[1, 2, 3], [0, 0, 0], [0, 0, 0], [0, 0, 0]], np.int32))
-    valid = jnp.asarray([True, False, False, False])
-    weights = jnp.asarray(rng.uniform(0.1, 1.0, (4, _K)).astype(np.float32))
+    ids_np = np.zeros((tokens, _K), np.int32)
+    ids_np[: tokens - 3] = [1, 2, 3]
+    valid_np = np.arange(tokens) < tokens - 3
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, _K)).astype(np.float32))
     unused = np.ones(_E, bool)
     unused[[1, 2, 3]] = False
     poisoned = [jnp.where(unused[:, None, None], jnp.nan, w) for w in (w1, w2, w3)]
+    ids, valid = jnp.asarray(ids_np), jnp.asarray(valid_np)
     out = np.asarray(jax.jit(moe_experts_skipping)(x, *poisoned, weights, ids, valid=valid))
     assert np.isfinite(out).all()
-    ref = float64_experts(np.asarray(x)[:1], w1, w2, w3, np.asarray(weights)[:1], np.asarray(ids)[:1])
-    assert _rel_err(out[:1], ref) < 1e-5
+    v = np.flatnonzero(valid_np)
+    ref = float64_experts(np.asarray(x)[v], w1, w2, w3, np.asarray(weights)[v], ids_np[v])
+    assert _rel_err(out[v], ref) < 1e-5
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ expert per block; the dense reference dequantizes all. Packed weights are for in
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -278,6 +279,7 @@ class _Blocks(NamedTuple):
     block_expert: jax.Array  # [num_rows // m] expert of each block
     used_blocks: jax.Array  # scalar: blocks holding at least one pair (they come first)
     num_rows: int  # static: rows of the largest layout, a multiple of m
+    expert_blocks: jax.Array  # [E] blocks of each expert (its blocks are consecutive, in expert order)
 
 
 def _sorted_blocks(key: jax.Array, num_experts: int, m: int) -> _Blocks:
@@ -297,7 +299,7 @@ def _sorted_blocks(key: jax.Array, num_experts: int, m: int) -> _Blocks:
     block_expert = jnp.minimum(
         jnp.searchsorted(padded_end, jnp.arange(num_rows // m) * m, side="right"), num_experts - 1
     )
-    return _Blocks(order, dest, in_block, block_expert, padded_end[-1] // m, num_rows)
+    return _Blocks(order, dest, in_block, block_expert, padded_end[-1] // m, num_rows, padded // m)
 
 
 def _block_rows_of(x: jax.Array, blocks: _Blocks, k: int) -> jax.Array:
@@ -386,10 +388,10 @@ def moe_experts_skipping(
     As in :func:`moe_experts_blocked`, the pairs are sorted by expert into blocks of ``m`` rows of one
     expert each, but the blocks run in a loop whose trip count is the number of blocks in use: an expert no
     valid row chose is never read, and rows with ``valid`` False (an engine's idle slots, a prompt's
-    padding) are not routed at all. Each iteration slices its expert's weights in place, so nothing is
-    gathered. The loop's trip count is data-dependent, so the derivative is that of
-    :func:`moe_experts_blocked` (computed in the backward pass). Same contract as
-    :func:`moe_experts_dropless`.
+    padding) are not routed at all. One-row blocks read their expert's weights in place; with larger blocks
+    (a prompt) each expert in use is taken out of its stack once, for all of its blocks. The loop's trip
+    count is data-dependent, so the derivative is that of :func:`moe_experts_blocked` (computed in the
+    backward pass). Same contract as :func:`moe_experts_dropless`.
     """
     check_expert_shapes(x, w1, w2, w3)
     if valid is None:
@@ -467,7 +469,11 @@ def _skipping_forward(
         return mxfp4.matvec(expert_slice(w2, at), hidden)[None]
 
     def rows(e: jax.Array, r: jax.Array) -> jax.Array:
-        r, a, c, b = precision.f32_operands(r, pick(w1, e), pick(w3, e), pick(w2, e))
+        return dense_rows((pick(w1, e), pick(w3, e), pick(w2, e)), r)
+
+    def dense_rows(ws: tuple[jax.Array, jax.Array, jax.Array], r: jax.Array) -> jax.Array:
+        """[m, D] -> [m, D] through an expert's dense (gate, up, down) matrices."""
+        r, a, c, b = precision.f32_operands(r, *ws)
         gate = jnp.dot(r, a.T, precision=precision.of(r, a), preferred_element_type=jnp.float32)
         up = jnp.dot(r, c.T, precision=precision.of(r, c), preferred_element_type=jnp.float32)
         hidden = gated_act(gate, up, act).astype(b.dtype)
@@ -486,12 +492,30 @@ def _skipping_forward(
     else:
         expert_rows = one_row if m == 1 and is_packed(w1) else rows
 
-    def block(i: jax.Array, acc: jax.Array) -> jax.Array:
+    def add_block(i: jax.Array, acc: jax.Array, y_of: Callable[[jax.Array], jax.Array]) -> jax.Array:
+        """Block i's rows through `y_of` ([m, D] -> [m, D]), weighted, added into their tokens' sums."""
         t = jax.lax.dynamic_slice_in_dim(token, i * m, m)
-        y = expert_rows(blocks.block_expert[i], jnp.take(x, t, axis=0, mode="fill", fill_value=0))
+        y = y_of(jnp.take(x, t, axis=0, mode="fill", fill_value=0))
         return acc.at[t].add(y * jax.lax.dynamic_slice_in_dim(weight, i * m, m)[:, None], mode="drop")
 
-    out = jax.lax.fori_loop(0, blocks.used_blocks, block, jnp.zeros((num_tokens, dim), jnp.float32))
+    zeros = jnp.zeros((num_tokens, dim), jnp.float32)
+    if m == 1 or (isinstance(w1, Int8) and m <= int8.KERNEL_ROWS):  # products that read experts in place
+        block = lambda i, acc: add_block(i, acc, functools.partial(expert_rows, blocks.block_expert[i]))  # noqa: E731
+        return jax.lax.fori_loop(0, blocks.used_blocks, block, zeros).astype(x.dtype)
+
+    # Blocks of many rows: XLA:CPU's product copies an expert out of its stack (an int8 or packed one is
+    # dequantized) before it reads it, so each expert in use is taken out once, for all of its blocks.
+    used = jnp.flatnonzero(blocks.expert_blocks > 0, size=num_experts, fill_value=0)
+    first = jnp.cumsum(blocks.expert_blocks) - blocks.expert_blocks
+
+    def expert(j: jax.Array, acc: jax.Array) -> jax.Array:
+        e = used[j]
+        ws = (pick(w1, e), pick(w3, e), pick(w2, e))
+        y_of = functools.partial(dense_rows, ws)
+        end = first[e] + blocks.expert_blocks[e]
+        return jax.lax.fori_loop(first[e], end, lambda i, acc: add_block(i, acc, y_of), acc)
+
+    out = jax.lax.fori_loop(0, jnp.sum(blocks.expert_blocks > 0), expert, zeros)
     return out.astype(x.dtype)
 
 
