@@ -240,7 +240,8 @@ def measure(
         ref_tokens, t_ref = ref.decode(decode_prompt, args.decode_tokens)
         keep("ref_decode", t_ref)
         for v, model in variants.items():
-            for name, engine in engines[v].items():
+            # each round reverses the engines' order, so neither always decodes first after the prefills
+            for name, engine in list(engines[v].items())[:: 1 if rnd % 2 else -1]:
                 got_tokens, t_ours = model.decode(engine, decode_prompt, args.decode_tokens)
                 keep(f"{v}_decode_{name}", t_ours)
                 if v == "ours":
