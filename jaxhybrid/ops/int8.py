@@ -39,6 +39,7 @@ __all__ = [
     "matmul_pairs_many_reference",
     "KERNEL_ROWS",
     "BLOCK",
+    "kernel_takes",
 ]
 
 KERNEL_ROWS = 16  # up to this many rows the kernel (one read of the weights); past that the blocked product
@@ -96,7 +97,7 @@ def matmul_reference(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
 def matmul(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
     if jax.default_backend() != "cpu":
         return matmul_reference(x, w, index)
-    if _kernel_rows(x):
+    if kernel_takes(math.prod(x.shape[:-1])):
         (y,) = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w)], flat_index(w.q.shape[:-2], index).reshape(1))
         return y.reshape(*x.shape[:-1], w.q.shape[-2])
     return _blocked(x, select(w, index))
@@ -110,7 +111,7 @@ def matmul_many_reference(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, 
 def matmul_many(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, ...]:
     """:func:`matmul_many_reference` as one kernel call on the CPU (decode-sized rows: the matrices' rows
     are split over the threads as one product); else one :func:`matmul` each."""
-    if jax.default_backend() == "cpu" and _kernel_rows(x):
+    if jax.default_backend() == "cpu" and kernel_takes(math.prod(x.shape[:-1])):
         ys = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w) for w in ws], jnp.zeros((1,), jnp.int32))
         return tuple(y.reshape(*x.shape[:-1], w.q.shape[-2]) for y, w in zip(ys, ws, strict=True))
     return tuple(matmul(x, w) for w in ws)
@@ -150,8 +151,10 @@ def _target() -> str | None:
     return int8_kernel()
 
 
-def _kernel_rows(x: jax.Array) -> bool:
-    return math.prod(x.shape[:-1]) <= KERNEL_ROWS and _target() is not None
+def kernel_takes(rows: int) -> bool:
+    """Whether the CPU kernel multiplies `rows` rows (reading the int8 weights in place); past that, or
+    without the kernel, `matmul` dequantizes its weights block by block."""
+    return rows <= KERNEL_ROWS and _target() is not None
 
 
 def _kernel(x: jax.Array, ws: Sequence[Int8], ids: jax.Array) -> list[jax.Array]:

@@ -499,7 +499,7 @@ def _skipping_forward(
         return acc.at[t].add(y * jax.lax.dynamic_slice_in_dim(weight, i * m, m)[:, None], mode="drop")
 
     zeros = jnp.zeros((num_tokens, dim), jnp.float32)
-    if m == 1 or (isinstance(w1, Int8) and m <= int8.KERNEL_ROWS):  # products that read experts in place
+    if m == 1 or (isinstance(w1, Int8) and int8.kernel_takes(m)):  # products that read experts in place
         block = lambda i, acc: add_block(i, acc, functools.partial(expert_rows, blocks.block_expert[i]))  # noqa: E731
         return jax.lax.fori_loop(0, blocks.used_blocks, block, zeros).astype(x.dtype)
 
