@@ -39,6 +39,16 @@ class KDAPoolRows(NamedTuple):
         return KDACache(conv=self.conv, state=self.state[self.rows])
 
 
+class KDAPoolInPlace(NamedTuple):
+    """The pools of a one-token step that writes its rows' new caches into their slots in place (the CPU
+    engine's decode program): `conv` [S, C, K-1] and `state` [S, H, d, d] whole, `rows` [B] int32 the rows'
+    distinct slots. The layer returns a `KDACache` of the updated pools, not of the rows."""
+
+    conv: jax.Array
+    state: jax.Array
+    rows: jax.Array
+
+
 class MLACache(NamedTuple):
     """kv: [B, S, kv_lora_rank + rope] latent per position; length: [B] int32 tokens written so far."""
 

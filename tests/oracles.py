@@ -53,8 +53,10 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def assert_matches_full_pass(
     full: Callable[[list[int]], np.ndarray], prompt, generated, logprobs=None, tol: float = LOGPROB_TOL
 ):
-    """Every greedy token is the argmax of the full pass over everything before it, and (when given) its
-    logprob equals that pass's log-softmax within `tol`. `full`: tokens -> logits [T, vocab] (a FullPass).
+    """Every greedy token is the argmax of the full pass over everything before it (or, at a near-tie, within
+    `tol` of its largest logit: two fp32 evaluation orders may decide a tie either way; seen: 2.4e-7 apart),
+    and (when given) its logprob equals that pass's log-softmax within `tol`. `full`: tokens -> logits
+    [T, vocab] (a FullPass).
 
     Where a logprob is further off, the full pass runs again at two other padded lengths (other fp32
     evaluation orders): a position where the passes themselves differ (seen on an Intel VM: by 1.2e-4 at one
@@ -64,10 +66,11 @@ def assert_matches_full_pass(
     land 6.3e-5 from the pass but 1.5e-5 from exact). Elsewhere `tol` against the full pass stands."""
     seq = list(prompt) + list(generated)
     logits = full(seq[:-1])[len(prompt) - 1 :]
-    assert list(logits.argmax(-1)) == list(generated)
+    rows = np.arange(len(generated))
+    short = logits.max(-1) - logits[rows, generated]  # 0 where the token is the argmax
+    assert np.all(short <= tol), f"{generated} against the full pass's {list(logits.argmax(-1))}: {short}"
     if logprobs is None:
         return
-    rows = np.arange(len(generated))
     want = log_softmax(logits)[rows, generated]
     off = np.abs(np.asarray(logprobs) - want)
     allowed = np.full(len(generated), tol)

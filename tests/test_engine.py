@@ -66,6 +66,33 @@ def test_decode_padding_rows_leave_a_prefilling_request_alone(model, full_pass):
         assert_matches_full_pass(full_pass, p, res.token_ids, res.logprobs)
 
 
+def test_decode_steps_update_the_state_pools_in_place(model, full_pass):
+    """On the CPU with the native kernels a one-token step writes its rows' KDA states and conv windows
+    into their slots of the pools themselves: the pools keep their buffers from step to step (no copy of a
+    pool, no second program), and the tokens are the full pass's."""
+    from jaxhybrid.ops.kda import steps_into_pools
+
+    if not steps_into_pools():
+        pytest.skip("no native kernels here: the rows' write program updates the pools")
+    eng = Engine(model, EngineConfig(max_slots=4, block_size=8))
+    ps = prompts([5, 12], seed=9)
+    ids = [eng.add_request(p, GREEDY) for p in ps]
+    eng.step()  # the prompts' prefill
+    kda = [i for i, kind in enumerate(model.config.layer_types) if kind == "kda"]
+    where = lambda: (
+        [eng.runner.pools[i].state.unsafe_buffer_pointer() for i in kda]
+        + [  # noqa: E731
+            eng.runner.pools[i].conv.unsafe_buffer_pointer() for i in kda
+        ]
+    )
+    before = where()
+    while eng.has_unfinished():
+        eng.step()
+        assert where() == before
+    for rid, p in zip(ids, ps, strict=True):
+        assert_matches_full_pass(full_pass, p, eng.result(rid).token_ids, eng.result(rid).logprobs)
+
+
 def test_short_prompts_share_one_prefill_call(model, full_pass, monkeypatch):
     """Short prompts admitted in one step are prefilled in one call of `prefill_rows` rows. The first pair's
     padding rows sit on idle slots, the second pair's on the two decoding requests' slots, whose state and

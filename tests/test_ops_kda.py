@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_reference
-from jaxhybrid.ops.kda import kda_chunked, kda_decode, kda_recurrent
-from jaxhybrid.ops.native import kda_decode_kernel
+from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_into_pool, causal_conv1d_reference
+from jaxhybrid.ops.kda import kda_chunked, kda_decode, kda_decode_into_pool, kda_recurrent
+from jaxhybrid.ops.native import kda_decode_kernel, kda_pool_kernels
 
 B, H = 2, 2
 TOL = 1e-5  # relative error bound for fp32 forward results
@@ -166,6 +166,37 @@ def test_kda_decode_reads_rows_of_a_pool_in_place(monkeypatch, kernel: bool) -> 
     np.testing.assert_array_equal(np.asarray(pool), before)
     with pytest.raises(ValueError, match="pool"):
         kda_decode(q, k, v, g, beta, None, rows)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "xla"])
+def test_kda_decode_into_pool_writes_each_row_over_its_slot(monkeypatch, kernel: bool) -> None:
+    """`kda_decode_into_pool`: rows in any order from their slots; o and the rows' new states (in their
+    slots) as the float64 loop gives them from the gathered states, a padded row (g = 0, beta = 0) and every
+    other slot bit for bit as they were; donated, the kernel writes the pool's own buffer."""
+    import jaxhybrid.ops.native as native
+
+    if not kernel:
+        monkeypatch.setattr(native, "kda_pool_kernels", lambda: None)
+    elif kda_pool_kernels() is None:
+        pytest.skip("no C++ compiler here")
+    (q, k, v, g, beta), _ = make_inputs(37, 1, dk=32, dv=16, state=True)
+    g, beta = g.at[1].set(0.0), beta.at[1].set(0.0)
+    pool = jnp.asarray(np.random.default_rng(6).standard_normal((5, H, 32, 16)), jnp.float32)
+    rows = jnp.asarray([3, 0], jnp.int32)
+    before = np.array(pool)  # a copy: a view of the pool would keep it from being donated
+    step = jax.jit(lambda *a: kda_decode_into_pool(*a), donate_argnums=(5,))  # a trace of its own
+    hlo = step.lower(q, k, v, g, beta, pool, rows).as_text()
+    assert ("jaxhybrid_kda_decode_pool" in hlo) is kernel
+    address = pool.unsafe_buffer_pointer()
+    o, new = step(q, k, v, g, beta, pool, rows)
+    o_ref, s_ref = kda_oracle(q, k, v, g, beta, before[np.asarray(rows)])
+    assert o.shape == (B, 1, H, 16) and new.shape == before.shape
+    assert rel_err(o, o_ref) < TOL and rel_err(new[3], s_ref[0]) < TOL
+    want = before.copy()
+    want[3] = np.asarray(new[3])
+    np.testing.assert_array_equal(np.asarray(new), want)  # slot 0 (the padded row) and the rest unchanged
+    if kernel:
+        assert new.unsafe_buffer_pointer() == address
 
 
 def test_kda_rectangular_head_dims() -> None:
@@ -400,3 +431,32 @@ def test_conv_padded_prefill_then_decode() -> None:
         seq = jnp.concatenate([x[bi : bi + 1, :n], x_next[bi : bi + 1]], axis=1)
         y_ref, _ = conv_oracle(seq, w, s[bi : bi + 1])
         assert rel_err(y_next[bi, 0], y_ref[0, -1]) < TOL
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "xla"])
+def test_conv_into_pool_moves_each_rows_window_on_in_its_slot(monkeypatch, kernel: bool) -> None:
+    """`causal_conv1d_into_pool` for one token per row: y as the float64 loop from the gathered windows, each
+    valid row's window moved on by its token in its slot, a row with length 0 and every other slot bit for
+    bit as they were; donated, the kernel writes the pool's own buffer."""
+    import jaxhybrid.ops.native as native
+
+    if not kernel:
+        monkeypatch.setattr(native, "kda_pool_kernels", lambda: None)
+    elif kda_pool_kernels() is None:
+        pytest.skip("no C++ compiler here")
+    c, kk = 6, 4
+    x, weight, _ = conv_inputs(41, 3, 1, c, kk, state=False)
+    pool = jnp.asarray(np.random.default_rng(7).standard_normal((5, c, kk - 1)), jnp.float32)
+    rows, lengths = jnp.asarray([4, 1, 2], jnp.int32), jnp.asarray([1, 0, 1], jnp.int32)
+    before = np.array(pool)  # a copy: a view of the pool would keep it from being donated
+    step = jax.jit(lambda *a: causal_conv1d_into_pool(*a), donate_argnums=(2,))  # a trace of its own
+    assert ("jaxhybrid_conv_decode_pool" in step.lower(x, weight, pool, rows, lengths).as_text()) is kernel
+    address = pool.unsafe_buffer_pointer()
+    y, new = step(x, weight, pool, rows, lengths)
+    y_ref, s_ref = conv_oracle(x, weight, before[np.asarray(rows)], np.asarray(lengths))
+    assert y.shape == (3, 1, c) and rel_err(np.asarray(y)[[0, 2]], y_ref[[0, 2]]) < TOL
+    want = before.copy()
+    want[[4, 2]] = s_ref[[0, 2]]
+    np.testing.assert_allclose(np.asarray(new), want, rtol=0, atol=0)
+    if kernel:
+        assert new.unsafe_buffer_pointer() == address

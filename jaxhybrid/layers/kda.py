@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxhybrid.cache import KDACache, KDAPoolRows
+from jaxhybrid.cache import KDACache, KDAPoolInPlace, KDAPoolRows
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import DepthwiseConv, GatedRMSNorm, Linear, param, project
-from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_windows
-from jaxhybrid.ops.kda import kda_chunked, kda_decode, kda_recurrent_states
+from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_into_pool, causal_conv1d_windows
+from jaxhybrid.ops.kda import kda_chunked, kda_decode, kda_decode_into_pool, kda_recurrent_states
 from jaxhybrid.ops.norms import l2_normalize
 
 
@@ -92,15 +92,20 @@ class KimiDeltaAttention(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
-        cache: KDACache | KDAPoolRows | None = None,
+        cache: KDACache | KDAPoolRows | KDAPoolInPlace | None = None,
         lengths: jax.Array | None = None,
         keep_states: bool = False,
     ) -> tuple[jax.Array, KDACache]:
         """x [B, T, D] -> (y [B, T, D], cache after the valid tokens). T == 1 uses the recurrent form.
         `keep_states`: the recurrent form, and the cache after every token instead (conv [B, T, C, K-1],
-        state [B, T, H, d, d]; past a row's length, the cache after its last valid token)."""
+        state [B, T, H, d, d]; past a row's length, the cache after its last valid token). A
+        `KDAPoolInPlace` cache (T == 1 only) returns its pools with the rows' new caches in their slots."""
         B, T, _ = x.shape
         H, d = self.num_heads, self.head_dim
+        pools = cache if isinstance(cache, KDAPoolInPlace) else None
+        if pools is not None:
+            if T != 1 or keep_states:
+                raise ValueError("pools updated in place take one token per row")
         if isinstance(cache, KDAPoolRows) and (T != 1 or keep_states):
             cache = cache.gathered()  # only the one-token step reads a pool's rows in place
         # every projection of x at once (one kernel call in a CPU decode step)
@@ -111,8 +116,11 @@ class KimiDeltaAttention(nnx.Module):
         conv_w = jnp.concatenate(
             [c.weight[...][:, 0, :] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], axis=0
         ).astype(x.dtype)
-        conv = causal_conv1d_windows if keep_states else causal_conv1d
-        qkv, conv_state = conv(qkv, conv_w, None if cache is None else cache.conv, lengths)
+        if pools is not None:
+            qkv, conv_state = causal_conv1d_into_pool(qkv, conv_w, pools.conv, pools.rows, lengths)
+        else:
+            conv = causal_conv1d_windows if keep_states else causal_conv1d
+            qkv, conv_state = conv(qkv, conv_w, None if cache is None else cache.conv, lengths)
         qkv = jax.nn.silu(qkv)
         q, k, v = (t.reshape(B, T, H, d) for t in jnp.split(qkv, 3, axis=-1))
         q = l2_normalize(q.astype(jnp.float32)) * (d**-0.5)
@@ -123,7 +131,9 @@ class KimiDeltaAttention(nnx.Module):
         if mask is not None:  # padded tokens must leave the state untouched: no decay, no write
             g = g * mask[:, :, None, None]
             beta = beta * mask[:, :, None]
-        if isinstance(cache, KDAPoolRows):
+        if pools is not None:
+            o, state = kda_decode_into_pool(q, k, v.astype(jnp.float32), g, beta, pools.state, pools.rows)
+        elif isinstance(cache, KDAPoolRows):
             o, state = kda_decode(q, k, v.astype(jnp.float32), g, beta, cache.state, rows=cache.rows)
         else:
             kda = kda_recurrent_states if keep_states else kda_decode if T == 1 else kda_chunked

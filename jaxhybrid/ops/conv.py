@@ -55,6 +55,49 @@ def causal_conv1d(
     return y.astype(x.dtype), jnp.swapaxes(tail, 1, 2)
 
 
+def causal_conv1d_into_pool_reference(
+    x: jax.Array,
+    weight: jax.Array,
+    pool: jax.Array,
+    rows: jax.Array,
+    lengths: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`causal_conv1d` from the states `pool[rows]` (pool [S, C, K-1], rows [B] int32, distinct):
+    (y, the pool with each row's new state in its slot)."""
+    y, new = causal_conv1d(x, weight, pool[rows], lengths)
+    return y, pool.at[rows].set(new.astype(pool.dtype))
+
+
+def causal_conv1d_into_pool(
+    x: jax.Array,
+    weight: jax.Array,
+    pool: jax.Array,
+    rows: jax.Array,
+    lengths: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`causal_conv1d_into_pool_reference` for one token per row (T == 1) on the CPU through the
+    native kernel, which reads each row's window in its slot and moves it on there (the result aliases
+    `pool`: donate it, else XLA copies it first). In a program that reads the pool and scatters into it,
+    XLA:CPU fuses the read into the scatter and then copies the whole pool, twice. Elsewhere, or without
+    the kernel, the reference."""
+    from jaxhybrid.ops.native import kda_pool_kernels
+
+    kernels = kda_pool_kernels()
+    f32 = jnp.float32
+    native = x.shape[1] == 1 and jax.default_backend() == "cpu" and kernels is not None
+    if not native or not x.dtype == pool.dtype == f32:
+        return causal_conv1d_into_pool_reference(x, weight, pool, rows, lengths)
+    b, _, c = x.shape
+    if weight.ndim != 2 or pool.shape[1:] != (c, weight.shape[1] - 1) or rows.shape != (b,):
+        want = f"weight [{c}, K], pool [S, {c}, K-1], rows [{b}]"
+        raise ValueError(f"{want} expected: {weight.shape}, {pool.shape}, {rows.shape}")
+    valid = jnp.ones((b,), jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    out = (jax.ShapeDtypeStruct((b, c), f32), jax.ShapeDtypeStruct(pool.shape, f32))
+    call = jax.ffi.ffi_call(kernels[1], out, input_output_aliases={2: 1}, vmap_method="sequential")
+    y, new = call(x[:, 0], weight.astype(f32), pool, rows.astype(jnp.int32), valid)
+    return y[:, None], new
+
+
 def causal_conv1d_windows(
     x: jax.Array,
     weight: jax.Array,

@@ -130,6 +130,60 @@ def kda_decode(
     return o[:, None].astype(v.dtype), new
 
 
+def kda_decode_into_pool_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    pool: jax.Array,
+    rows: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """One token per row (T == 1) from the states `pool[rows]` ([S, H, dk, dv] float32, rows [B] int32,
+    distinct): (o [B, 1, H, dv] in v.dtype, the pool with each row's new state in its slot)."""
+    o, new = kda_recurrent(q, k, v, g, beta, pool[rows])
+    return o, pool.at[rows].set(new.astype(pool.dtype))
+
+
+def kda_decode_into_pool(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    pool: jax.Array,
+    rows: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`kda_decode_into_pool_reference` on the CPU through the native kernel, which reads each row's
+    state in its slot and writes the new one over it (the result aliases `pool`: donate it, else XLA copies
+    it first); no [B, H, dk, dv] states are made, no scatter runs. Elsewhere, or without the kernel, the
+    reference."""
+    from jaxhybrid.ops.native import kda_pool_kernels
+
+    kernels = kda_pool_kernels()
+    if q.shape[1] != 1 or jax.default_backend() != "cpu" or kernels is None or pool.dtype != jnp.float32:
+        return kda_decode_into_pool_reference(q, k, v, g, beta, pool, rows)
+    b, _, h, dk = q.shape
+    dv = v.shape[-1]
+    _check_shapes(q, k, v, g, beta, None)
+    if pool.shape[1:] != (h, dk, dv) or rows.shape != (b,):
+        raise ValueError(f"a pool [S, {h}, {dk}, {dv}] and rows [{b}] expected: {pool.shape}, {rows.shape}")
+    f32 = lambda x: x[:, 0].astype(jnp.float32)  # noqa: E731
+    out = (jax.ShapeDtypeStruct((b, h, dv), jnp.float32), jax.ShapeDtypeStruct(pool.shape, jnp.float32))
+    call = jax.ffi.ffi_call(kernels[0], out, input_output_aliases={5: 1}, vmap_method="sequential")
+    o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), pool, rows.astype(jnp.int32))
+    return o[:, None].astype(v.dtype), new
+
+
+def steps_into_pools() -> bool:
+    """Whether :func:`kda_decode_into_pool` and `conv.causal_conv1d_into_pool` update their pools in place
+    here (the CPU with the native kernels); elsewhere they are XLA's scatters, which copy a pool that the
+    same program reads."""
+    from jaxhybrid.ops.native import kda_pool_kernels
+
+    return jax.default_backend() == "cpu" and kda_pool_kernels() is not None
+
+
 def _kda_target() -> str | None:
     from jaxhybrid.ops.native import kda_decode_kernel
 

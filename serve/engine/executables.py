@@ -124,7 +124,10 @@ class ExecutableCache:
         # and $XLA_FLAGS decide how XLA compiles it
         precision = f"precision={jax.config.jax_default_matmul_precision}"
         flags = f"xla_flags={os.environ.get('XLA_FLAGS', '')}"
-        parts = (FORMAT, _platform(), code_fingerprint(), precision, flags, name, structure, input_spec(args))
+        # whether the native kernels are on decides which custom calls a program makes and what it returns
+        native = f"native={os.environ.get('JAXHYBRID_NATIVE', '1')}"
+        parts = (FORMAT, _platform(), code_fingerprint(), precision, flags, native, name, structure)
+        parts += (input_spec(args),)
         for part in parts:
             h.update(part.encode())
             h.update(b"\0")
@@ -140,10 +143,12 @@ class ExecutableCache:
                 entry = pickle.load(f)
             by_id = {d.id: d for d in jax.devices()}
             return tuple(
-                serialize_executable.deserialize_and_load(
-                    payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids]
+                None
+                if part is None
+                else serialize_executable.deserialize_and_load(
+                    part[0], part[1], part[2], execution_devices=[by_id[i] for i in part[3]]
                 )
-                for payload, in_tree, out_tree, device_ids in entry
+                for part in entry
             )
         except FileNotFoundError:
             return None
@@ -152,11 +157,13 @@ class ExecutableCache:
             return None
 
     def save(self, key: str, compiled: tuple[Any, ...]) -> None:
-        """Keep `compiled` (jax.stages.Compiled programs) under `key`; failures are logged."""
+        """Keep `compiled` (jax.stages.Compiled programs, or None) under `key`; failures are logged."""
         if self.directory is None:
             return
         try:
-            entry = tuple((*serialize_executable.serialize(c), _device_ids(c)) for c in compiled)
+            entry = tuple(
+                None if c is None else (*serialize_executable.serialize(c), _device_ids(c)) for c in compiled
+            )
             self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".tmp")
             try:
@@ -335,8 +342,10 @@ class ModelExecutables:
         run, (pools, slots) = lowered
         with fresh_compile() if self.cache.enabled else contextlib.nullcontext():
             compiled_run = run.compile(compiler_options=options)
-            _, rows, _ = compiled_run.out_info
-            write = self.write_rows.lower(pools, slots, rows).compile(compiler_options=options)
+            _, rows, _, _ = compiled_run.out_info
+            write = None  # no rows: the program wrote its rows' states into the pools itself
+            if rows:
+                write = self.write_rows.lower(pools, slots, rows).compile(compiler_options=options)
         slot.best, slot.quick = (compiled_run, write), tier is Tier.QUICK
         if tier is Tier.OPTIMIZED:
             self.cache.save(slot.key, slot.best)

@@ -18,9 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxhybrid.cache import SCRATCH_BLOCK, KDACache, KDAPoolRows, MLAView, PagedMLACache, kda_zero_state
+from jaxhybrid.cache import (
+    SCRATCH_BLOCK,
+    KDACache,
+    KDAPoolInPlace,
+    KDAPoolRows,
+    MLAView,
+    PagedMLACache,
+    kda_zero_state,
+)
 from jaxhybrid.layers.mla import read_paged, write_paged
 from jaxhybrid.model import HybridLM
+from jaxhybrid.ops.kda import steps_into_pools
 from jaxhybrid.scan import ScanDefs, forward_scanned, scan_layout, split_for_scan
 from jaxhybrid.weights.pages import move_to_huge_pages
 from serve.engine import copies
@@ -74,13 +83,14 @@ class Verified:
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    """The compiled programs of one model structure: `run` (the model over a batch of rows: reads the KDA
-    pools, donates and returns the MLA pools, returns the rows' `Last` and new KDA states), `write_rows`
-    (those states into their slots of the donated KDA pools) and `sample`.
+    """The compiled programs of one model structure: `run` (the model over a batch of rows: donates the KDA
+    and the MLA pools, returns the rows' `Last`, their new KDA states unless it wrote them itself, and the
+    pools), `write_rows` (rows' states into their slots of the donated KDA pools) and `sample`.
 
-    The KDA rows are written by a program of their own: in one program with the model, XLA fuses the read of
-    a layer's old conv window into the write of its new state, cannot then update either pool in place and
-    copies every KDA pool twice per step (the cost grew with the slots, not with the rows run)."""
+    A one-token step on one CPU device writes its rows' KDA states into the pools itself, through kernels that
+    update them in place (`KDAPoolInPlace`). Other programs leave them to `write_rows`: in one program with
+    the model, XLA fuses the read of a layer's old conv window into its scatter of the new one, cannot then
+    update the pool in place and copies every KDA pool twice per step (the cost grows with the slots)."""
 
     run: Any
     write_rows: Any
@@ -99,15 +109,18 @@ def _write_rows(kda_pools: tuple[KDACache, ...], slot_ids: jax.Array, rows: tupl
     )
 
 
-def _run_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
+def _run_fn(model_def: Any, layer_types: tuple[str, ...], in_place: bool = False) -> Any:
     """The `run` program's function: `model_def` an nnx GraphDef (params: the model's state) or, for the
     scanned form, `ScanDefs` (params: `ScanParams`). The scanned form reads each MLA layer's rows' view
     (`MLAView`) before the scan and writes the new latents into the pools after it: the pools themselves
-    are not scan inputs, and each write still depends on its read (so the pool is updated in place)."""
+    are not scan inputs, and each write still depends on its read (so the pool is updated in place).
+    `in_place`: a one-token program of the unrolled form writes its rows' KDA states into the pools itself
+    (and returns no rows). Returns (`Last`, rows' KDA states or (), KDA pools, MLA pools)."""
     scanned = isinstance(model_def, ScanDefs)
 
     def run(params, kda_pools, mla_pools, tokens, slot_ids, block_tables, start, num_valid):
-        cache = row_caches(layer_types, kda_pools, mla_pools, slot_ids, block_tables, start, scanned)
+        writes = in_place and not scanned and tokens.shape[1] == 1
+        cache = row_caches(layer_types, kda_pools, mla_pools, slot_ids, block_tables, start, scanned, writes)
         if scanned:
             logits, new = forward_scanned(model_def, params, tokens, cache, num_valid)
         else:
@@ -127,7 +140,9 @@ def _run_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
         else:
             last = jnp.maximum(num_valid - 1, 0)[:, None, None]
             logits = jnp.take_along_axis(logits, last, axis=1)[:, 0].astype(jnp.float32)
-        return Last(logits, *greedy(logits)), rows, new_mla
+        if writes:
+            return Last(logits, *greedy(logits)), (), rows, new_mla
+        return Last(logits, *greedy(logits)), rows, kda_pools, new_mla
 
     return run
 
@@ -140,10 +155,11 @@ def row_caches(
     block_tables: jax.Array,
     start: jax.Array,
     scanned: bool = False,
+    in_place: bool = False,
 ) -> tuple[Any, ...]:
     """Per layer the cache the rows of a program call read: their slots' KDA states (as rows of the pool,
-    `KDAPoolRows`, for the unrolled form), and the MLA pools through their block tables (as a read view for
-    the scanned form)."""
+    `KDAPoolRows`, for the unrolled form; the pools to update in place, `KDAPoolInPlace`, with `in_place`),
+    and the MLA pools through their block tables (as a read view for the scanned form)."""
     kda_it, mla_it = iter(kda_pools), iter(mla_pools)
     cache = []
     for kind in layer_types:
@@ -151,6 +167,8 @@ def row_caches(
             pool = next(kda_it)
             if scanned:
                 cache.append(KDACache(conv=pool.conv[slot_ids], state=pool.state[slot_ids]))
+            elif in_place:
+                cache.append(KDAPoolInPlace(conv=pool.conv, state=pool.state, rows=slot_ids))
             else:
                 cache.append(KDAPoolRows(conv=pool.conv[slot_ids], state=pool.state, rows=slot_ids))
         elif scanned:
@@ -166,7 +184,8 @@ def _verify_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
     layer keeps its state after every token; the rows' new states are those after each row's last accepted
     token, so the rows' write leaves every slot as if it had decoded only the accepted tokens. Returns
     ((tokens [B, T], logprobs [B, T], accepted [B]), rows' states, MLA pools); the KV written past a row's
-    accepted tokens lies beyond its length, where the next step writes over it."""
+    accepted tokens lies beyond its length, where the next step writes over it. Returns `run`'s four parts
+    (the KDA pools as they came)."""
 
     def verify_rows(
         params,
@@ -194,21 +213,26 @@ def _verify_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
             for kind, c in zip(layer_types, new, strict=True)
             if kind == "kda"
         )
-        return out, rows, tuple(c.pool for kind, c in zip(layer_types, new, strict=True) if kind != "kda")
+        mla = tuple(c.pool for kind, c in zip(layer_types, new, strict=True) if kind != "kda")
+        return out, rows, kda_pools, mla
 
     return verify_rows
 
 
 @functools.lru_cache(maxsize=16)
 def _programs(
-    graphdef: Any, layer_types: tuple[str, ...], pool_shardings: Any = None, scan: ScanDefs | None = None
+    graphdef: Any,
+    layer_types: tuple[str, ...],
+    pool_shardings: Any = None,
+    scan: ScanDefs | None = None,
+    in_place: bool = False,
 ) -> Programs:
     """The Programs jitted once per model structure (and scanned form, and pool layout on a mesh, where they
-    keep the pools in their shardings)."""
-    fns = [_run_fn(graphdef, layer_types), _verify_fn(graphdef, layer_types)]
+    keep the pools in their shardings; and whether a one-token step writes its KDA rows in place)."""
+    fns = [_run_fn(graphdef, layer_types, in_place), _verify_fn(graphdef, layer_types)]
     fns += [_run_fn(scan, layer_types)] if scan is not None else []
     if pool_shardings is None:
-        run, verify_, *scanned = [jax.jit(fn, donate_argnums=(2,)) for fn in fns]
+        run, verify_, *scanned = [jax.jit(fn, donate_argnums=(1, 2)) for fn in fns]
         return Programs(run, jax.jit(_write_rows, donate_argnums=(0,)), jax.jit(sample), verify_, *scanned)
     kda_shardings = tuple(s for kind, s in zip(layer_types, pool_shardings, strict=True) if kind == "kda")
     mla_shardings = tuple(s for kind, s in zip(layer_types, pool_shardings, strict=True) if kind != "kda")
@@ -217,8 +241,8 @@ def _programs(
     replicated = jax.sharding.NamedSharding(
         jax.tree.leaves(pool_shardings)[0].mesh, jax.sharding.PartitionSpec()
     )
-    out = (replicated, None, mla_shardings)
-    run, verify_, *scanned = [jax.jit(fn, donate_argnums=(2,), out_shardings=out) for fn in fns]
+    out = (replicated, None, kda_shardings, mla_shardings)
+    run, verify_, *scanned = [jax.jit(fn, donate_argnums=(1, 2), out_shardings=out) for fn in fns]
     return Programs(
         run,
         jax.jit(_write_rows, donate_argnums=(0,), out_shardings=kda_shardings),
@@ -267,8 +291,12 @@ class Runner(AheadOfTime, StoreCopies):
             self.pool_shardings = pool_shardings(
                 cfg, mesh, slots=shape.slots, num_blocks=shape.num_blocks, block_size=shape.block_size
             )
-        self.programs = _programs(graphdef, cfg.layer_types, self.pool_shardings, scan_defs)
         self.pools = self._new_pools()
+        # a one-token step writes its rows' KDA states into the pools itself where kernels do so in place
+        kda_pools = [p for kind, p in zip(cfg.layer_types, self.pools, strict=True) if kind == "kda"]
+        in_place = self.pool_shardings is None and steps_into_pools()
+        in_place = in_place and all(p.conv.dtype == p.state.dtype == jnp.float32 for p in kda_pools)
+        self.programs = _programs(graphdef, cfg.layer_types, self.pool_shardings, scan_defs, in_place)
         self._pool_specs = spec(self.pools)  # what a compile needs of the pools, on any thread
         self._compiling: set[ProgramShape] = set()  # programs handed to the background compile
         self._restore_shardings: list[tuple[Any, Any]] | None = None
@@ -341,8 +369,8 @@ class Runner(AheadOfTime, StoreCopies):
         tokens_, slots, tables_, start_, valid_ = ints
         inputs = (*fn, kda, mla, tokens_, slots, tables_, start_, valid_, *extra)
         run, write_rows = self._compiled_program(program, inputs)
-        out, rows, mla = run(*inputs[1:])
-        self._set_pools(write_rows(kda, slots, rows), mla)
+        out, rows, kda, mla = run(*inputs[1:])
+        self._set_pools(write_rows(kda, slots, rows) if rows else kda, mla)
         return out
 
     def _set_pools(self, kda: tuple[Any, ...], mla: tuple[Any, ...]) -> None:

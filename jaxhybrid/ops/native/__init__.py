@@ -9,7 +9,10 @@
   (`jaxhybrid.ops.mla.mla_attention_paged`), reading the latents in place through the block table where
   XLA:CPU gathers them into a copy, transposes it and runs a dozen small products.
 - `kda_decode.cc`: one KDA step (`jaxhybrid.ops.kda.kda_decode`), which XLA:CPU runs as a dozen passes over
-  the recurrent state; the kernel reads and writes each state once.
+  the recurrent state; the kernel reads and writes each state once. Its pool variants write a step's states
+  and conv windows over the old ones in the engine's pools, in place (`kda_decode_into_pool`,
+  `jaxhybrid.ops.conv.causal_conv1d_into_pool`), where XLA:CPU copies a pool that one program both reads
+  and writes.
 
 Each shared library is compiled with the machine's C++ compiler (`$CXX`, else g++, else c++) and
 `-march=native`, once per source, compiler and CPU, into the user's cache directory (or
@@ -38,6 +41,8 @@ TARGET = "jaxhybrid_matvec_int8"
 F32_TARGET = "jaxhybrid_matvec_f32"
 KDA_SOURCE = Path(__file__).with_name("kda_decode.cc")
 KDA_TARGET = "jaxhybrid_kda_decode"
+KDA_POOL_TARGET = "jaxhybrid_kda_decode_pool"
+CONV_POOL_TARGET = "jaxhybrid_conv_decode_pool"
 MLA_SOURCE = Path(__file__).with_name("mla_decode.cc")
 MLA_TARGET = "jaxhybrid_mla_decode"
 
@@ -139,11 +144,24 @@ def f32_kernel() -> str | None:
 
 
 @functools.cache
+def _kda_library() -> ctypes.CDLL | None:
+    return _library(KDA_SOURCE, "KDA decode steps use XLA's formulation")
+
+
+@functools.cache
 def kda_decode_kernel() -> str | None:
     """The FFI target name of the one-token KDA kernel, registered with JAX for the CPU; None (with one log
     line saying why) where it cannot be built."""
-    lib = _library(KDA_SOURCE, "KDA decode steps use XLA's formulation")
+    lib = _kda_library()
     return None if lib is None else _register(lib, KDA_TARGET)
+
+
+@functools.cache
+def kda_pool_kernels() -> tuple[str, str] | None:
+    """The FFI target names of the KDA step and of its short convolution that write their rows' new states
+    and windows into a pool in place, registered with JAX for the CPU; None where the library is not there."""
+    lib = _kda_library()
+    return None if lib is None else (_register(lib, KDA_POOL_TARGET), _register(lib, CONV_POOL_TARGET))
 
 
 @functools.cache

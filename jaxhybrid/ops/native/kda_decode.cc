@@ -6,6 +6,11 @@
 // rows int32 [B]: row b starts from state[rows[b]], read where it lies (a slot of the engine's pool, which
 // XLA would otherwise copy out first) -> o float32 [B, H, dv], the rows' new states float32 [B, H, dk, dv].
 //
+// `jaxhybrid_kda_decode_pool` takes the same arguments and writes each row's new state over its old one in
+// the pool, which its result aliases (the engine's decode program: the pool is updated in place, nothing
+// else is written); `jaxhybrid_conv_decode_pool` does the same for the step's short convolution and its
+// pool of windows.
+//
 // XLA:CPU runs this step as a dozen loops over the state, each reading and writing it; here each (b, h)
 // reads its state once and writes it once (two passes over a row block that stays in L1/L2: the decay and
 // k^T S, then the update and S^T q). The (b, h) pairs are split over XLA's intra-op thread pool. Plain
@@ -22,7 +27,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// One (row, head): state s [dk, dv] -> out [dk, dv]; o [dv]. `work` holds 2 * dv floats.
+// One (row, head): state s [dk, dv] -> out [dk, dv]; o [dv]. `work` holds 2 * dv floats. `out` may be `s`
+// (each element is read before it is written, at the same index).
 void Head(const float* q, const float* k, const float* g, const float* v, float beta, const float* s, float* out,
           float* o, int64_t dk, int64_t dv, float* work) {
   float* __restrict pred = work;
@@ -30,8 +36,8 @@ void Head(const float* q, const float* k, const float* g, const float* v, float 
   for (int64_t j = 0; j < dv; ++j) pred[j] = 0.0f;
   for (int64_t i = 0; i < dk; ++i) {
     const float decay = std::exp(g[i]), ki = k[i];
-    const float* __restrict si = s + i * dv;
-    float* __restrict oi = out + i * dv;
+    const float* si = s + i * dv;
+    float* oi = out + i * dv;
     for (int64_t j = 0; j < dv; ++j) {
       const float x = si[j] * decay;
       oi[j] = x;
@@ -54,10 +60,11 @@ void Head(const float* q, const float* k, const float* g, const float* v, float 
   }
 }
 
-ffi::Error KdaDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                     ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> beta,
-                     ffi::Buffer<ffi::F32> state, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> o,
-                     ffi::ResultBuffer<ffi::F32> out) {
+// Checks the shapes; runs every (row, head), writing row b's new state at out + row_of(b) * H * dk * dv.
+template <typename RowOf>
+ffi::Error Step(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& g,
+                ffi::Buffer<ffi::F32>& v, ffi::Buffer<ffi::F32>& beta, ffi::Buffer<ffi::F32>& state,
+                ffi::Buffer<ffi::S32>& rows, float* os, float* outs, RowOf row_of) {
   const auto sd = state.dimensions();
   if (sd.size() != 4 || q.dimensions().size() != 3) {
     return ffi::Error::InvalidArgument("kda_decode: q [B, H, dk], state [S, H, dk, dv] expected");
@@ -74,30 +81,110 @@ ffi::Error KdaDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   }
   const float *qs = q.typed_data(), *ks = k.typed_data(), *gs = g.typed_data(), *vs = v.typed_data();
   const float *bs = beta.typed_data(), *ss = state.typed_data();
-  float *os = o->typed_data(), *outs = out->typed_data();
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(B * H, 2 * pool.num_threads()));
   jaxhybrid::ForParts(pool, parts, [=](int64_t p) {
     std::vector<float> scratch(2 * dv);
     for (int64_t bh = p; bh < B * H; bh += parts) {
-      const float* from = ss + (rs[bh / H] * H + bh % H) * dk * dv;
-      Head(qs + bh * dk, ks + bh * dk, gs + bh * dk, vs + bh * dv, bs[bh], from, outs + bh * dk * dv, os + bh * dv,
-           dk, dv, scratch.data());
+      const int64_t b = bh / H, h = bh % H;
+      const float* from = ss + (rs[b] * H + h) * dk * dv;
+      float* to = outs + (row_of(b) * H + h) * dk * dv;
+      Head(qs + bh * dk, ks + bh * dk, gs + bh * dk, vs + bh * dv, bs[bh], from, to, os + bh * dv, dk, dv,
+           scratch.data());
     }
   });
   return ffi::Error::Success();
 }
 
+ffi::Error KdaDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                     ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> beta,
+                     ffi::Buffer<ffi::F32> state, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> o,
+                     ffi::ResultBuffer<ffi::F32> out) {
+  return Step(pool, q, k, g, v, beta, state, rows, o->typed_data(), out->typed_data(),
+              [](int64_t b) { return b; });
+}
+
+// The pool variant: `out` is the pool itself (aliased by the caller), row b written at its slot.
+ffi::Error KdaDecodePool(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                         ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> beta,
+                         ffi::Buffer<ffi::F32> state, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> o,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  if (out->element_count() != state.element_count()) {
+    return ffi::Error::InvalidArgument("kda_decode_pool: the result must be the pool");
+  }
+  const int32_t* rs = rows.typed_data();
+  float* outs = out->typed_data();
+  if (outs != state.typed_data()) {  // not aliased: start from a copy of the pool
+    std::copy(state.typed_data(), state.typed_data() + state.element_count(), outs);
+  }
+  return Step(pool, q, k, g, v, beta, state, rows, o->typed_data(), outs, [rs](int64_t b) { return rs[b]; });
+}
+
+// The step's short convolution: x float32 [B, C] (the token's q/k/v inputs), weight float32 [C, K], pool
+// float32 [S, C, K-1] of windows (the last K-1 inputs, oldest first), rows int32 [B], valid int32 [B] ->
+// y float32 [B, C] (y[c] = sum_j weight[c, j] * (window[c], x[c])[j]) and the pool, aliased, with each row's
+// window moved on by its token where valid[b] > 0 (a padding row's window stays).
+ffi::Error ConvDecodePool(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> pool,
+                          ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> y,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  const auto pd = pool.dimensions(), wd = weight.dimensions();
+  if (pd.size() != 3 || wd.size() != 2 || x.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("conv_decode_pool: x [B, C], weight [C, K], pool [S, C, K-1] expected");
+  }
+  const int64_t S = pd[0], C = pd[1], W = pd[2], B = x.dimensions()[0];
+  if (wd[0] != C || wd[1] != W + 1 || x.dimensions()[1] != C || rows.element_count() != B ||
+      valid.element_count() != B || out->element_count() != pool.element_count()) {
+    return ffi::Error::InvalidArgument("conv_decode_pool: x [B, C], weight [C, K], pool [S, C, K-1] expected");
+  }
+  const int32_t *rs = rows.typed_data(), *vs = valid.typed_data();
+  for (int64_t b = 0; b < B; ++b) {
+    if (rs[b] < 0 || rs[b] >= S) return ffi::Error::InvalidArgument("conv_decode_pool: a row past the pool");
+  }
+  float* to = out->typed_data();
+  const float* from = pool.typed_data();
+  if (to != from) std::copy(from, from + pool.element_count(), to);  // not aliased: start from a copy
+  const float *xs = x.typed_data(), *ws = weight.typed_data();
+  float* ys = y->typed_data();
+  for (int64_t b = 0; b < B; ++b) {
+    float* window = to + rs[b] * C * W;
+    for (int64_t c = 0; c < C; ++c) {
+      float* win = window + c * W;
+      const float* w = ws + c * (W + 1);
+      const float xc = xs[b * C + c];
+      // The taps summed as XLA:CPU compiles `causal_conv1d` (w0 x0 + w1 x1 + ...: the second product, then
+      // each other one fused into it in order), which gives its bits where its fusion keeps that order.
+      auto tap = [&](int64_t j) { return j < W ? win[j] : xc; };
+      float acc = W == 0 ? w[0] * xc : w[1] * tap(1);
+      if (W > 0) acc = std::fma(w[0], tap(0), acc);
+      for (int64_t j = 2; j <= W; ++j) acc = std::fma(w[j], tap(j), acc);
+      ys[b * C + c] = acc;
+      if (vs[b] > 0) {
+        for (int64_t j = 0; j + 1 < W; ++j) win[j] = win[j + 1];
+        if (W > 0) win[W - 1] = xc;
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// The arguments and results of both KDA steps: q, k, g, v, beta, state, rows -> o, states.
+auto StepBinding() {
+  using F32 = ffi::Buffer<ffi::F32>;
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+      .Arg<ffi::Buffer<ffi::S32>>().Ret<F32>().Ret<F32>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_kda_decode, KdaDecode,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_kda_decode, KdaDecode, StepBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_kda_decode_pool, KdaDecodePool, StepBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_conv_decode_pool, ConvDecodePool,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
