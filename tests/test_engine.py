@@ -68,24 +68,28 @@ def test_decode_padding_rows_leave_a_prefilling_request_alone(model, full_pass):
 
 def test_decode_steps_update_the_state_pools_in_place(model, full_pass):
     """On the CPU with the native kernels a one-token step writes its rows' KDA states and conv windows
-    into their slots of the pools themselves: the pools keep their buffers from step to step (no copy of a
-    pool, no second program), and the tokens are the full pass's."""
+    into their slots of the pools themselves: the pools keep their buffers from step to step, prefill chunks
+    (whose rows' write updates them in place) and decode steps alike (no copy of a pool, no second program),
+    and the tokens are the full pass's."""
     from jaxhybrid.ops.kda import steps_into_pools
 
     if not steps_into_pools():
         pytest.skip("no native kernels here: the rows' write program updates the pools")
     eng = Engine(model, EngineConfig(max_slots=4, block_size=8))
+    kda = [i for i, kind in enumerate(model.config.layer_types) if kind == "kda"]
+
+    def where():
+        return [
+            (
+                eng.runner.pools[i].state.unsafe_buffer_pointer(),
+                eng.runner.pools[i].conv.unsafe_buffer_pointer(),
+            )
+            for i in kda
+        ]
+
+    before = where()
     ps = prompts([5, 12], seed=9)
     ids = [eng.add_request(p, GREEDY) for p in ps]
-    eng.step()  # the prompts' prefill
-    kda = [i for i, kind in enumerate(model.config.layer_types) if kind == "kda"]
-    where = lambda: (
-        [eng.runner.pools[i].state.unsafe_buffer_pointer() for i in kda]
-        + [  # noqa: E731
-            eng.runner.pools[i].conv.unsafe_buffer_pointer() for i in kda
-        ]
-    )
-    before = where()
     while eng.has_unfinished():
         eng.step()
         assert where() == before

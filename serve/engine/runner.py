@@ -83,20 +83,24 @@ class Verified:
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    """The compiled programs of one model structure: `run` (the model over a batch of rows: donates the KDA
-    and the MLA pools, returns the rows' `Last`, their new KDA states unless it wrote them itself, and the
-    pools), `write_rows` (rows' states into their slots of the donated KDA pools) and `sample`.
+    """The compiled programs of one model structure: `run` (the model over a batch of rows: reads the KDA
+    pools, donates and returns the MLA pools, returns the rows' `Last` and new KDA states), `write_rows`
+    (those states into their slots of the donated KDA pools) and `sample`. Each model program returns
+    (`Last`, rows' KDA states or (), new KDA pools or (), MLA pools).
 
-    A one-token step on one CPU device writes its rows' KDA states into the pools itself, through kernels that
-    update them in place (`KDAPoolInPlace`). Other programs leave them to `write_rows`: in one program with
-    the model, XLA fuses the read of a layer's old conv window into its scatter of the new one, cannot then
-    update the pool in place and copies every KDA pool twice per step (the cost grows with the slots)."""
+    `run_in_place`, where kernels can (one CPU device, float32 pools), is `run` for one token per row that
+    donates the KDA pools too and writes its rows' states into them itself (`KDAPoolInPlace`): no rows' write.
+    Other programs leave the rows to `write_rows`: in one program with the model, XLA fuses the read of a
+    layer's old conv window into its scatter of the new one, cannot then update the pool in place and copies
+    every KDA pool twice per step (the cost grows with the slots); a program that returned the pools it did
+    not change would copy each once."""
 
     run: Any
     write_rows: Any
     sample: Any
     verify: Any  # `run` for rows that carry drafted tokens (`_verify_fn`); never scanned
     run_scanned: Any = None  # `run` over the scanned form (`jaxhybrid.scan`), when the engine scans
+    run_in_place: Any = None
 
 
 def _write_rows(kda_pools: tuple[KDACache, ...], slot_ids: jax.Array, rows: tuple[KDACache, ...]) -> Any:
@@ -114,13 +118,16 @@ def _run_fn(model_def: Any, layer_types: tuple[str, ...], in_place: bool = False
     scanned form, `ScanDefs` (params: `ScanParams`). The scanned form reads each MLA layer's rows' view
     (`MLAView`) before the scan and writes the new latents into the pools after it: the pools themselves
     are not scan inputs, and each write still depends on its read (so the pool is updated in place).
-    `in_place`: a one-token program of the unrolled form writes its rows' KDA states into the pools itself
-    (and returns no rows). Returns (`Last`, rows' KDA states or (), KDA pools, MLA pools)."""
+    `in_place` (unrolled, one token per row): the program writes its rows' KDA states into the pools
+    itself. Returns (`Last`, rows' KDA states, (), MLA pools); with `in_place` (`Last`, (), KDA pools, MLA
+    pools)."""
     scanned = isinstance(model_def, ScanDefs)
 
     def run(params, kda_pools, mla_pools, tokens, slot_ids, block_tables, start, num_valid):
-        writes = in_place and not scanned and tokens.shape[1] == 1
-        cache = row_caches(layer_types, kda_pools, mla_pools, slot_ids, block_tables, start, scanned, writes)
+        if in_place and (scanned or tokens.shape[1] != 1):
+            raise ValueError("only an unrolled one-token program writes its rows in place")
+        tables = block_tables
+        cache = row_caches(layer_types, kda_pools, mla_pools, slot_ids, tables, start, scanned, in_place)
         if scanned:
             logits, new = forward_scanned(model_def, params, tokens, cache, num_valid)
         else:
@@ -140,9 +147,9 @@ def _run_fn(model_def: Any, layer_types: tuple[str, ...], in_place: bool = False
         else:
             last = jnp.maximum(num_valid - 1, 0)[:, None, None]
             logits = jnp.take_along_axis(logits, last, axis=1)[:, 0].astype(jnp.float32)
-        if writes:
+        if in_place:
             return Last(logits, *greedy(logits)), (), rows, new_mla
-        return Last(logits, *greedy(logits)), rows, kda_pools, new_mla
+        return Last(logits, *greedy(logits)), rows, (), new_mla
 
     return run
 
@@ -183,9 +190,8 @@ def _verify_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
     drafted tokens (`num_valid` = 1 + drafts), with `sampling.verify` deciding which drafts stand. Every KDA
     layer keeps its state after every token; the rows' new states are those after each row's last accepted
     token, so the rows' write leaves every slot as if it had decoded only the accepted tokens. Returns
-    ((tokens [B, T], logprobs [B, T], accepted [B]), rows' states, MLA pools); the KV written past a row's
-    accepted tokens lies beyond its length, where the next step writes over it. Returns `run`'s four parts
-    (the KDA pools as they came)."""
+    ((tokens [B, T], logprobs [B, T], accepted [B]), rows' states, (), MLA pools);
+    the KV written past a row's accepted tokens lies beyond its length, where the next step writes over it."""
 
     def verify_rows(
         params,
@@ -214,7 +220,7 @@ def _verify_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
             if kind == "kda"
         )
         mla = tuple(c.pool for kind, c in zip(layer_types, new, strict=True) if kind != "kda")
-        return out, rows, kda_pools, mla
+        return out, rows, (), mla
 
     return verify_rows
 
@@ -229,11 +235,14 @@ def _programs(
 ) -> Programs:
     """The Programs jitted once per model structure (and scanned form, and pool layout on a mesh, where they
     keep the pools in their shardings; and whether a one-token step writes its KDA rows in place)."""
-    fns = [_run_fn(graphdef, layer_types, in_place), _verify_fn(graphdef, layer_types)]
+    fns = [_run_fn(graphdef, layer_types), _verify_fn(graphdef, layer_types)]
     fns += [_run_fn(scan, layer_types)] if scan is not None else []
     if pool_shardings is None:
-        run, verify_, *scanned = [jax.jit(fn, donate_argnums=(1, 2)) for fn in fns]
-        return Programs(run, jax.jit(_write_rows, donate_argnums=(0,)), jax.jit(sample), verify_, *scanned)
+        run, verify_, *scanned = [jax.jit(fn, donate_argnums=(2,)) for fn in fns]
+        scanned_run = scanned[0] if scanned else None
+        writes = jax.jit(_run_fn(graphdef, layer_types, True), donate_argnums=(1, 2)) if in_place else None
+        write_rows = jax.jit(_write_rows, donate_argnums=(0,))
+        return Programs(run, write_rows, jax.jit(sample), verify_, scanned_run, writes)
     kda_shardings = tuple(s for kind, s in zip(layer_types, pool_shardings, strict=True) if kind == "kda")
     mla_shardings = tuple(s for kind, s in zip(layer_types, pool_shardings, strict=True) if kind != "kda")
     # Logits and sampled ids replicated: every process reads them (a mesh may span several processes); the
@@ -241,8 +250,8 @@ def _programs(
     replicated = jax.sharding.NamedSharding(
         jax.tree.leaves(pool_shardings)[0].mesh, jax.sharding.PartitionSpec()
     )
-    out = (replicated, None, kda_shardings, mla_shardings)
-    run, verify_, *scanned = [jax.jit(fn, donate_argnums=(1, 2), out_shardings=out) for fn in fns]
+    out = (replicated, None, None, mla_shardings)
+    run, verify_, *scanned = [jax.jit(fn, donate_argnums=(2,), out_shardings=out) for fn in fns]
     return Programs(
         run,
         jax.jit(_write_rows, donate_argnums=(0,), out_shardings=kda_shardings),
@@ -369,8 +378,8 @@ class Runner(AheadOfTime, StoreCopies):
         tokens_, slots, tables_, start_, valid_ = ints
         inputs = (*fn, kda, mla, tokens_, slots, tables_, start_, valid_, *extra)
         run, write_rows = self._compiled_program(program, inputs)
-        out, rows, kda, mla = run(*inputs[1:])
-        self._set_pools(write_rows(kda, slots, rows) if rows else kda, mla)
+        out, rows, written, mla = run(*inputs[1:])
+        self._set_pools(write_rows(kda, slots, rows) if rows else written, mla)
         return out
 
     def _set_pools(self, kda: tuple[Any, ...], mla: tuple[Any, ...]) -> None:
@@ -390,13 +399,20 @@ class Runner(AheadOfTime, StoreCopies):
         """The name of jitted model function `run` (part of its programs' key)."""
         if run is self.programs.verify:
             return "verify"
+        if run is self.programs.run_in_place:
+            return "run_in_place"
         return "run_scanned" if run is self.programs.run_scanned else "run"
 
     def _program(self, length: int) -> tuple[Any, Any]:
         """(jitted model function, its parameters) for chunks of `length` tokens: scanned over the layer
-        groups when the engine's `scan_layers` says so for this length, else unrolled."""
+        groups when the engine's `scan_layers` says so for this length, else unrolled (one token per row:
+        writing its rows' KDA states in place where the programs can)."""
         scanned = self.scan_params is not None and (self.scan_mode == "all" or length > 1)
-        return (self.programs.run_scanned, self.scan_params) if scanned else (self.programs.run, self.params)
+        if scanned:
+            return self.programs.run_scanned, self.scan_params
+        if length == 1 and self.programs.run_in_place is not None:
+            return self.programs.run_in_place, self.params
+        return self.programs.run, self.params
 
     def _split_pools(self, pools: tuple[Any, ...] | None = None) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """(KDA state pools, MLA latent pools) of `pools` (default: the engine's), each in layer order: what
