@@ -103,9 +103,8 @@ class KimiDeltaAttention(nnx.Module):
         B, T, _ = x.shape
         H, d = self.num_heads, self.head_dim
         pools = cache if isinstance(cache, KDAPoolInPlace) else None
-        if pools is not None:
-            if T != 1 or keep_states:
-                raise ValueError("pools updated in place take one token per row")
+        if pools is not None and (T != 1 or keep_states):
+            raise ValueError("pools updated in place take one token per row")
         if isinstance(cache, KDAPoolRows) and (T != 1 or keep_states):
             cache = cache.gathered()  # only the one-token step reads a pool's rows in place
         # every projection of x at once (one kernel call in a CPU decode step)

@@ -80,13 +80,13 @@ def causal_conv1d_into_pool(
     `pool`: donate it, else XLA copies it first). In a program that reads the pool and scatters into it,
     XLA:CPU fuses the read into the scatter and then copies the whole pool, twice. Elsewhere, or without
     the kernel, the reference."""
+    from jaxhybrid.ops.kda import steps_into_pools
     from jaxhybrid.ops.native import kda_pool_kernels
 
-    kernels = kda_pool_kernels()
     f32 = jnp.float32
-    native = x.shape[1] == 1 and jax.default_backend() == "cpu" and kernels is not None
-    if not native or not x.dtype == pool.dtype == f32:
+    if x.shape[1] != 1 or not steps_into_pools() or not x.dtype == pool.dtype == f32:
         return causal_conv1d_into_pool_reference(x, weight, pool, rows, lengths)
+    kernels = kda_pool_kernels()
     b, _, c = x.shape
     if weight.ndim != 2 or pool.shape[1:] != (c, weight.shape[1] - 1) or rows.shape != (b,):
         want = f"weight [{c}, K], pool [S, {c}, K-1], rows [{b}]"

@@ -160,9 +160,9 @@ def kda_decode_into_pool(
     reference."""
     from jaxhybrid.ops.native import kda_pool_kernels
 
-    kernels = kda_pool_kernels()
-    if q.shape[1] != 1 or jax.default_backend() != "cpu" or kernels is None or pool.dtype != jnp.float32:
+    if q.shape[1] != 1 or not steps_into_pools() or pool.dtype != jnp.float32:
         return kda_decode_into_pool_reference(q, k, v, g, beta, pool, rows)
+    kernels = kda_pool_kernels()
     b, _, h, dk = q.shape
     dv = v.shape[-1]
     _check_shapes(q, k, v, g, beta, None)

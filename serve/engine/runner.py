@@ -126,8 +126,9 @@ def _run_fn(model_def: Any, layer_types: tuple[str, ...], in_place: bool = False
     def run(params, kda_pools, mla_pools, tokens, slot_ids, block_tables, start, num_valid):
         if in_place and (scanned or tokens.shape[1] != 1):
             raise ValueError("only an unrolled one-token program writes its rows in place")
-        tables = block_tables
-        cache = row_caches(layer_types, kda_pools, mla_pools, slot_ids, tables, start, scanned, in_place)
+        cache = row_caches(
+            layer_types, kda_pools, mla_pools, slot_ids, block_tables, start, scanned, in_place
+        )
         if scanned:
             logits, new = forward_scanned(model_def, params, tokens, cache, num_valid)
         else:
@@ -302,7 +303,7 @@ class Runner(AheadOfTime, StoreCopies):
             )
         self.pools = self._new_pools()
         # a one-token step writes its rows' KDA states into the pools itself where kernels do so in place
-        kda_pools = [p for kind, p in zip(cfg.layer_types, self.pools, strict=True) if kind == "kda"]
+        kda_pools, _ = self._split_pools()
         in_place = self.pool_shardings is None and steps_into_pools()
         in_place = in_place and all(p.conv.dtype == p.state.dtype == jnp.float32 for p in kda_pools)
         self.programs = _programs(graphdef, cfg.layer_types, self.pool_shardings, scan_defs, in_place)
