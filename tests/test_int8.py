@@ -17,7 +17,7 @@ from jaxhybrid.layers.moe import Experts
 from jaxhybrid.model import HybridLM, held_bytes
 from jaxhybrid.ops import int8
 from jaxhybrid.ops.moe import moe_experts_dense, moe_experts_dropless
-from jaxhybrid.ops.native import int8_kernel
+from jaxhybrid.ops.native import int8_gemm_rows, int8_kernel
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
 
@@ -41,15 +41,17 @@ def test_quantize_is_symmetric_per_output_channel():
 
 @settings(max_examples=25, deadline=None)
 @given(
-    rows=st.integers(1, int8.KERNEL_ROWS + 4),
+    rows=st.integers(1, 80),
     out=st.sampled_from([1, 3, 64, 200, 768]),
-    cols=st.sampled_from([8, 33, 64, 100, 256]),
+    cols=st.sampled_from([8, 33, 64, 100, 256, 300]),
     stack=st.sampled_from([(), (3,), (2, 3)]),
     seed=st.integers(0, 2**16),
 )
 def test_the_fast_product_equals_the_reference(rows, out, cols, stack, seed):
-    """Rows up to KERNEL_ROWS take the CPU kernel (any width: a vector body and a scalar tail), more take the
-    blocked product; matrix `index` of a stack is read in place. fp32: relative to the output's scale."""
+    """Rows up to KERNEL_ROWS take the CPU kernel's matrix-vector body (any width: a vector body and a scalar
+    tail), more its blocked matrix product (from 24 rows, with AVX-512; tiles of 32 rows, a last one of up to
+    16, columns in blocks of 256) or, without it, XLA's blocked product; matrix `index` of a stack is read in
+    place. fp32: relative to the output's scale."""
     rng = np.random.default_rng(seed)
     w = int8.quantize(jnp.asarray(rng.standard_normal((*stack, out, cols)), jnp.float32))
     x = jnp.asarray(rng.standard_normal((rows, cols)), jnp.float32)
@@ -64,13 +66,14 @@ def test_the_fast_product_equals_the_reference(rows, out, cols, stack, seed):
 @given(
     pairs=st.integers(1, 70),
     out=st.sampled_from([1, 48, 200]),
-    cols=st.sampled_from([16, 40, 96]),
+    cols=st.sampled_from([16, 40, 96, 300]),
     experts=st.integers(1, 6),
     seed=st.integers(0, 2**16),
 )
 def test_per_row_matrices_equal_the_reference(pairs, out, cols, experts, seed):
     """Row p against matrix ids[p] (one kernel call for every pair of a step, the rows of one matrix grouped
-    whatever their order); id -1: a row of zeros."""
+    whatever their order; a group of 24 or more through the blocked product where it is built); id -1: a
+    row of zeros."""
     rng = np.random.default_rng(seed)
     w = int8.quantize(jnp.asarray(rng.standard_normal((experts, out, cols)), jnp.float32))
     x = jnp.asarray(rng.standard_normal((pairs, cols)), jnp.float32)
@@ -81,12 +84,17 @@ def test_per_row_matrices_equal_the_reference(pairs, out, cols, experts, seed):
     assert not got[np.asarray(ids) < 0].any()
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 40, 200])
-def test_int8_experts_equal_the_dense_reference_on_their_dequantized_weights(tokens):
-    """Decode-sized batches take the loop-free pairs path, larger ones the expert loop (blocks of up to 16
-    rows through the kernel; 200 tokens: blocks of 64 rows, each expert dequantized once for all of its
-    blocks); all against every expert on every token (`moe_experts_dense`) with the dequantized weights;
+@pytest.mark.parametrize(("tokens", "blocked"), [(1, True), (5, True), (40, True), (200, True), (200, False)])
+def test_int8_experts_equal_the_dense_reference_on_their_dequantized_weights(monkeypatch, tokens, blocked):
+    """Decode-sized batches take the loop-free pairs path; larger ones too where the kernel has its blocked
+    product (each expert's rows one group), else (`blocked` False, or no AVX-512) the expert loop (blocks of
+    up to 16 rows through the kernel; 200 tokens: blocks of 64 rows, each expert dequantized once for all of
+    its blocks); all against every expert on every token (`moe_experts_dense`) with the dequantized weights;
     rows not valid give zeros."""
+    import jaxhybrid.ops.native as native
+
+    if not blocked:
+        monkeypatch.setattr(native, "int8_gemm_rows", lambda: 0)
     rng = np.random.default_rng(tokens)
     E, D, F, k = 6, 32, 48, 2
     w1, w3 = (int8.quantize(jnp.asarray(rng.standard_normal((E, F, D)), jnp.float32)) for _ in range(2))
@@ -122,11 +130,38 @@ def test_without_the_kernel_every_product_takes_xla(monkeypatch, rows):
 
 
 @pytest.mark.skipif(int8_kernel() is None, reason="no C++ compiler or no AVX2 here")
-def test_decode_sized_products_call_the_kernel():
+def test_decode_sized_products_call_the_kernel(monkeypatch):
+    """A decode-sized batch always takes the kernel; a prompt's rows take it where it has its blocked
+    product, else XLA's blocked dequantize-then-multiply."""
+    import jaxhybrid.ops.native as native
+
     w = int8.quantize(jnp.ones((64, 64), jnp.float32))
-    one_row = jax.jit(int8.matmul).lower(jnp.ones((1, 64), jnp.float32), w).as_text()
-    many_rows = jax.jit(int8.matmul).lower(jnp.ones((int8.KERNEL_ROWS + 1, 64), jnp.float32), w).as_text()
-    assert "jaxhybrid_matvec_int8" in one_row and "jaxhybrid_matvec_int8" not in many_rows
+
+    def lowered(rows: int) -> str:  # a new function each time: no trace cached before the patch below
+        return jax.jit(lambda x, w: int8.matmul(x, w)).lower(jnp.ones((rows, 64), jnp.float32), w).as_text()
+
+    assert "jaxhybrid_matvec_int8" in lowered(1)
+    assert ("jaxhybrid_matvec_int8" in lowered(int8.KERNEL_ROWS + 1)) == (native.int8_gemm_rows() > 0)
+    monkeypatch.setattr(native, "int8_gemm_rows", lambda: 0)
+    assert "jaxhybrid_matvec_int8" in lowered(1)
+    assert "jaxhybrid_matvec_int8" not in lowered(int8.KERNEL_ROWS + 1)
+
+
+@pytest.mark.skipif(not int8_gemm_rows(), reason="no AVX-512 here: no blocked int8 product")
+@pytest.mark.parametrize(("rows", "out", "cols"), [(24, 37, 300), (47, 12, 16), (300, 100, 1000)])
+def test_the_blocked_product_equals_a_float64_product(rows, out, cols):
+    """The kernel's blocked product (24 rows and more: one tile of 24, a tile of 32 and one of 15, 300 rows
+    over two chunks of 256; outputs not a multiple of the 12-row panel; 1000 columns: four blocks, a scalar
+    tail of 8) against the product of the dequantized weights in float64 NumPy. fp32 sums of up to 1000
+    terms: within 2e-6 of the output's scale."""
+    rng = np.random.default_rng(rows)
+    w = int8.quantize(jnp.asarray(rng.standard_normal((out, cols)), jnp.float32))
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    got = np.asarray(jax.jit(int8.matmul)(jnp.asarray(x), w))
+    dense = np.asarray(w.q, np.float64) * np.asarray(w.scale, np.float64)[:, None]
+    want = x.astype(np.float64) @ dense.T
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    assert "jaxhybrid_matvec_int8" in jax.jit(int8.matmul).lower(jnp.asarray(x), w).as_text()
 
 
 @pytest.fixture(scope="module")

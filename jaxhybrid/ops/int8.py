@@ -4,11 +4,12 @@
 Two products share one signature, ``(x [..., in], w: Int8, index=None) -> [..., out] float32``:
 
 * :func:`matmul_reference` - dequantize the matrix, then a float32 product. The reference.
-* :func:`matmul` - on the CPU, rows of a decode-sized batch (up to :data:`KERNEL_ROWS`) go through the int8
-  kernel of `jaxhybrid.ops.native`, which reads each weight byte once; larger batches (prefill) dequantize
-  one block of :data:`BLOCK` output channels at a time inside a loop, so no float32 copy of a whole matrix
-  is written per call. Elsewhere (accelerators, or no kernel) it is the reference. The results differ from
-  the reference only in the order of float32 sums.
+* :func:`matmul` - on the CPU, rows go through the int8 kernel of `jaxhybrid.ops.native`, which reads the
+  codes in place: a decode-sized batch (up to :data:`KERNEL_ROWS`) reads each weight byte once, a prompt's
+  rows take its blocked matrix product (AVX-512). Without that product, a prompt dequantizes one block of
+  :data:`BLOCK` output channels at a time inside a loop, so no float32 copy of a whole matrix is written
+  per call. Elsewhere (accelerators, or no kernel) it is the reference. The results differ from the
+  reference only in the order of float32 sums.
 
 ``index`` picks one matrix of a stack (an expert [E, out, in], or (group, expert) of [G, E, out, in]) in
 place: the kernel reads it where it lies, nothing is sliced out first.
@@ -152,9 +153,12 @@ def _target() -> str | None:
 
 
 def kernel_takes(rows: int) -> bool:
-    """Whether the CPU kernel multiplies `rows` rows (reading the int8 weights in place); past that, or
-    without the kernel, `matmul` dequantizes its weights block by block."""
-    return rows <= KERNEL_ROWS and _target() is not None
+    """Whether the CPU kernel multiplies `rows` rows (reading the int8 weights in place): a decode-sized
+    batch, or any number where it has its blocked matrix product; else `matmul` dequantizes its weights
+    block by block."""
+    from jaxhybrid.ops.native import int8_gemm_rows
+
+    return _target() is not None and (rows <= KERNEL_ROWS or int8_gemm_rows() > 0)
 
 
 def _kernel(x: jax.Array, ws: Sequence[Int8], ids: jax.Array) -> list[jax.Array]:

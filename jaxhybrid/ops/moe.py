@@ -439,9 +439,7 @@ def _skipping_forward(
     groups ([G, E, ...]) and the loop reads expert (group, e) in place."""
     num_tokens, k = expert_ids.shape
     num_experts, _, dim = w1.shape[-3:]
-    if num_tokens * k <= max(INT8_PAIRS, INT8_PAIRS_PER_EXPERT * num_experts) and (
-        isinstance(w1, Int8) or (not is_packed(w1) and dense.kernel_applies(x, w1))
-    ):
+    if _pairs_in_one_call(x, w1, num_tokens * k, num_experts):
         return _kernel_pairs(x, w1, w2, w3, weights, expert_ids, valid, act, group)
 
     def pick(w: ExpertWeight, e: jax.Array) -> jax.Array:
@@ -525,6 +523,18 @@ def _skipping_forward(
 # tokens 8.8 ms against 12.8 in the loop, 128 tokens 18.3 against 14.5).
 INT8_PAIRS = 16
 INT8_PAIRS_PER_EXPERT = 8
+
+
+def _pairs_in_one_call(x: jax.Array, w1: ExpertWeight, pairs: int, num_experts: int) -> bool:
+    """Whether `pairs` (token, expert) pairs run as one kernel product per projection: decode-sized ones
+    (int8 or float32 experts), and int8 ones of a prompt where the kernel has its blocked matrix product
+    (AVX-512), which reads each expert's codes in place for all its rows."""
+    if isinstance(w1, Int8):
+        return pairs <= max(INT8_PAIRS, INT8_PAIRS_PER_EXPERT * num_experts) or (
+            int8.kernel_takes(pairs) and jax.default_backend() == "cpu"
+        )
+    small = pairs <= max(INT8_PAIRS, INT8_PAIRS_PER_EXPERT * num_experts)
+    return small and not is_packed(w1) and dense.kernel_applies(x, w1)
 
 
 def _kernel_pairs(

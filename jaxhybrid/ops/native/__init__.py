@@ -4,7 +4,9 @@
   bf16) weights at under 1 GB/s (a loop without vectors), and a convert-then-multiply-then-sum formulation
   reads int8 at the speed of float32 (measured in BENCHMARKS.md, "Weight-only int8"); the kernel reads
   each weight byte once at full speed. Float32 matrices of a few MB XLA:CPU multiplies on one thread, and
-  an expert picked out of a stack it copies first (BENCHMARKS.md, "Float32 decode products").
+  an expert picked out of a stack it copies first (BENCHMARKS.md, "Float32 decode products"). With
+  AVX-512, an int8 matrix's rows of a prompt go through a blocked matrix product over the codes in place,
+  where XLA:CPU would first write the matrix out in float32 (BENCHMARKS.md, "int8 prefill").
 - `mla_decode.cc`: MLA attention of one new token over the paged latent pool
   (`jaxhybrid.ops.mla.mla_attention_paged`), reading the latents in place through the block table where
   XLA:CPU gathers them into a copy, transposes it and runs a dozen small products.
@@ -133,6 +135,14 @@ def int8_kernel() -> str | None:
     the library is not there."""
     lib = _matvec_library()
     return None if lib is None else _register(lib, TARGET)
+
+
+@functools.cache
+def int8_gemm_rows() -> int:
+    """From how many rows of one matrix the int8 kernel runs a blocked matrix product over the codes in place
+    (AVX-512); 0 where it has none (or no kernel): then past a decode-sized batch `int8` uses XLA's."""
+    lib = _matvec_library()
+    return 0 if lib is None else int(lib.jaxhybrid_matvec_gemm_rows())
 
 
 @functools.cache

@@ -1,16 +1,18 @@
-// Weight-only products for decode-sized batches on the CPU, as XLA FFI custom calls: int8 weights with
-// per-output-channel scales (`jaxhybrid_matvec_int8`) and float32 weights (`jaxhybrid_matvec_f32`).
+// Weight-only products on the CPU, as XLA FFI custom calls: int8 weights with per-output-channel scales
+// (`jaxhybrid_matvec_int8`) and float32 weights (`jaxhybrid_matvec_f32`).
 //
 // y[m, n] = scale[e, n] * sum_k x[m, k] * q[e, n, k]   for m < M, n < N, e = index[0] or index[m]
 //
 // x is float32 [M, K]; q int8 [E, N, K] with scale float32 [E, N], or float32 [E, N, K] without a scale (E = 1
 // for a plain layer); index int32 [1] (one matrix of the stack for every row: an expert, read in place, never
-// copied) or [M] (row m against matrix index[m], e.g. the (token, expert) pairs of a decode step, in any
-// order; negative: a row of zeros). A call takes one or more weights (all [E, *, K]) and gives a result for
-// each, e.g. the projections of one input, split over the threads as one product. The rows of x are grouped by their matrix: each weight of a matrix in use
-// is read once (an int8 code widened to float32 in registers), and every row of its group uses it while it is
-// there. The rows n are split over XLA's intra-op thread pool. AVX-512 or AVX2 (+FMA) intrinsics, whichever
-// the build machine has (-march=native); `jaxhybrid_matvec_isa` says which.
+// copied) or [M] (row m against matrix index[m], e.g. the (token, expert) pairs of a step, in any order;
+// negative: a row of zeros). A call takes one or more weights (all [E, *, K]) and gives a result for each,
+// e.g. the projections of one input, split over the threads as one product. The rows of x are grouped by
+// their matrix. A small group (decode) reads each weight of its matrix once (an int8 code widened to float32
+// in registers) for every row of the group while it is there (`Block`); an int8 group of many rows (a
+// prompt, an expert's share of one) goes through a blocked matrix product over the codes in place (`Gemm`,
+// AVX-512). The rows n are split over XLA's intra-op thread pool. AVX-512 or AVX2 (+FMA) intrinsics,
+// whichever the build machine has (-march=native); `jaxhybrid_matvec_isa` says which.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -158,6 +160,118 @@ void Block(const float* x, const int64_t* rows, int64_t count, const W* q, const
   }
 }
 
+// Rows packed for `Gemm`: transposed, kTileM at a time.
+constexpr int64_t kTileM = 32;
+
+int64_t Padded(int64_t count) { return (count + kTileM - 1) / kTileM * kTileM; }
+
+// Columns [k0, k1) of the packed rows `rows` [count] of x [M, K] (zeros past count, up to Padded(count)).
+void PackRows(const float* x, const int64_t* rows, int64_t count, int64_t K, int64_t k0, int64_t k1, float* xt) {
+  for (int64_t m = 0; m < Padded(count); ++m) {
+    float* dst = xt + (m / kTileM) * K * kTileM + m % kTileM;
+    if (m < count) {
+      const float* src = x + rows[m] * K;
+      for (int64_t k = k0; k < k1; ++k) dst[k * kTileM] = src[k];
+    } else {
+      for (int64_t k = k0; k < k1; ++k) dst[k * kTileM] = 0.0f;
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// Many rows against one int8 matrix (a prompt's rows, an expert's share of them): a blocked product that
+// reads the codes in place. The rows are packed once per call, transposed, kTileM at a time
+// (xt[(b * K + k) * kTileM + l] = row b * kTileM + l at column k); a tile of kTileN outputs x kTileM rows is
+// held in registers while a panel of kTileN weight rows, widened to float32 one block of kBlockK columns
+// at a time, is broadcast against them. Each code is widened once per chunk of kChunkM rows; nothing of a
+// whole matrix is written in float32.
+constexpr int64_t kTileN = 12, kTileV = kTileM / 16, kBlockK = 256, kChunkM = 256;
+constexpr int64_t kGemmRows = 24;  // from this many rows of one matrix the blocked product, below it `Block`
+
+// One tile over kl columns: acc (saved [kTileN][kTileM], or zeros when `first`) += wp [kTileN][kBlockK]
+// times the packed rows xt [kl][kTileM]; V vectors of rows (1 for a last block of up to 16 rows).
+template <int V>
+inline void Tile(const float* wp, const float* xt, int64_t kl, float* saved, bool first) {
+  __m512 acc[kTileN][V];
+  for (int r = 0; r < kTileN; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(saved + r * kTileM + 16 * v);
+  for (int64_t kk = 0; kk < kl; ++kk) {
+    __m512 xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xt + kk * kTileM + 16 * v);
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileN; ++r) {
+      const __m512 w = _mm512_set1_ps(wp[r * kBlockK + kk]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(w, xv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < kTileN; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(saved + r * kTileM + 16 * v, acc[r][v]);
+}
+
+// Codes [k0, k0 + kl) of rows [n0, n1) of q [N, K] as float32, row n0 + i at wp[i * kBlockK], `rows` rows
+// (past n1: zeros); the segment 4 rows on is asked for ahead of its turn.
+void Widen(const int8_t* q, int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t kl, int64_t rows, float* wp) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* dst = wp + i * kBlockK;
+    if (n0 + i >= n1) {
+      std::fill(dst, dst + kl, 0.0f);
+      continue;
+    }
+    const int8_t* src = q + (n0 + i) * K + k0;
+    const int8_t* ahead = n0 + i + 4 < n1 ? src + 4 * K
+                          : k0 + kBlockK < K ? src + (4 - (n1 - n0)) * K + kBlockK
+                                             : nullptr;
+    if (ahead != nullptr)
+      for (int64_t c = 0; c < kBlockK; c += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + c), _MM_HINT_T0);
+    int64_t k = 0;
+    for (; k + 16 <= kl; k += 16) {
+      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+      _mm512_storeu_ps(dst + k, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)));
+    }
+    for (; k < kl; ++k) dst[k] = static_cast<float>(src[k]);
+  }
+}
+
+// Rows [n0, n1) of y for the `count` rows `rows` of one group, packed in xt, against q [N, K] with scale
+// [N]. Per chunk of rows and block of columns: the block's codes widened, then every tile; a tile's sums
+// wait in `saved` between blocks. The buffers are the thread's, kept for its next call.
+void Gemm(const float* xt, const int64_t* rows, int64_t count, const int8_t* q, const float* scale, float* y,
+          int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t panels = (n1 - n0 + kTileN - 1) / kTileN, blocks_max = kChunkM / kTileM;
+  thread_local std::vector<float> saved_all, wp_all;
+  saved_all.resize(std::max<size_t>(saved_all.size(), panels * blocks_max * kTileN * kTileM));
+  wp_all.resize(std::max<size_t>(wp_all.size(), panels * kTileN * kBlockK));
+  for (int64_t m0 = 0; m0 < count; m0 += kChunkM) {
+    const int64_t blocks = (std::min(kChunkM, count - m0) + kTileM - 1) / kTileM;
+    for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+      const int64_t kl = std::min(kBlockK, K - k0);
+      Widen(q, K, n0, n1, k0, kl, panels * kTileN, wp_all.data());
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t row0 = m0 + b * kTileM;
+        const float* xb = xt + (row0 / kTileM * K + k0) * kTileM;
+        for (int64_t p = 0; p < panels; ++p) {
+          float* saved = saved_all.data() + (p * blocks_max + b) * kTileN * kTileM;
+          const float* wp = wp_all.data() + p * kTileN * kBlockK;
+          if (count - row0 <= 16) {
+            Tile<1>(wp, xb, kl, saved, k0 == 0);
+          } else {
+            Tile<kTileV>(wp, xb, kl, saved, k0 == 0);
+          }
+          if (k0 + kl < K) continue;
+          const int64_t first = n0 + p * kTileN, width = std::min(kTileN, n1 - first);
+          for (int64_t l = 0; l < kTileM && row0 + l < count; ++l) {
+            float* out = y + rows[row0 + l] * N + first;
+            for (int64_t r = 0; r < width; ++r) out[r] = saved[r * kTileM + l] * scale[first + r];
+          }
+        }
+      }
+    }
+  }
+}
+#else
+constexpr int64_t kGemmRows = 0;  // no blocked product: every group goes through `Block`
+#endif
+
 // The rows of x grouped by the matrix they go through: `order` lists the rows, group g holding
 // order[start[g] .. start[g + 1]) against matrix `matrix[g]` (-1: a row of zeros, nothing read).
 struct Groups {
@@ -185,21 +299,80 @@ Groups GroupRows(const int32_t* index, bool per_row, int64_t M, int64_t E) {
   return g;
 }
 
-// Rows [n0, n1) of y for every group.
+// A share of one group's rows: `count` rows `rows` against matrix e (-1: zeros); `packed`: those rows
+// packed for `Gemm` (at `at` in the call's store, -1: through `Block`).
+struct Job {
+  const int64_t* rows;
+  int64_t count, e, at;
+};
+
+// Rows [n0, n1) of y for every job.
 template <typename W>
-void Rows(const Groups& g, const float* x, const W* q, const float* scale, float* y, int64_t N, int64_t K,
-          int64_t n0, int64_t n1) {
-  for (size_t i = 0; i < g.matrix.size(); ++i) {
-    const int64_t* rows = g.order.data() + g.start[i];
-    const int64_t count = g.start[i + 1] - g.start[i];
-    const int64_t e = g.matrix[i];
-    if (e < 0) {
-      for (int64_t r = 0; r < count; ++r)
-        for (int64_t n = n0; n < n1; ++n) y[rows[r] * N + n] = 0.0f;
+void Rows(const std::vector<Job>& jobs, const float* store, const float* x, const W* q, const float* scale,
+          float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  for (const Job& j : jobs) {
+    if (j.e < 0) {
+      for (int64_t r = 0; r < j.count; ++r)
+        for (int64_t n = n0; n < n1; ++n) y[j.rows[r] * N + n] = 0.0f;
       continue;
     }
-    Block(x, rows, count, q + e * N * K, scale == nullptr ? nullptr : scale + e * N, y, N, K, n0, n1);
+#if defined(__AVX512F__)
+    if constexpr (sizeof(W) == 1) {
+      if (j.at >= 0) {
+        Gemm(store + j.at, j.rows, j.count, q + j.e * N * K, scale + j.e * N, y, N, K, n0, n1);
+        continue;
+      }
+    }
+#endif
+    Block(x, j.rows, j.count, q + j.e * N * K, scale == nullptr ? nullptr : scale + j.e * N, y, N, K, n0, n1);
   }
+}
+
+// The call's work as batches of jobs: a group of an int8 call with at least kGemmRows rows goes through
+// `Gemm` in jobs of up to kJobRows rows, whose packed rows a batch holds at most kPackFloats of (so the
+// store stays small however long the prompt); every other group is one job of `Block`'s.
+constexpr int64_t kJobRows = 512, kPackFloats = int64_t{8} << 20;
+
+template <typename W>
+std::vector<std::vector<Job>> Batches(const Groups& g, int64_t K) {
+  std::vector<std::vector<Job>> batches(1);
+  int64_t size = 0;
+  for (size_t i = 0; i < g.matrix.size(); ++i) {
+    const int64_t* rows = g.order.data() + g.start[i];
+    const int64_t count = g.start[i + 1] - g.start[i], e = g.matrix[i];
+    if (sizeof(W) != 1 || kGemmRows == 0 || e < 0 || count < kGemmRows) {
+      batches.back().push_back({rows, count, e, -1});
+      continue;
+    }
+    for (int64_t r = 0; r < count; r += kJobRows) {
+      const int64_t n = std::min(kJobRows, count - r);
+      if (size > 0 && size + Padded(n) * K > kPackFloats) {
+        batches.emplace_back();
+        size = 0;
+      }
+      batches.back().push_back({rows + r, n, e, size});
+      size += Padded(n) * K;
+    }
+  }
+  return batches;
+}
+
+// The packed rows of a batch's `Gemm` jobs, in the calling thread's store (kept for its next call), split
+// over the pool by columns.
+void Pack(ffi::ThreadPool& pool, const std::vector<Job>& jobs, const float* x, int64_t K, std::vector<float>& store) {
+  int64_t size = 0;
+  for (const Job& j : jobs)
+    if (j.at >= 0) size = std::max(size, j.at + Padded(j.count) * K);
+  if (size == 0) return;
+  store.resize(std::max<size_t>(store.size(), size));
+  const int64_t chunks = std::min<int64_t>(2 * pool.num_threads(), (K + 63) / 64);
+  const int64_t width = (K + chunks - 1) / chunks;
+  float* base = store.data();
+  jaxhybrid::ForParts(pool, chunks, [&jobs, x, K, width, base](int64_t c) {
+    const int64_t k0 = c * width, k1 = std::min(K, k0 + width);
+    for (const Job& j : jobs)
+      if (j.at >= 0) PackRows(x, j.rows, j.count, K, k0, k1, base + j.at);
+  });
 }
 
 // One matrix stack of a call: weights [E, N, K], their scales [E, N] (int8) or none, the result [M, N].
@@ -223,15 +396,20 @@ void Matvec(ffi::ThreadPool& pool, const float* x, const int32_t* index, int64_t
   int64_t parts = N * K >= (int64_t{1} << 16) ? 2 * pool.num_threads() : 1;
   parts = parts < 1 ? 1 : (parts > N ? N : parts);
   const int64_t step = (N + parts - 1) / parts;
-  jaxhybrid::ForParts(pool, parts, [=](int64_t p) {
-    const int64_t a = p * step, b = a + step < N ? a + step : N;
-    int64_t offset = 0;
-    for (const auto& m : *all) {
-      const int64_t n0 = std::max<int64_t>(a - offset, 0), n1 = std::min<int64_t>(b - offset, m.N);
-      if (n0 < n1) Rows(*groups, x, m.w, m.scale, m.y, m.N, K, n0, n1);
-      offset += m.N;
-    }
-  });
+  thread_local std::vector<float> store;
+  for (const auto& batch : Batches<W>(*groups, K)) {
+    Pack(pool, batch, x, K, store);
+    const float* packed = store.data();
+    jaxhybrid::ForParts(pool, parts, [=, &batch](int64_t p) {
+      const int64_t a = p * step, b = a + step < N ? a + step : N;
+      int64_t offset = 0;
+      for (const auto& m : *all) {
+        const int64_t n0 = std::max<int64_t>(a - offset, 0), n1 = std::min<int64_t>(b - offset, m.N);
+        if (n0 < n1) Rows(batch, packed, x, m.w, m.scale, m.y, m.N, K, n0, n1);
+        offset += m.N;
+      }
+    });
+  }
 }
 
 // The checks both handlers make: x [M, K], index [1] or [M], results [M, N] for weights [E, N, K].
@@ -302,6 +480,9 @@ ffi::Error MatvecF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 
 // The vector width the kernels were built with (512, 256; 0: scalar, slower than XLA's own products).
 extern "C" int jaxhybrid_matvec_isa() { return kIsa; }
+
+// From how many rows of one int8 matrix the blocked product runs (0: never, every row count is `Block`'s).
+extern "C" int jaxhybrid_matvec_gemm_rows() { return static_cast<int>(kGemmRows); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_matvec_int8, MatvecInt8,
                               ffi::Ffi::Bind()
