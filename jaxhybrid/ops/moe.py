@@ -519,8 +519,9 @@ def _skipping_forward(
 
 # Up to this many (token, expert) pairs, or this many per expert on average, int8 (and float32) experts run
 # as one kernel product per projection (each expert in use read once, no loop); past that the kernel's
-# arithmetic on many rows costs more than the expert loop's dequantized products (`small`'s MoE layer: 64
-# tokens 8.8 ms against 12.8 in the loop, 128 tokens 18.3 against 14.5).
+# matrix-vector body on many rows costs more than the expert loop's dequantized products (`small`'s MoE
+# layer: 64 tokens 8.8 ms against 12.8 in the loop, 128 tokens 18.3 against 14.5), unless the int8 kernel
+# has its blocked matrix product (AVX-512), which takes every pair of a prompt (`_pairs_in_one_call`).
 INT8_PAIRS = 16
 INT8_PAIRS_PER_EXPERT = 8
 
