@@ -148,12 +148,15 @@ def test_decode_sized_products_call_the_kernel(monkeypatch):
 
 
 @pytest.mark.skipif(not int8_gemm_rows(), reason="no AVX-512 here: no blocked int8 product")
-@pytest.mark.parametrize(("rows", "out", "cols"), [(24, 37, 300), (47, 12, 16), (300, 100, 1000)])
+@pytest.mark.parametrize(
+    ("rows", "out", "cols"), [(24, 37, 300), (47, 12, 16), (300, 100, 1000), (30, 1300, 40)]
+)
 def test_the_blocked_product_equals_a_float64_product(rows, out, cols):
     """The kernel's blocked product (24 rows and more: one tile of 24, a tile of 32 and one of 15, 300 rows
-    over two chunks of 256; outputs not a multiple of the 12-row panel; 1000 columns: four blocks, a scalar
-    tail of 8) against the product of the dequantized weights in float64 NumPy. fp32 sums of up to 1000
-    terms: within 2e-6 of the output's scale."""
+    over two chunks of 256; outputs not a multiple of the 12-row panel, 1300 of them: each thread's share
+    in two chunks of 288; 1000 columns: four blocks, a scalar tail of 8) against the product of the
+    dequantized weights in float64 NumPy. fp32 sums of up to 1000 terms: within 2e-6 of the output's
+    scale."""
     rng = np.random.default_rng(rows)
     w = int8.quantize(jnp.asarray(rng.standard_normal((out, cols)), jnp.float32))
     x = rng.standard_normal((rows, cols)).astype(np.float32)

@@ -183,9 +183,9 @@ void PackRows(const float* x, const int64_t* rows, int64_t count, int64_t K, int
 // reads the codes in place. The rows are packed once per call, transposed, kTileM at a time
 // (xt[(b * K + k) * kTileM + l] = row b * kTileM + l at column k); a tile of kTileN outputs x kTileM rows is
 // held in registers while a panel of kTileN weight rows, widened to float32 one block of kBlockK columns
-// at a time, is broadcast against them. Each code is widened once per chunk of kChunkM rows; nothing of a
-// whole matrix is written in float32.
-constexpr int64_t kTileN = 12, kTileV = kTileM / 16, kBlockK = 256, kChunkM = 256;
+// at a time, is broadcast against them. Each code is widened once per chunk of kChunkM rows; outputs go
+// kChunkN at a time, so a thread's buffers stay small; nothing of a whole matrix is written in float32.
+constexpr int64_t kTileN = 12, kTileV = kTileM / 16, kBlockK = 256, kChunkM = 256, kChunkN = 24 * kTileN;
 constexpr int64_t kGemmRows = 24;  // from this many rows of one matrix the blocked product, below it `Block`
 
 // One tile over kl columns: acc (saved [kTileN][kTileM], or zeros when `first`) += wp [kTileN][kBlockK]
@@ -232,15 +232,14 @@ void Widen(const int8_t* q, int64_t K, int64_t n0, int64_t n1, int64_t k0, int64
   }
 }
 
-// Rows [n0, n1) of y for the `count` rows `rows` of one group, packed in xt, against q [N, K] with scale
-// [N]. Per chunk of rows and block of columns: the block's codes widened, then every tile; a tile's sums
-// wait in `saved` between blocks. The buffers are the thread's, kept for its next call.
-void Gemm(const float* xt, const int64_t* rows, int64_t count, const int8_t* q, const float* scale, float* y,
-          int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t panels = (n1 - n0 + kTileN - 1) / kTileN, blocks_max = kChunkM / kTileM;
-  thread_local std::vector<float> saved_all, wp_all;
-  saved_all.resize(std::max<size_t>(saved_all.size(), panels * blocks_max * kTileN * kTileM));
-  wp_all.resize(std::max<size_t>(wp_all.size(), panels * kTileN * kBlockK));
+// `Gemm` for outputs [n0, n1), at most kChunkN of them. Per chunk of rows and block of columns: the block's
+// codes widened, then every tile; a tile's sums wait in `saved` between blocks. The buffers are the
+// thread's, kept for its next call.
+void GemmRange(const float* xt, const int64_t* rows, int64_t count, const int8_t* q, const float* scale, float* y,
+               int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  constexpr int64_t blocks_max = kChunkM / kTileM, panels_max = kChunkN / kTileN;
+  thread_local std::vector<float> saved_all(panels_max * blocks_max * kTileN * kTileM), wp_all(kChunkN * kBlockK);
+  const int64_t panels = (n1 - n0 + kTileN - 1) / kTileN;
   for (int64_t m0 = 0; m0 < count; m0 += kChunkM) {
     const int64_t blocks = (std::min(kChunkM, count - m0) + kTileM - 1) / kTileM;
     for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
@@ -267,6 +266,13 @@ void Gemm(const float* xt, const int64_t* rows, int64_t count, const int8_t* q, 
       }
     }
   }
+}
+
+// Rows [n0, n1) of y for the `count` rows `rows` of one group, packed in xt, against q [N, K] with scale
+// [N], kChunkN outputs at a time (so the thread's buffers stay a few hundred KB for any width).
+void Gemm(const float* xt, const int64_t* rows, int64_t count, const int8_t* q, const float* scale, float* y,
+          int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t c = n0; c < n1; c += kChunkN) GemmRange(xt, rows, count, q, scale, y, N, K, c, std::min(n1, c + kChunkN));
 }
 #else
 constexpr int64_t kGemmRows = 0;  // no blocked product: every group goes through `Block`
