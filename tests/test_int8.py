@@ -17,7 +17,7 @@ from jaxhybrid.layers.moe import Experts
 from jaxhybrid.model import HybridLM, held_bytes
 from jaxhybrid.ops import int8
 from jaxhybrid.ops.moe import moe_experts_dense, moe_experts_dropless
-from jaxhybrid.ops.native import int8_gemm_rows, int8_kernel
+from jaxhybrid.ops.native import gemm_rows, int8_kernel
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
 
@@ -49,9 +49,9 @@ def test_quantize_is_symmetric_per_output_channel():
 )
 def test_the_fast_product_equals_the_reference(rows, out, cols, stack, seed):
     """Rows up to KERNEL_ROWS take the CPU kernel's matrix-vector body (any width: a vector body and a scalar
-    tail), more its blocked matrix product (from 24 rows, with AVX-512; tiles of 32 rows, a last one of up to
-    16, columns in blocks of 256) or, without it, XLA's blocked product; matrix `index` of a stack is read in
-    place. fp32: relative to the output's scale."""
+    tail), from 24 its blocked matrix product (with AVX-512; tiles of 32 rows, a last one of up to 16,
+    columns in blocks of 256), between them the matrix-vector body again, or without the blocked product
+    XLA's; matrix `index` of a stack is read in place. fp32: relative to the output's scale."""
     rng = np.random.default_rng(seed)
     w = int8.quantize(jnp.asarray(rng.standard_normal((*stack, out, cols)), jnp.float32))
     x = jnp.asarray(rng.standard_normal((rows, cols)), jnp.float32)
@@ -72,8 +72,8 @@ def test_the_fast_product_equals_the_reference(rows, out, cols, stack, seed):
 )
 def test_per_row_matrices_equal_the_reference(pairs, out, cols, experts, seed):
     """Row p against matrix ids[p] (one kernel call for every pair of a step, the rows of one matrix grouped
-    whatever their order; a group of 24 or more through the blocked product where it is built); id -1: a
-    row of zeros."""
+    whatever their order; a call of 24 rows or more, 8 per matrix, through the blocked product where it is
+    built); id -1: a row of zeros."""
     rng = np.random.default_rng(seed)
     w = int8.quantize(jnp.asarray(rng.standard_normal((experts, out, cols)), jnp.float32))
     x = jnp.asarray(rng.standard_normal((pairs, cols)), jnp.float32)
@@ -94,7 +94,7 @@ def test_int8_experts_equal_the_dense_reference_on_their_dequantized_weights(mon
     import jaxhybrid.ops.native as native
 
     if not blocked:
-        monkeypatch.setattr(native, "int8_gemm_rows", lambda: 0)
+        monkeypatch.setattr(native, "gemm_rows", lambda: 0)
     rng = np.random.default_rng(tokens)
     E, D, F, k = 6, 32, 48, 2
     w1, w3 = (int8.quantize(jnp.asarray(rng.standard_normal((E, F, D)), jnp.float32)) for _ in range(2))
@@ -141,13 +141,13 @@ def test_decode_sized_products_call_the_kernel(monkeypatch):
         return jax.jit(lambda x, w: int8.matmul(x, w)).lower(jnp.ones((rows, 64), jnp.float32), w).as_text()
 
     assert "jaxhybrid_matvec_int8" in lowered(1)
-    assert ("jaxhybrid_matvec_int8" in lowered(int8.KERNEL_ROWS + 1)) == (native.int8_gemm_rows() > 0)
-    monkeypatch.setattr(native, "int8_gemm_rows", lambda: 0)
+    assert ("jaxhybrid_matvec_int8" in lowered(int8.KERNEL_ROWS + 1)) == (native.gemm_rows() > 0)
+    monkeypatch.setattr(native, "gemm_rows", lambda: 0)
     assert "jaxhybrid_matvec_int8" in lowered(1)
     assert "jaxhybrid_matvec_int8" not in lowered(int8.KERNEL_ROWS + 1)
 
 
-@pytest.mark.skipif(not int8_gemm_rows(), reason="no AVX-512 here: no blocked int8 product")
+@pytest.mark.skipif(not gemm_rows(), reason="no AVX-512 here: no blocked int8 product")
 @pytest.mark.parametrize(
     ("rows", "out", "cols"), [(24, 37, 300), (47, 12, 16), (300, 100, 1000), (30, 1300, 40)]
 )
@@ -165,6 +165,23 @@ def test_the_blocked_product_equals_a_float64_product(rows, out, cols):
     want = x.astype(np.float64) @ dense.T
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
     assert "jaxhybrid_matvec_int8" in jax.jit(int8.matmul).lower(jnp.asarray(x), w).as_text()
+
+
+@pytest.mark.skipif(int8_kernel() is None, reason="no C++ compiler or no AVX2 here")
+@pytest.mark.parametrize("pairs", [30, 300])
+def test_a_rows_product_does_not_depend_on_the_other_rows(pairs):
+    """Which products a row takes is fixed by the call's shape, never by how the other rows are routed: rows
+    0-19 against matrix 0 give the same bits whether the rest go to matrix 1 or join them (a group then
+    past 24 rows). Else a later token's routing would move an earlier token's logits (causality, bit for
+    bit, as tests/test_model.py checks)."""
+    rng = np.random.default_rng(pairs)
+    w = int8.quantize(jnp.asarray(rng.standard_normal((2, 48, 300)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((pairs, 300)), jnp.float32)
+    apart = jnp.asarray([0] * 20 + [1] * (pairs - 20), jnp.int32)
+    joined = jnp.zeros((pairs,), jnp.int32)
+    a = np.asarray(jax.jit(int8.matmul_pairs)(x, w, apart))
+    b = np.asarray(jax.jit(int8.matmul_pairs)(x, w, joined))
+    np.testing.assert_array_equal(a[:20], b[:20])
 
 
 @pytest.fixture(scope="module")

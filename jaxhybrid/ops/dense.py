@@ -12,8 +12,9 @@ On the CPU, float32 rows of a decode-sized batch (up to `int8.KERNEL_ROWS`) go t
 of `jaxhybrid.ops.native`, which splits every product over the intra-op threads and reads an expert where
 it lies in its stack: XLA:CPU runs the products of a few MB (an expert, a shared expert, a low-rank
 projection) on one thread, and copies an expert out of its stack before multiplying it (BENCHMARKS.md,
-"Float32 decode products"). Elsewhere, and for other dtypes, the reference. The two differ only in the
-order of float32 sums.
+"Float32 decode products"). `matmul_pairs` takes any number of rows there (a prompt's experts: a blocked
+matrix product over each expert in place, with AVX-512). Elsewhere, and for other dtypes, the reference.
+The two differ only in the order of float32 sums.
 """
 
 from __future__ import annotations

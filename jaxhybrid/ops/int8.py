@@ -156,9 +156,9 @@ def kernel_takes(rows: int) -> bool:
     """Whether the CPU kernel multiplies `rows` rows (reading the int8 weights in place): a decode-sized
     batch, or any number where it has its blocked matrix product; else `matmul` dequantizes its weights
     block by block."""
-    from jaxhybrid.ops.native import int8_gemm_rows
+    from jaxhybrid.ops.native import gemm_rows
 
-    return _target() is not None and (rows <= KERNEL_ROWS or int8_gemm_rows() > 0)
+    return _target() is not None and (rows <= KERNEL_ROWS or gemm_rows() > 0)
 
 
 def _kernel(x: jax.Array, ws: Sequence[Int8], ids: jax.Array) -> list[jax.Array]:

@@ -527,15 +527,15 @@ INT8_PAIRS_PER_EXPERT = 8
 
 
 def _pairs_in_one_call(x: jax.Array, w1: ExpertWeight, pairs: int, num_experts: int) -> bool:
-    """Whether `pairs` (token, expert) pairs run as one kernel product per projection: decode-sized ones
-    (int8 or float32 experts), and int8 ones of a prompt where the kernel has its blocked matrix product
-    (AVX-512), which reads each expert's codes in place for all its rows."""
-    if isinstance(w1, Int8):
-        return pairs <= max(INT8_PAIRS, INT8_PAIRS_PER_EXPERT * num_experts) or (
-            int8.kernel_takes(pairs) and jax.default_backend() == "cpu"
-        )
+    """Whether `pairs` (token, expert) pairs run as one kernel product per projection: decode-sized ones,
+    and a prompt's where the kernels have their blocked matrix product (AVX-512), which reads each expert
+    in place for all its rows (int8 or float32 experts)."""
+    from jaxhybrid.ops.native import gemm_rows
+
     small = pairs <= max(INT8_PAIRS, INT8_PAIRS_PER_EXPERT * num_experts)
-    return small and not is_packed(w1) and dense.kernel_applies(x, w1)
+    if isinstance(w1, Int8):
+        return small or (int8.kernel_takes(pairs) and jax.default_backend() == "cpu")
+    return (small or gemm_rows() > 0) and not is_packed(w1) and dense.kernel_applies(x, w1)
 
 
 def _kernel_pairs(
@@ -549,9 +549,9 @@ def _kernel_pairs(
     act: GatedActivation,
     group: jax.Array | None,
 ) -> jax.Array:
-    """The decode-sized int8 or float32 experts: no sort and no loop; gate and up are one kernel product, down
-    another (`matmul_pairs_many` of `int8` or `dense`), over all (token, expert) pairs, every pair's expert
-    read in place (pairs of rows not valid read nothing)."""
+    """int8 or float32 experts through the CPU kernels (`_pairs_in_one_call` says when): no sort and no loop;
+    gate and up are one kernel product, down another (`matmul_pairs_many` of `int8` or `dense`), over all
+    (token, expert) pairs, every pair's expert read in place (pairs of rows not valid read nothing)."""
     num_tokens, k = expert_ids.shape
     ids = expert_ids.reshape(-1)
     ids = flat_index(w1.shape[:-2], ids if group is None else (group, ids))

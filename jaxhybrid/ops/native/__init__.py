@@ -6,7 +6,8 @@
   each weight byte once at full speed. Float32 matrices of a few MB XLA:CPU multiplies on one thread, and
   an expert picked out of a stack it copies first (BENCHMARKS.md, "Float32 decode products"). With
   AVX-512, an int8 matrix's rows of a prompt go through a blocked matrix product over the codes in place,
-  where XLA:CPU would first write the matrix out in float32 (BENCHMARKS.md, "int8 prefill").
+  where XLA:CPU would first write the matrix out in float32, and so do a prompt's (token, expert) pairs
+  against float32 experts, which XLA:CPU copies out of their stack (BENCHMARKS.md, "int8 prefill").
 - `mla_decode.cc`: MLA attention of one new token over the paged latent pool
   (`jaxhybrid.ops.mla.mla_attention_paged`), reading the latents in place through the block table where
   XLA:CPU gathers them into a copy, transposes it and runs a dozen small products.
@@ -138,9 +139,11 @@ def int8_kernel() -> str | None:
 
 
 @functools.cache
-def int8_gemm_rows() -> int:
-    """From how many rows of one matrix the int8 kernel runs a blocked matrix product over the codes in place
-    (AVX-512); 0 where it has none (or no kernel): then past a decode-sized batch `int8` uses XLA's."""
+def gemm_rows() -> int:
+    """From how many rows in a call the product kernels (int8 and float32) run a blocked matrix product over
+    the weights in place (AVX-512; a call of per-row matrices, e.g. a prompt's experts, also needs 8 rows
+    per matrix of its stack on average); 0 where they have none (or there is no kernel): then past a
+    decode-sized batch `int8` and the experts use XLA's products."""
     lib = _matvec_library()
     return 0 if lib is None else int(lib.jaxhybrid_matvec_gemm_rows())
 

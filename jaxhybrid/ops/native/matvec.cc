@@ -9,9 +9,8 @@
 // negative: a row of zeros). A call takes one or more weights (all [E, *, K]) and gives a result for each,
 // e.g. the projections of one input, split over the threads as one product. The rows of x are grouped by
 // their matrix. A small group (decode) reads each weight of its matrix once (an int8 code widened to float32
-// in registers) for every row of the group while it is there (`Block`); an int8 group of many rows (a
-// prompt, an expert's share of one) goes through a blocked matrix product over the codes in place (`Gemm`,
-// AVX-512). The rows n are split over XLA's intra-op thread pool. AVX-512 or AVX2 (+FMA) intrinsics,
+// in registers) for every row of the group while it is there (`Block`); a group of many rows (a prompt, an
+// expert's share of one) goes through a blocked matrix product over the weights in place (`Gemm`, AVX-512). The rows n are split over XLA's intra-op thread pool. AVX-512 or AVX2 (+FMA) intrinsics,
 // whichever the build machine has (-march=native); `jaxhybrid_matvec_isa` says which.
 #include <immintrin.h>
 
@@ -179,14 +178,19 @@ void PackRows(const float* x, const int64_t* rows, int64_t count, int64_t K, int
 }
 
 #if defined(__AVX512F__)
-// Many rows against one int8 matrix (a prompt's rows, an expert's share of them): a blocked product that
-// reads the codes in place. The rows are packed once per call, transposed, kTileM at a time
+// Many rows against one matrix (a prompt's rows, an expert's share of them): a blocked product that reads
+// the weights where they lie (an expert in its stack). The rows are packed once per call, transposed, kTileM at a time
 // (xt[(b * K + k) * kTileM + l] = row b * kTileM + l at column k); a tile of kTileN outputs x kTileM rows is
 // held in registers while a panel of kTileN weight rows, widened to float32 one block of kBlockK columns
-// at a time, is broadcast against them. Each code is widened once per chunk of kChunkM rows; outputs go
-// kChunkN at a time, so a thread's buffers stay small; nothing of a whole matrix is written in float32.
+// at a time (int8 codes widened, float32 copied), is broadcast against them. Each weight is read once per
+// chunk of kChunkM rows; outputs go kChunkN at a time, so a thread's buffers stay small; nothing of a whole
+// matrix is written out (XLA's products copy an expert out of its stack, and an int8 matrix in float32).
 constexpr int64_t kTileN = 12, kTileV = kTileM / 16, kBlockK = 256, kChunkM = 256, kChunkN = 24 * kTileN;
-constexpr int64_t kGemmRows = 24;  // from this many rows of one matrix the blocked product, below it `Block`
+// The blocked product takes every group of a call of at least kGemmRows rows, and (rows per matrix) at least
+// kGemmPerMatrix rows per matrix of the stack on average; smaller calls go through `Block`. The choice is
+// the call's shape's, never the routing's: a row's sums (and their rounding) do not depend on which other
+// rows share its matrix, so a later token's routing never moves an earlier token's result.
+constexpr int64_t kGemmRows = 24, kGemmPerMatrix = 8;
 
 // One tile over kl columns: acc (saved [kTileN][kTileM], or zeros when `first`) += wp [kTileN][kBlockK]
 // times the packed rows xt [kl][kTileM]; V vectors of rows (1 for a last block of up to 16 rows).
@@ -208,25 +212,32 @@ inline void Tile(const float* wp, const float* xt, int64_t kl, float* saved, boo
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(saved + r * kTileM + 16 * v, acc[r][v]);
 }
 
-// Codes [k0, k0 + kl) of rows [n0, n1) of q [N, K] as float32, row n0 + i at wp[i * kBlockK], `rows` rows
-// (past n1: zeros); the segment 4 rows on is asked for ahead of its turn.
-void Widen(const int8_t* q, int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t kl, int64_t rows, float* wp) {
+// Weights [k0, k0 + kl) of rows [n0, n1) of q [N, K] as float32 (int8 codes widened, float32 copied), row
+// n0 + i at wp[i * kBlockK], `rows` rows (past n1: zeros); the segment 4 rows on is asked for ahead of its
+// turn.
+template <typename W>
+void Widen(const W* q, int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t kl, int64_t rows, float* wp) {
   for (int64_t i = 0; i < rows; ++i) {
     float* dst = wp + i * kBlockK;
     if (n0 + i >= n1) {
       std::fill(dst, dst + kl, 0.0f);
       continue;
     }
-    const int8_t* src = q + (n0 + i) * K + k0;
-    const int8_t* ahead = n0 + i + 4 < n1 ? src + 4 * K
-                          : k0 + kBlockK < K ? src + (4 - (n1 - n0)) * K + kBlockK
-                                             : nullptr;
+    const W* src = q + (n0 + i) * K + k0;
+    const W* ahead = n0 + i + 4 < n1 ? src + 4 * K
+                     : k0 + kBlockK < K ? src + (4 - (n1 - n0)) * K + kBlockK
+                                        : nullptr;
     if (ahead != nullptr)
-      for (int64_t c = 0; c < kBlockK; c += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + c), _MM_HINT_T0);
+      for (int64_t c = 0; c < kBlockK * int64_t{sizeof(W)}; c += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead) + c, _MM_HINT_T0);
     int64_t k = 0;
     for (; k + 16 <= kl; k += 16) {
-      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
-      _mm512_storeu_ps(dst + k, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)));
+      if constexpr (sizeof(W) == 1) {
+        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+        _mm512_storeu_ps(dst + k, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)));
+      } else {
+        _mm512_storeu_ps(dst + k, _mm512_loadu_ps(src + k));
+      }
     }
     for (; k < kl; ++k) dst[k] = static_cast<float>(src[k]);
   }
@@ -235,7 +246,8 @@ void Widen(const int8_t* q, int64_t K, int64_t n0, int64_t n1, int64_t k0, int64
 // `Gemm` for outputs [n0, n1), at most kChunkN of them. Per chunk of rows and block of columns: the block's
 // codes widened, then every tile; a tile's sums wait in `saved` between blocks. The buffers are the
 // thread's, kept for its next call.
-void GemmRange(const float* xt, const int64_t* rows, int64_t count, const int8_t* q, const float* scale, float* y,
+template <typename W>
+void GemmRange(const float* xt, const int64_t* rows, int64_t count, const W* q, const float* scale, float* y,
                int64_t N, int64_t K, int64_t n0, int64_t n1) {
   constexpr int64_t blocks_max = kChunkM / kTileM, panels_max = kChunkN / kTileN;
   thread_local std::vector<float> saved_all(panels_max * blocks_max * kTileN * kTileM), wp_all(kChunkN * kBlockK);
@@ -260,7 +272,8 @@ void GemmRange(const float* xt, const int64_t* rows, int64_t count, const int8_t
           const int64_t first = n0 + p * kTileN, width = std::min(kTileN, n1 - first);
           for (int64_t l = 0; l < kTileM && row0 + l < count; ++l) {
             float* out = y + rows[row0 + l] * N + first;
-            for (int64_t r = 0; r < width; ++r) out[r] = saved[r * kTileM + l] * scale[first + r];
+            for (int64_t r = 0; r < width; ++r)
+              out[r] = scale == nullptr ? saved[r * kTileM + l] : saved[r * kTileM + l] * scale[first + r];
           }
         }
       }
@@ -270,12 +283,13 @@ void GemmRange(const float* xt, const int64_t* rows, int64_t count, const int8_t
 
 // Rows [n0, n1) of y for the `count` rows `rows` of one group, packed in xt, against q [N, K] with scale
 // [N], kChunkN outputs at a time (so the thread's buffers stay a few hundred KB for any width).
-void Gemm(const float* xt, const int64_t* rows, int64_t count, const int8_t* q, const float* scale, float* y,
+template <typename W>
+void Gemm(const float* xt, const int64_t* rows, int64_t count, const W* q, const float* scale, float* y,
           int64_t N, int64_t K, int64_t n0, int64_t n1) {
   for (int64_t c = n0; c < n1; c += kChunkN) GemmRange(xt, rows, count, q, scale, y, N, K, c, std::min(n1, c + kChunkN));
 }
 #else
-constexpr int64_t kGemmRows = 0;  // no blocked product: every group goes through `Block`
+constexpr int64_t kGemmRows = 0, kGemmPerMatrix = 0;  // no blocked product: every group goes through `Block`
 #endif
 
 // The rows of x grouped by the matrix they go through: `order` lists the rows, group g holding
@@ -323,30 +337,28 @@ void Rows(const std::vector<Job>& jobs, const float* store, const float* x, cons
       continue;
     }
 #if defined(__AVX512F__)
-    if constexpr (sizeof(W) == 1) {
-      if (j.at >= 0) {
-        Gemm(store + j.at, j.rows, j.count, q + j.e * N * K, scale + j.e * N, y, N, K, n0, n1);
-        continue;
-      }
+    if (j.at >= 0) {
+      Gemm(store + j.at, j.rows, j.count, q + j.e * N * K, scale == nullptr ? nullptr : scale + j.e * N, y, N, K,
+           n0, n1);
+      continue;
     }
 #endif
     Block(x, j.rows, j.count, q + j.e * N * K, scale == nullptr ? nullptr : scale + j.e * N, y, N, K, n0, n1);
   }
 }
 
-// The call's work as batches of jobs: a group of an int8 call with at least kGemmRows rows goes through
-// `Gemm` in jobs of up to kJobRows rows, whose packed rows a batch holds at most kPackFloats of (so the
-// store stays small however long the prompt); every other group is one job of `Block`'s.
+// The call's work as batches of jobs: with `gemm`, each group goes through `Gemm` in jobs of up to kJobRows
+// rows, whose packed rows a batch holds at most kPackFloats of (so the store stays small however long the
+// prompt); else (and for the zeros) each group is one job of `Block`'s.
 constexpr int64_t kJobRows = 512, kPackFloats = int64_t{8} << 20;
 
-template <typename W>
-std::vector<std::vector<Job>> Batches(const Groups& g, int64_t K) {
+std::vector<std::vector<Job>> Batches(const Groups& g, int64_t K, bool gemm) {
   std::vector<std::vector<Job>> batches(1);
   int64_t size = 0;
   for (size_t i = 0; i < g.matrix.size(); ++i) {
     const int64_t* rows = g.order.data() + g.start[i];
     const int64_t count = g.start[i + 1] - g.start[i], e = g.matrix[i];
-    if (sizeof(W) != 1 || kGemmRows == 0 || e < 0 || count < kGemmRows) {
+    if (!gemm || e < 0) {
       batches.back().push_back({rows, count, e, -1});
       continue;
     }
@@ -403,7 +415,9 @@ void Matvec(ffi::ThreadPool& pool, const float* x, const int32_t* index, int64_t
   parts = parts < 1 ? 1 : (parts > N ? N : parts);
   const int64_t step = (N + parts - 1) / parts;
   thread_local std::vector<float> store;
-  for (const auto& batch : Batches<W>(*groups, K)) {
+  const int64_t matrices = index_count == 1 ? 1 : E;
+  const bool gemm = kGemmRows > 0 && M >= kGemmRows && M >= kGemmPerMatrix * matrices;
+  for (const auto& batch : Batches(*groups, K, gemm)) {
     Pack(pool, batch, x, K, store);
     const float* packed = store.data();
     jaxhybrid::ForParts(pool, parts, [=, &batch](int64_t p) {
@@ -487,7 +501,8 @@ ffi::Error MatvecF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 // The vector width the kernels were built with (512, 256; 0: scalar, slower than XLA's own products).
 extern "C" int jaxhybrid_matvec_isa() { return kIsa; }
 
-// From how many rows of one int8 matrix the blocked product runs (0: never, every row count is `Block`'s).
+// From how many rows in a call the blocked product runs (0: never, every call is `Block`'s); a call with a
+// matrix per row also needs kGemmPerMatrix rows per matrix of its stack on average.
 extern "C" int jaxhybrid_matvec_gemm_rows() { return static_cast<int>(kGemmRows); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_matvec_int8, MatvecInt8,
