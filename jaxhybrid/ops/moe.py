@@ -520,8 +520,8 @@ def _skipping_forward(
 # Up to this many (token, expert) pairs, or this many per expert on average, int8 (and float32) experts run
 # as one kernel product per projection (each expert in use read once, no loop); past that the kernel's
 # matrix-vector body on many rows costs more than the expert loop's dequantized products (`small`'s MoE
-# layer: 64 tokens 8.8 ms against 12.8 in the loop, 128 tokens 18.3 against 14.5), unless the int8 kernel
-# has its blocked matrix product (AVX-512), which takes every pair of a prompt (`_pairs_in_one_call`).
+# layer: 64 tokens 8.8 ms against 12.8 in the loop, 128 tokens 18.3 against 14.5), unless the kernels have
+# their blocked matrix product (AVX-512), which takes every pair of a prompt (`_pairs_in_one_call`).
 INT8_PAIRS = 16
 INT8_PAIRS_PER_EXPERT = 8
 
@@ -533,9 +533,10 @@ def _pairs_in_one_call(x: jax.Array, w1: ExpertWeight, pairs: int, num_experts: 
     from jaxhybrid.ops.native import gemm_rows
 
     small = pairs <= max(INT8_PAIRS, INT8_PAIRS_PER_EXPERT * num_experts)
+    blocked = gemm_rows() > 0 and jax.default_backend() == "cpu"
     if isinstance(w1, Int8):
-        return small or (int8.kernel_takes(pairs) and jax.default_backend() == "cpu")
-    return (small or gemm_rows() > 0) and not is_packed(w1) and dense.kernel_applies(x, w1)
+        return small or blocked
+    return (small or blocked) and not is_packed(w1) and dense.kernel_applies(x, w1)
 
 
 def _kernel_pairs(

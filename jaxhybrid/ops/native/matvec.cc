@@ -9,9 +9,10 @@
 // negative: a row of zeros). A call takes one or more weights (all [E, *, K]) and gives a result for each,
 // e.g. the projections of one input, split over the threads as one product. The rows of x are grouped by
 // their matrix. A small group (decode) reads each weight of its matrix once (an int8 code widened to float32
-// in registers) for every row of the group while it is there (`Block`); a group of many rows (a prompt, an
-// expert's share of one) goes through a blocked matrix product over the weights in place (`Gemm`, AVX-512). The rows n are split over XLA's intra-op thread pool. AVX-512 or AVX2 (+FMA) intrinsics,
-// whichever the build machine has (-march=native); `jaxhybrid_matvec_isa` says which.
+// in registers) for every row of the group while it is there (`Block`); a call of many rows (a prompt, its
+// experts' pairs) goes through a blocked matrix product over the weights in place (`Gemm`, AVX-512). The
+// rows n are split over XLA's intra-op thread pool. AVX-512 or AVX2 (+FMA) intrinsics, whichever the build
+// machine has (-march=native); `jaxhybrid_matvec_isa` says which.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -179,12 +180,13 @@ void PackRows(const float* x, const int64_t* rows, int64_t count, int64_t K, int
 
 #if defined(__AVX512F__)
 // Many rows against one matrix (a prompt's rows, an expert's share of them): a blocked product that reads
-// the weights where they lie (an expert in its stack). The rows are packed once per call, transposed, kTileM at a time
-// (xt[(b * K + k) * kTileM + l] = row b * kTileM + l at column k); a tile of kTileN outputs x kTileM rows is
-// held in registers while a panel of kTileN weight rows, widened to float32 one block of kBlockK columns
-// at a time (int8 codes widened, float32 copied), is broadcast against them. Each weight is read once per
-// chunk of kChunkM rows; outputs go kChunkN at a time, so a thread's buffers stay small; nothing of a whole
-// matrix is written out (XLA's products copy an expert out of its stack, and an int8 matrix in float32).
+// the weights where they lie (an expert in its stack). The rows are packed once per call, transposed,
+// kTileM at a time (xt[(b * K + k) * kTileM + l] = row b * kTileM + l at column k); a tile of kTileN
+// outputs x kTileM rows is held in registers while a panel of kTileN weight rows, widened to float32 one
+// block of kBlockK columns at a time (int8 codes widened, float32 copied), is broadcast against them. Each
+// weight is read once per chunk of kChunkM rows; outputs go kChunkN at a time, so a thread's buffers stay
+// small; nothing of a whole matrix is written out (XLA's products copy an expert out of its stack, and an
+// int8 matrix in float32).
 constexpr int64_t kTileN = 12, kTileV = kTileM / 16, kBlockK = 256, kChunkM = 256, kChunkN = 24 * kTileN;
 // The blocked product takes every group of a call of at least kGemmRows rows, and (rows per matrix) at least
 // kGemmPerMatrix rows per matrix of the stack on average; smaller calls go through `Block`. The choice is
@@ -336,14 +338,15 @@ void Rows(const std::vector<Job>& jobs, const float* store, const float* x, cons
         for (int64_t n = n0; n < n1; ++n) y[j.rows[r] * N + n] = 0.0f;
       continue;
     }
+    const W* w = q + j.e * N * K;
+    const float* s = scale == nullptr ? nullptr : scale + j.e * N;
 #if defined(__AVX512F__)
     if (j.at >= 0) {
-      Gemm(store + j.at, j.rows, j.count, q + j.e * N * K, scale == nullptr ? nullptr : scale + j.e * N, y, N, K,
-           n0, n1);
+      Gemm(store + j.at, j.rows, j.count, w, s, y, N, K, n0, n1);
       continue;
     }
 #endif
-    Block(x, j.rows, j.count, q + j.e * N * K, scale == nullptr ? nullptr : scale + j.e * N, y, N, K, n0, n1);
+    Block(x, j.rows, j.count, w, s, y, N, K, n0, n1);
   }
 }
 
