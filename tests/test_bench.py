@@ -158,5 +158,16 @@ def test_bench_speculative_reports_what_each_method_drafted_and_the_same_tokens(
     assert set(rows) == {"ngram", "draft"} and all(r["identical"] for r in rows.values())
     draft = rows["draft"]
     assert draft["accepted"] == draft["drafted"]
+    assert all(0.0 <= r["copied"] <= 1.0 for r in rows.values())
     windows = draft["windows"]
     assert draft["mean_accepted"] == (round(draft["accepted"] / windows, 2) if windows else 0)
+
+
+def test_copied_is_the_share_reproduced_before_the_first_difference():
+    from serve.bench.speculative import copied, expected, prompts
+
+    assert copied(["abcx", "abcd and more", "z"], ["abcd", "abcd", "ab"]) == (0.75 + 1.0 + 0.0) / 3
+    for prompt, want in zip(prompts("edit", 100_000), expected("edit"), strict=True):
+        assert not prompt.endswith("\n") and prompt.startswith("# Original:\n" + prompt.splitlines()[-1])
+        assert prompt.split("# Original:\n")[1].startswith(prompt.splitlines()[-1] + want)
+    assert expected("continue") is None

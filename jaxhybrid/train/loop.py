@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxhybrid.train import data as D
+from jaxhybrid.train import edits as E
 from jaxhybrid.train.schedule import lr_schedule, make_optimizer
 from jaxhybrid.train.step import make_steps, split_model
 
@@ -63,6 +64,8 @@ class TrainConfig:
     export_dtype: str = "float32"
     progress: bool = True
     stop_after: int | None = None  # stop early (checkpointed), as if interrupted; not part of the fingerprint
+    init: str | None = None  # a model directory to start from (its config, weights and tokenizer)
+    edit_share: float = 0.0  # share of each batch's sequences that are edit documents (`edits`)
 
     def fingerprint(self) -> dict[str, Any]:
         keys = (
@@ -81,6 +84,8 @@ class TrainConfig:
             "compute_dtype",
             "tokenizer",
             "val_fraction",
+            "init",
+            "edit_share",
         )
         d = asdict(self)
         return {k: list(d[k]) if isinstance(d[k], tuple) else d[k] for k in keys}
@@ -100,6 +105,10 @@ def _check(cfg: TrainConfig) -> None:
         raise TrainError(f"--tokenizer must be bpe or byte, got {cfg.tokenizer}")
     if not cfg.data:
         raise TrainError("--data needs at least one path (or 'stdlib')")
+    if not 0.0 <= cfg.edit_share <= 1.0:
+        raise TrainError(f"--edit-share must lie in [0, 1], got {cfg.edit_share}")
+    if cfg.init is not None and not (Path(cfg.init) / "config.json").exists():
+        raise TrainError(f"--init {cfg.init}: not a model directory (no config.json)")
 
 
 def _tokenizer(cfg: TrainConfig, vocab_size: int, train_texts: list[str], out: Path) -> Any:
@@ -155,11 +164,16 @@ def load_corpus(data: tuple[str, ...] | list[str], val_fraction: float) -> Corpu
     )
 
 
-def encode_stream(tok: Any, texts: list[str], model_cfg: Any) -> np.ndarray:
-    """`[bos] + ids + [eos]` of every text, concatenated: the tokenizer's bos / eos, else the config's."""
+def _bos_eos(tok: Any, model_cfg: Any) -> tuple[int, int]:
+    """The tokenizer's bos / eos, else the config's."""
     bos = tok.bos_token_id if tok.bos_token_id is not None else model_cfg.bos_token_id
     eos = tok.eos_token_id if tok.eos_token_id is not None else model_cfg.eos_token_id
-    return D.token_stream(texts, lambda t: _encode(tok, t), bos, eos)
+    return bos, eos
+
+
+def encode_stream(tok: Any, texts: list[str], model_cfg: Any) -> np.ndarray:
+    """`[bos] + ids + [eos]` of every text, concatenated."""
+    return D.token_stream(texts, lambda t: _encode(tok, t), *_bos_eos(tok, model_cfg))
 
 
 def _corpus_fingerprint(docs: list[D.Document], train: np.ndarray, val: np.ndarray) -> str:
@@ -217,33 +231,107 @@ def export_model(
     return save_orbax(nnx.merge(graphdef, cast, rest), out / MODEL_DIR, tokenizer_dir=tok_dir, overwrite=True)
 
 
+@dataclass(frozen=True)
+class Start:
+    """What a run starts from: the model (fresh from the config, or `--init`'s weights), its tokenizer, and
+    the directory whose tokenizer files the exported model gets (None: the byte-level tokenizer)."""
+
+    model: Any
+    tokenizer: Any
+    tokenizer_dir: Path | None
+
+
+def _model_config(cfg: TrainConfig) -> Any:
+    """The run's model config: `cfg.config`'s (ConfigError for a bad name), or `cfg.init`'s."""
+    from jaxhybrid.config import load_config
+    from jaxhybrid.weights import read_model_config
+
+    return load_config(cfg.config) if cfg.init is None else read_model_config(cfg.init)
+
+
+def _start(cfg: TrainConfig, model_cfg: Any, train_texts: list[str], out: Path) -> Start:
+    """A fresh model of `model_cfg` with the run's tokenizer, or `cfg.init`'s model and tokenizer."""
+    from jaxhybrid.model import HybridLM
+    from jaxhybrid.tokenizer import load_tokenizer
+    from jaxhybrid.weights import load_pretrained
+
+    if cfg.init is None:
+        tok = _tokenizer(cfg, model_cfg.vocab_size, train_texts, out)
+        model = HybridLM(model_cfg, rngs=nnx.Rngs(cfg.seed))
+        return Start(model, tok, out / TOKENIZER_DIR if cfg.tokenizer == "bpe" else None)
+    tok = load_tokenizer(cfg.init, model_cfg)
+    if tok is None:
+        raise TrainError(f"--init {cfg.init}: no tokenizer files, and the vocabulary is too small for bytes")
+    model = load_pretrained(cfg.init, dtype=jnp.float32, progress=False)
+    return Start(model, tok, Path(cfg.init))
+
+
+@dataclass(frozen=True)
+class EditData:
+    """The edit documents (`edits`) of both splits, encoded: training draws whole ones, validation reads
+    their concatenation as it reads the corpus's."""
+
+    train: list[np.ndarray]
+    val: list[np.ndarray]
+    rows: int  # of each training batch
+
+    @staticmethod
+    def build(cfg: TrainConfig, corpus: Corpus, tok: Any, model_cfg: Any) -> EditData | None:
+        if cfg.edit_share <= 0:
+            return None
+        bos, eos = _bos_eos(tok, model_cfg)
+        encoded = []
+        for texts in (corpus.train_texts, corpus.val_texts):
+            ids = _encode(tok, E.edit_documents(texts))
+            encoded.append(
+                [np.asarray([bos, *x, eos], np.int32) for x in ids if len(x) + 2 <= cfg.seq_len + 1]
+            )
+        if not encoded[0] or not encoded[1]:
+            raise TrainError(
+                f"--edit-share: the corpus has no function of {E.MIN_LINES}-{E.MAX_LINES} lines whose edit "
+                f"document fits --seq-len {cfg.seq_len} in both splits"
+            )
+        return EditData(encoded[0], encoded[1], E.edit_share_rows(cfg.batch_size, cfg.edit_share))
+
+    def val_batches(self, cfg: TrainConfig) -> list[np.ndarray]:
+        return list(D.val_batches(np.concatenate(self.val), cfg.batch_size, cfg.seq_len, cfg.val_batches))
+
+
+def _batch(cfg: TrainConfig, stream: np.ndarray, edits: EditData | None, step: int) -> np.ndarray:
+    """Batch `step`: windows of the corpus, and with `--edit-share` the last rows whole edit documents."""
+    rows = cfg.batch_size - (0 if edits is None else edits.rows)
+    parts = [D.train_batch(stream, rows, cfg.seq_len, cfg.seed, step)] if rows else []
+    if edits is not None:
+        parts.append(E.edit_rows(edits.train, edits.rows, cfg.seq_len, cfg.seed, step))
+    return np.concatenate(parts)
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) a training run; returns the summary that is also written to `out/log.json`."""
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
-    from jaxhybrid.config import load_config
-    from jaxhybrid.model import HybridLM
-
     _check(cfg)
-    model_cfg = load_config(cfg.config)  # ConfigError for a bad config
+    model_cfg = _model_config(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
 
     corpus = load_corpus(cfg.data, cfg.val_fraction)
     docs, train_docs, val_docs = corpus.docs, corpus.train_docs, corpus.val_docs
-    tok = _tokenizer(cfg, model_cfg.vocab_size, corpus.train_texts, out)
+    begin = _start(cfg, model_cfg, corpus.train_texts, out)
+    tok, model = begin.tokenizer, begin.model
     train_stream = encode_stream(tok, corpus.train_texts, model_cfg)
     val_stream = encode_stream(tok, corpus.val_texts, model_cfg)
     val_data = list(D.val_batches(val_stream, cfg.batch_size, cfg.seq_len, cfg.val_batches))
     D.train_batch(train_stream, 1, cfg.seq_len, cfg.seed, 0)  # DataError if the split is too short
+    edits = EditData.build(cfg, corpus, tok, model_cfg)
+    val_edits = None if edits is None else edits.val_batches(cfg)
     counts = D.unigram_counts(train_stream, model_cfg.vocab_size)
     val_targets = np.concatenate([b[:, 1:].reshape(-1) for b in val_data])
     unigram = D.unigram_cross_entropy(counts, val_targets)
     fingerprint = {**cfg.fingerprint(), "corpus": _corpus_fingerprint(docs, train_stream, val_stream)}
 
-    model = HybridLM(model_cfg, rngs=nnx.Rngs(cfg.seed))
     graphdef, params, rest = split_model(model)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     schedule = lr_schedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.final_lr_fraction)
@@ -296,7 +384,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not cfg.progress)
     end = cfg.steps if cfg.stop_after is None else max(start, min(cfg.steps, cfg.stop_after))
     for step in range(start, end):
-        batch = jnp.asarray(D.train_batch(train_stream, cfg.batch_size, cfg.seq_len, cfg.seed, step))
+        batch = jnp.asarray(_batch(cfg, train_stream, edits, step))
         t0 = time.perf_counter()
         params, rest, opt_state, metrics = train_step(params, rest, opt_state, batch)
         loss = float(metrics["loss"])
@@ -317,6 +405,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         done = step + 1
         if done % cfg.val_every == 0 or done == cfg.steps:
             val_history.append({"step": done, "loss": _evaluate(eval_step, params, rest, val_data)})
+            if val_edits is not None:
+                val_history[-1]["edit_loss"] = _evaluate(eval_step, params, rest, val_edits)
         tok_s = timed_tokens / timed_seconds if timed_seconds else 0.0
         postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tok_s:.0f}"}
         if val_history:
@@ -331,11 +421,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if end < cfg.steps:
         return {"stopped_at": end, "steps": cfg.steps, "history": history, "val_history": val_history}
 
-    tok_dir = out / TOKENIZER_DIR if cfg.tokenizer == "bpe" else None
-    export_model(model, graphdef, params, rest, out, cfg.export_dtype, tok_dir)
+    export_model(model, graphdef, params, rest, out, cfg.export_dtype, begin.tokenizer_dir)
     final_val = val_history[-1]["loss"] if val_history else float("nan")
     summary = {
-        "config": cfg.config,
+        "config": cfg.config if cfg.init is None else model_cfg.name,
+        "init": cfg.init,
         "parameters": int(n_params),
         "steps": cfg.steps,
         "resumed_from": start,
@@ -349,9 +439,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             "train_tokens": int(len(train_stream)),
             "val_tokens": int(len(val_stream)),
             "val_tokens_evaluated": int(val_targets.size),
+            "edit_documents": None if edits is None else {"train": len(edits.train), "val": len(edits.val)},
         },
         "final_train_loss": history[-1]["loss"] if history else float("nan"),
         "final_val_loss": final_val,
+        "final_val_edit_loss": val_history[-1].get("edit_loss") if val_history else None,
         "unigram_val_loss": unigram,
         "tokens_per_second": timed_tokens / timed_seconds if timed_seconds else None,
         "wall_seconds": time.perf_counter() - t_start,
@@ -364,6 +456,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "val_fraction": cfg.val_fraction,
         "split": "sha256 of the path relative to the corpus root < val_fraction * 2**64 -> validation",
         "data": list(cfg.data),
+        "init": cfg.init,
+        "edit_share": cfg.edit_share,
         "final_val_loss": final_val,
         "unigram_val_loss": unigram,
         "train_unigram_counts": counts.tolist(),

@@ -2,14 +2,16 @@
 same run.
 
 Workloads (Python source of this repository, which the shipped model never saw: it was trained on the
-standard library): `edit`, a function followed by a request to write it again with a name changed and the
-function's first line (the completion rewrites code the prompt holds), and `continue`, the first lines of a
-file (free completion). Each row runs `--batch` copies of its prompts greedily, first without speculation
-and then with prompt-lookup drafts (`ngram`), in one engine each (prefix store off, so both prefill the
-same), after a warm-up pass that compiles; it reports tokens/s of the decode steps, their ratio, whether the
-tokens are identical, drafted and accepted tokens, and where the time of the speculating pass went: drafting
-(host), the verify program (which also keeps the state of the last accepted token: there is no separate
-rollback) and plain decode steps (steps in which no row had drafts).
+standard library): `edit`, a function followed by a request to write it again unchanged and the function's
+first line (`jaxhybrid.train.edits.unchanged_prompt`, the phrasing of the training's edit documents: the
+completion rewrites code the prompt holds, and ends at its end-of-sequence token), and `continue`, the
+first lines of a file (free completion, `--new-tokens` each). Each row runs `--batch` copies of its prompts
+greedily, first without speculation and then with prompt-lookup drafts (`ngram`), in one engine each
+(prefix store off, so both prefill the same), after a warm-up pass that compiles; it reports tokens/s of
+the decode steps, their ratio, whether the tokens are identical, drafted and accepted tokens, and where
+the time of the speculating pass went: drafting (host), the verify program (which also keeps the state of
+the last accepted token: there is no separate rollback) and plain decode steps (steps in which no row had
+drafts).
 """
 
 from __future__ import annotations
@@ -52,12 +54,29 @@ def _function(path: str, name: str | None) -> str:
 def prompts(workload: str, context: int) -> list[str]:
     """The prompt texts of `workload` (at most `context` characters each)."""
     if workload == "edit":
-        out = []
-        for path, name in EDIT_SOURCES:
-            code = _function(path, name)
-            out.append(f"# Original:\n{code}\n\n# The same function, unchanged:\n{code.splitlines()[0]}\n")
-        return [p[-context:] for p in out]
+        from jaxhybrid.train.edits import unchanged_prompt
+
+        return [unchanged_prompt(_function(path, name))[-context:] for path, name in EDIT_SOURCES]
     return [(REPO / path).read_text()[:context] for path in CONTINUE_SOURCES]
+
+
+def expected(workload: str) -> list[str] | None:
+    """What a completion of each `edit` prompt should be: the function after its first line (None for
+    `continue`, which has no right answer)."""
+    if workload != "edit":
+        return None
+    return ["\n" + "\n".join(_function(path, name).splitlines()[1:]) for path, name in EDIT_SOURCES]
+
+
+def copied(texts: list[str], wanted: list[str]) -> float:
+    """The mean share of each wanted text that its completion reproduces before the first difference."""
+    shares = []
+    for text, want in zip(texts, wanted, strict=True):
+        n = next(
+            (i for i, (a, b) in enumerate(zip(text, want, strict=False)) if a != b), min(len(text), len(want))
+        )
+        shares.append(n / len(want))
+    return sum(shares) / len(shares)
 
 
 @contextlib.contextmanager
@@ -82,9 +101,11 @@ def timing(obj: Any, name: str, totals: dict[str, float]) -> Iterator[None]:
 
 class Setup:
     """One engine serving the row's requests greedily with speculation `method` (`draft`: the draft model of
-    method "draft"), compiled by a first pass."""
+    method "draft"), compiled by a first pass; `stop`: a request ends at its end-of-sequence token."""
 
-    def __init__(self, model: Any, ids: list[list[int]], args: argparse.Namespace, method: str, draft: Any):
+    def __init__(
+        self, model: Any, ids: list[list[int]], args: argparse.Namespace, method: str, draft: Any, stop: bool
+    ):
         from serve.engine.config import EngineShape
         from serve.engine.engine import Engine, EngineConfig, draft_source
         from serve.engine.sampling import SamplingParams
@@ -101,7 +122,7 @@ class Setup:
             self.drafter = PromptLookup()
         self.engine = Engine(model, config, drafter=self.drafter)
         self.ids = ids
-        self.params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+        self.params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=not stop)
         self.engine.generate(ids, self.params)  # compiles every program the timed passes meet
         self.best: dict[str, Any] | None = None
 
@@ -141,12 +162,19 @@ def measure(model: Any, tokenizer: Any, args: argparse.Namespace, draft: Any = N
         texts = prompts(workload, args.prompt_chars)
         for batch in args.batch:
             ids = [tokenizer.encode(texts[i % len(texts)]) for i in range(batch)]
-            setups = {m: Setup(model, ids, args, m, draft) for m in ["off", *methods]}
+            stop = workload == "edit"  # an edit ends where the rewritten code does; free completion runs on
+            setups = {m: Setup(model, ids, args, m, draft, stop) for m in ["off", *methods]}
             for _ in range(args.repeats):
                 for setup in setups.values():
                     setup.timed_pass()
+            wanted = expected(workload)
             for method in methods:
                 rows.append(row(workload, batch, ids, setups["off"].best, setups[method].best, method))
+                if wanted is not None:
+                    texts_out = [tokenizer.decode(t) for t in setups["off"].best["tokens"]]
+                    rows[-1]["copied"] = round(
+                        copied(texts_out, [wanted[i % len(wanted)] for i in range(batch)]), 3
+                    )
                 print(f"{workload} batch {batch} {method}: ratio {rows[-1]['ratio']}", file=sys.stderr)
     return rows
 
@@ -188,6 +216,7 @@ COLUMNS = [
     "drafted",
     "accepted",
     "mean_accepted",
+    "copied",
     "draft_s",
     "verify_s",
     "plain_decode_s",

@@ -19,6 +19,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxhybrid.tokenizer import TokenizerError
     from jaxhybrid.train import TrainConfig, TrainError, train
     from jaxhybrid.train.data import DataError
+    from jaxhybrid.weights.hf import CheckpointError
 
     cfg = TrainConfig(
         config=args.config,
@@ -42,10 +43,12 @@ def run(args: argparse.Namespace) -> int:
         export_dtype=args.export_dtype,
         progress=not args.no_progress,
         stop_after=args.stop_after,
+        init=args.init,
+        edit_share=args.edit_share,
     )
     try:
         summary = train(cfg)
-    except (TrainError, DataError, ConfigError, TokenizerError, FileNotFoundError) as exc:
+    except (TrainError, DataError, ConfigError, TokenizerError, CheckpointError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     brief = {k: v for k, v in summary.items() if k not in ("history", "val_history", "settings")}
@@ -97,6 +100,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=("float32", "bfloat16"),
         default="float32",
         help="dtype of the exported model's matrices (default float32)",
+    )
+    p.add_argument(
+        "--init",
+        default=None,
+        metavar="MODEL_DIR",
+        help="start from this model's weights, config and tokenizer (fine-tuning; --config and --tokenizer "
+        "are then not used)",
+    )
+    p.add_argument(
+        "--edit-share",
+        type=float,
+        default=0.0,
+        help="share of each batch's sequences that are edit documents: a function of the corpus, a request "
+        "to write it again (unchanged or with an argument renamed) and the result (default 0)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
