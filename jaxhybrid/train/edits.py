@@ -40,6 +40,11 @@ def unchanged_prompt(code: str) -> str:
     return f"# Original:\n{code}\n\n# The same function, unchanged:\n{code.splitlines()[0]}"
 
 
+def unchanged_completion(code: str) -> str:
+    """What follows `unchanged_prompt(code)` when the function is written again unchanged: its other lines."""
+    return "\n" + "\n".join(code.splitlines()[1:])
+
+
 def functions(text: str) -> list[Function]:
     """The functions and methods of a Python source of MIN_LINES .. MAX_LINES lines, dedented, in source
     order (none where the text does not parse)."""
@@ -75,7 +80,7 @@ def edit_document(fn: Function) -> str:
     h = int.from_bytes(hashlib.sha256(fn.code.encode("utf-8")).digest()[:8], "big")
     kind, args = h % 3, [a for a in fn.args if len(a) > 1]
     if kind == 0 or not args:
-        return f"{unchanged_prompt(fn.code)}\n" + "\n".join(fn.code.splitlines()[1:]) + "\n"
+        return unchanged_prompt(fn.code) + unchanged_completion(fn.code) + "\n"
     old = args[(h // 3) % len(args)]
     new = next((n for n in NEW_NAMES if not re.search(rf"\b{n}\b", fn.code)), old + "_new")
     after = rename(fn.code, old, new)

@@ -65,17 +65,16 @@ def expected(workload: str) -> list[str] | None:
     `continue`, which has no right answer)."""
     if workload != "edit":
         return None
-    return ["\n" + "\n".join(_function(path, name).splitlines()[1:]) for path, name in EDIT_SOURCES]
+    from jaxhybrid.train.edits import unchanged_completion
+
+    return [unchanged_completion(_function(path, name)) for path, name in EDIT_SOURCES]
 
 
 def copied(texts: list[str], wanted: list[str]) -> float:
     """The mean share of each wanted text that its completion reproduces before the first difference."""
-    shares = []
-    for text, want in zip(texts, wanted, strict=True):
-        n = next(
-            (i for i, (a, b) in enumerate(zip(text, want, strict=False)) if a != b), min(len(text), len(want))
-        )
-        shares.append(n / len(want))
+    import os.path
+
+    shares = [len(os.path.commonprefix([t, w])) / len(w) for t, w in zip(texts, wanted, strict=True)]
     return sum(shares) / len(shares)
 
 
@@ -167,14 +166,14 @@ def measure(model: Any, tokenizer: Any, args: argparse.Namespace, draft: Any = N
             for _ in range(args.repeats):
                 for setup in setups.values():
                     setup.timed_pass()
-            wanted = expected(workload)
+            wanted, share = expected(workload), None
+            if wanted is not None:  # the tokens are the off pass's (every method's when identical)
+                texts_out = [tokenizer.decode(t) for t in setups["off"].best["tokens"]]
+                share = round(copied(texts_out, [wanted[i % len(wanted)] for i in range(batch)]), 3)
             for method in methods:
                 rows.append(row(workload, batch, ids, setups["off"].best, setups[method].best, method))
-                if wanted is not None:
-                    texts_out = [tokenizer.decode(t) for t in setups["off"].best["tokens"]]
-                    rows[-1]["copied"] = round(
-                        copied(texts_out, [wanted[i % len(wanted)] for i in range(batch)]), 3
-                    )
+                if share is not None:
+                    rows[-1]["copied"] = share
                 print(f"{workload} batch {batch} {method}: ratio {rows[-1]['ratio']}", file=sys.stderr)
     return rows
 
