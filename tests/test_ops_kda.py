@@ -14,8 +14,15 @@ import numpy as np
 import pytest
 
 from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_into_pool, causal_conv1d_reference
-from jaxhybrid.ops.kda import kda_chunked, kda_decode, kda_decode_into_pool, kda_recurrent
-from jaxhybrid.ops.native import kda_decode_kernel, kda_pool_kernels
+from jaxhybrid.ops.kda import (
+    kda_chunked,
+    kda_decode,
+    kda_decode_into_pool,
+    kda_decode_states,
+    kda_recurrent,
+    kda_recurrent_states,
+)
+from jaxhybrid.ops.native import kda_decode_kernel, kda_pool_kernels, kda_states_kernel
 
 B, H = 2, 2
 TOL = 1e-5  # relative error bound for fp32 forward results
@@ -166,6 +173,46 @@ def test_kda_decode_reads_rows_of_a_pool_in_place(monkeypatch, kernel: bool) -> 
     np.testing.assert_array_equal(np.asarray(pool), before)
     with pytest.raises(ValueError, match="pool"):
         kda_decode(q, k, v, g, beta, None, rows)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "xla"])
+@pytest.mark.parametrize("pooled", [False, True], ids=["states", "pool_rows"])
+def test_kda_decode_states_keeps_the_state_after_each_token(monkeypatch, kernel: bool, pooled: bool) -> None:
+    """`kda_decode_states` (a verify step's form): o and the state after every token as the float64 loop
+    gives them for each prefix, from given states or from slots of a pool (any order, one slot read by two
+    rows, the pool left as it was); a padded token (g = 0, beta = 0) repeats the state before it bit for bit;
+    the kernel ran where there is one, and agrees with `kda_recurrent_states` to a few ulps."""
+    import jaxhybrid.ops.native as native
+
+    if not kernel:
+        monkeypatch.setattr(native, "kda_states_kernel", lambda: None)
+    elif kda_states_kernel() is None:
+        pytest.skip("no C++ compiler here")
+    t, dk, dv = 5, 32, 16
+    (q, k, v, g, beta), s0 = make_inputs(37, t, dk=dk, dv=dv, state=True)
+    g, beta = g.at[1, 2].set(0.0), beta.at[1, 2].set(0.0)
+    if pooled:
+        pool = jnp.asarray(np.random.default_rng(6).standard_normal((4, H, dk, dv)), jnp.float32)
+        rows = jnp.asarray(([3, 0, 3, 1] * B)[:B], jnp.int32)
+        before, s0, args = np.asarray(pool), pool[rows], (pool, rows)
+    else:
+        args = (s0,)
+    fn = jax.jit(lambda *a: kda_decode_states(*a))  # a trace of its own: jit caches by function
+    o, states = fn(q, k, v, g, beta, *args)
+    assert o.shape == (B, t, H, dv) and states.shape == (B, t, H, dk, dv) and states.dtype == jnp.float32
+    o_ref, _ = kda_oracle(q, k, v, g, beta, s0)
+    assert rel_err(o, o_ref) < TOL
+    for i in range(t):
+        _, s_i = kda_oracle(*(x[:, : i + 1] for x in (q, k, v, g, beta)), s0)
+        assert rel_err(states[:, i], s_i) < TOL
+    np.testing.assert_array_equal(np.asarray(states[1, 2]), np.asarray(states[1, 1]))
+    o_rec, s_rec = kda_recurrent_states(q, k, v, g, beta, s0)
+    assert rel_err(o, o_rec) < 1e-6 and rel_err(states, s_rec) < 1e-6
+    assert ("jaxhybrid_kda_states" in fn.lower(q, k, v, g, beta, *args).as_text()) == kernel
+    if pooled:
+        np.testing.assert_array_equal(np.asarray(pool), before)
+        with pytest.raises(ValueError, match="pool"):
+            kda_decode_states(q, k, v, g, beta, None, rows)
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "xla"])

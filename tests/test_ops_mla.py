@@ -11,6 +11,7 @@ import pytest
 
 from jaxhybrid.ops import int8
 from jaxhybrid.ops.mla import (
+    PAGED_KERNEL_MAX_TOKENS,
     causal_mask,
     mla_attention_absorbed,
     mla_attention_causal_blocks,
@@ -197,10 +198,22 @@ def test_paged_decode_kernel_matches_the_oracle() -> None:
     assert "jaxhybrid_mla_decode" in fast.lower(*args[:4], codes).as_text()
     want8 = _oracle(q, view, np.asarray(int8.dequantize(codes)), mask)
     assert _rel_err(got8, want8) < 1e-5 and _rel_err(got8, want) > 1e-4  # the codes, not the float weight
-    # more than one token per row takes the reference
-    q2, _, _ = _inputs(rng, batch, 2, 1)
-    two = fast(jnp.asarray(q2), *args[1:])
-    assert (
-        _rel_err(two, jax.jit(lambda *a: mla_attention_paged_reference(*a, **kw))(jnp.asarray(q2), *args[1:]))
-        == 0
+    # a verify step's tokens: token t of a row sees the positions < end[b, t] (its own and those before it)
+    t = 5
+    qt, _, _ = _inputs(rng, batch, t, 1)
+    ends = np.minimum(
+        np.array([8, 0, 15, 12], np.int32)[:, None] + np.arange(1, t + 1), [[13], [0], [20], [14]]
     )
+    ends = ends.astype(np.int32)
+    argst = (jnp.asarray(qt), *args[1:3], jnp.asarray(ends), args[4])
+    got_t = fast(*argst)
+    assert "jaxhybrid_mla_decode" in fast.lower(*argst).as_text()
+    mask_t = np.arange(width * block)[None, None, :] < ends[:, :, None]
+    want_t = _oracle(qt, view, kv_b, mask_t)
+    ref_t = jax.jit(lambda *a: mla_attention_paged_reference(*a, **kw))(*argst)
+    assert got_t.shape == (batch, t, _H, _V)
+    assert _rel_err(got_t, want_t) < 1e-5 and _rel_err(got_t, ref_t) < 1e-5
+    # past PAGED_KERNEL_MAX_TOKENS tokens per row: the reference itself
+    long_q, _, _ = _inputs(rng, batch, PAGED_KERNEL_MAX_TOKENS + 1, 1)
+    long_args = (jnp.asarray(long_q), *args[1:])
+    assert "jaxhybrid_mla_decode" not in fast.lower(*long_args).as_text()

@@ -15,7 +15,7 @@ from jaxhybrid.cache import KDACache, KDAPoolInPlace, KDAPoolRows
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import DepthwiseConv, GatedRMSNorm, Linear, param, project
 from jaxhybrid.ops.conv import causal_conv1d, causal_conv1d_into_pool, causal_conv1d_windows
-from jaxhybrid.ops.kda import kda_chunked, kda_decode, kda_decode_into_pool, kda_recurrent_states
+from jaxhybrid.ops.kda import kda_chunked, kda_decode, kda_decode_into_pool, kda_decode_states
 from jaxhybrid.ops.norms import l2_normalize
 
 
@@ -105,8 +105,8 @@ class KimiDeltaAttention(nnx.Module):
         pools = cache if isinstance(cache, KDAPoolInPlace) else None
         if pools is not None and (T != 1 or keep_states):
             raise ValueError("pools updated in place take one token per row")
-        if isinstance(cache, KDAPoolRows) and (T != 1 or keep_states):
-            cache = cache.gathered()  # only the one-token step reads a pool's rows in place
+        if isinstance(cache, KDAPoolRows) and T != 1 and not keep_states:
+            cache = cache.gathered()  # a prefill reads a copy; decode and verify steps read the rows in place
         # every projection of x at once (one kernel call in a CPU decode step)
         *qkv, f_a, b, gate = project(
             x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.gate_input()
@@ -133,9 +133,10 @@ class KimiDeltaAttention(nnx.Module):
         if pools is not None:
             o, state = kda_decode_into_pool(q, k, v.astype(jnp.float32), g, beta, pools.state, pools.rows)
         elif isinstance(cache, KDAPoolRows):
-            o, state = kda_decode(q, k, v.astype(jnp.float32), g, beta, cache.state, rows=cache.rows)
+            step = kda_decode_states if keep_states else kda_decode
+            o, state = step(q, k, v.astype(jnp.float32), g, beta, cache.state, rows=cache.rows)
         else:
-            kda = kda_recurrent_states if keep_states else kda_decode if T == 1 else kda_chunked
+            kda = kda_decode_states if keep_states else kda_decode if T == 1 else kda_chunked
             o, state = kda(q, k, v.astype(jnp.float32), g, beta, None if cache is None else cache.state)
         gate = self.gate_from(gate).reshape(B, T, H, d)
         o = self.o_norm(o.astype(x.dtype), gate).reshape(B, T, H * d)

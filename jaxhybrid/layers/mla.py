@@ -156,16 +156,20 @@ class MultiHeadLatentAttention(nnx.Module):
         lengths: jax.Array | None,
         added: jax.Array,
     ) -> tuple[jax.Array, PagedMLACache] | None:
-        """One new token per row where `mla_attention_paged` runs its CPU kernel: the new latents written into
-        the pool first, then attention over the pool where it lies (no gathered copy of the rows' view).
-        None where the kernel does not apply (the caller takes the view path)."""
+        """A few new tokens per row (a decode or verify step) where `mla_attention_paged` runs its CPU kernel:
+        the new latents written into the pool first, then attention over the pool where it lies (no gathered
+        copy of the rows' view), token t seeing the positions up to its own (and none past the row's valid
+        tokens). None where the kernel does not apply (the caller takes the view path)."""
         w = self.kv_b_proj.codes() if self.kv_b_proj.is_int8 else self.kv_b_proj.dense_weight(q.dtype)
         if not paged_kernel_applies(q, cache.pool, w):
             return None
         pool = write_paged(cache, new, lengths)
         end = cache.length + added
+        ends = jnp.minimum(
+            cache.length[:, None] + jnp.arange(1, x.shape[1] + 1, dtype=jnp.int32), end[:, None]
+        )
         o = mla_attention_paged(
-            q, pool, cache.block_table, end, w, nope_dim=self.nope, v_dim=self.v_dim, scale=self.scale
+            q, pool, cache.block_table, ends, w, nope_dim=self.nope, v_dim=self.v_dim, scale=self.scale
         )
         return self.output(o, x), PagedMLACache(pool=pool, block_table=cache.block_table, length=end)
 

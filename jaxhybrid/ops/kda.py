@@ -94,6 +94,29 @@ def kda_recurrent(
     return _token_scan(q, k, v, g, beta, initial_state, keep_states=False)
 
 
+def _states_and_rows(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None,
+    rows: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    """What the native kernels take for the rows' starting states, checked: (states [S, H, dk, dv] float32,
+    rows [B] int32), row b starting from states[rows[b]] (the given states, or zeros, row by row without
+    `rows`; the pool `initial_state` with them)."""
+    b, _, h, dk = q.shape
+    dv = v.shape[-1]
+    if rows is None:
+        _check_shapes(q, k, v, g, beta, initial_state)
+        return _init_state(initial_state, b, h, dk, dv), jnp.arange(b, dtype=jnp.int32)
+    _check_shapes(q, k, v, g, beta, None)
+    if initial_state.shape[1:] != (h, dk, dv) or rows.shape != (b,):
+        raise ValueError(f"a pool [S, {h}, {dk}, {dv}] and rows [{b}] expected: {initial_state.shape}")
+    return initial_state.astype(jnp.float32), rows.astype(jnp.int32)
+
+
 def kda_decode(
     q: jax.Array,
     k: jax.Array,
@@ -114,15 +137,7 @@ def kda_decode(
         return kda_recurrent(q, k, v, g, beta, initial_state if rows is None else initial_state[rows])
     b, _, h, dk = q.shape
     dv = v.shape[-1]
-    if rows is None:
-        _check_shapes(q, k, v, g, beta, initial_state)
-        state = _init_state(initial_state, b, h, dk, dv)
-        rows = jnp.arange(b, dtype=jnp.int32)
-    else:
-        _check_shapes(q, k, v, g, beta, None)
-        if initial_state.shape[1:] != (h, dk, dv) or rows.shape != (b,):
-            raise ValueError(f"a pool [S, {h}, {dk}, {dv}] and rows [{b}] expected: {initial_state.shape}")
-        state = initial_state.astype(jnp.float32)
+    state, rows = _states_and_rows(q, k, v, g, beta, initial_state, rows)
     f32 = lambda x: x[:, 0].astype(jnp.float32)  # noqa: E731
     out = (jax.ShapeDtypeStruct((b, h, dv), jnp.float32), jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32))
     call = jax.ffi.ffi_call(_kda_target(), out, vmap_method="sequential")
@@ -202,6 +217,37 @@ def kda_recurrent_states(
     of the final one (what verifying drafted tokens needs: the state at the last accepted position). Same
     arithmetic; costs T states of memory."""
     return _token_scan(q, k, v, g, beta, initial_state, keep_states=True)
+
+
+def kda_decode_states(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+    rows: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`kda_recurrent_states` on the CPU through the native kernel (a verify step's few tokens per
+    row: each state written once, where XLA:CPU runs a dozen ops a token); elsewhere the reference. Same
+    results, and `rows` as :func:`kda_decode`'s (row b starts from the pool's `initial_state[rows[b]]`)."""
+    from jaxhybrid.ops.native import kda_states_kernel
+
+    if rows is not None and initial_state is None:
+        raise ValueError("rows index a pool of states: give the pool as initial_state")
+    if jax.default_backend() != "cpu" or kda_states_kernel() is None:
+        return kda_recurrent_states(q, k, v, g, beta, initial_state if rows is None else initial_state[rows])
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    state, rows = _states_and_rows(q, k, v, g, beta, initial_state, rows)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    out = (
+        jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32),
+        jax.ShapeDtypeStruct((b, t, h, dk, dv), jnp.float32),
+    )
+    call = jax.ffi.ffi_call(kda_states_kernel(), out, vmap_method="sequential")
+    o, states = call(f32(q), f32(k), f32(g), f32(v), f32(beta), state, rows.astype(jnp.int32))
+    return o.astype(v.dtype), states
 
 
 def _mask_sum(mask: np.ndarray, x: jax.Array) -> jax.Array:

@@ -17,6 +17,8 @@ Rows whose mask is entirely False return zeros (never NaN).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,16 +212,17 @@ def mla_attention_paged_reference(
     v_dim: int,
     scale: float,
 ) -> jax.Array:
-    """One new token per row (q ``[B, 1, H, nope + rope]``) attending over its positions ``t < end[b]`` of a
-    paged latent pool ``[num_blocks, block_size, R + rope]`` through ``block_table`` ``[B, W]`` (the new
-    token's latent already written there): the rows' view gathered, then :func:`mla_attention_absorbed`.
-    ``kv_b_weight``: the weight, or its int8 codes (dequantized here). Returns ``[B, 1, H, v]`` in q.dtype;
-    a row with ``end = 0`` gives zeros."""
+    """A few new tokens per row (q ``[B, T, H, nope + rope]``) attending over positions of a paged latent pool
+    ``[num_blocks, block_size, R + rope]`` through ``block_table`` ``[B, W]`` (the new tokens' latents
+    already written there): token t of row b sees the positions ``< end[b, t]`` (``end`` [B, T]; or [B]:
+    every token of row b sees ``< end[b]``). The rows' view gathered, then :func:`mla_attention_absorbed`.
+    ``kv_b_weight``: the weight, or its int8 codes (dequantized here). Returns ``[B, T, H, v]`` in q.dtype;
+    a token with ``end = 0`` gives zeros."""
     if isinstance(kv_b_weight, int8.Int8):
         kv_b_weight = int8.dequantize(kv_b_weight, q.dtype)
     b, w = block_table.shape
     view = pool[block_table].reshape(b, w * pool.shape[1], pool.shape[2])
-    mask = jnp.arange(view.shape[1])[None, None, :] < jnp.asarray(end, jnp.int32)[:, None, None]
+    mask = jnp.arange(view.shape[1])[None, None, :] < _token_ends(end, q.shape[1])[:, :, None]
     return mla_attention_absorbed(
         q, view.astype(q.dtype), kv_b_weight, mask, nope_dim=nope_dim, v_dim=v_dim, scale=scale
     )
@@ -237,39 +240,48 @@ def mla_attention_paged(
     scale: float,
 ) -> jax.Array:
     """:func:`mla_attention_paged_reference` through the CPU kernel (`jaxhybrid.ops.native`: the latents read
-    in place through the block table, once for all heads) where it applies: the CPU, float32 q and pool, a
-    float32 weight or int8 codes (read as they are), one token per row; elsewhere the reference. Same
-    signature and results."""
+    in place through the block table, once for all of a row's tokens and heads) where it applies: the CPU,
+    float32 q and pool, a float32 weight or int8 codes (read as they are), at most `PAGED_KERNEL_MAX_TOKENS`
+    tokens per row; elsewhere the reference. Same signature and results."""
     if not paged_kernel_applies(q, pool, kv_b_weight):
         return mla_attention_paged_reference(
             q, pool, block_table, end, kv_b_weight, nope_dim=nope_dim, v_dim=v_dim, scale=scale
         )
     from jaxhybrid.ops.native import mla_decode_kernel
 
-    b, _, h, _ = q.shape
+    b, t, h, _ = q.shape
     call = jax.ffi.ffi_call(
-        mla_decode_kernel(), jax.ShapeDtypeStruct((b, h, v_dim), jnp.float32), vmap_method="sequential"
+        mla_decode_kernel(), jax.ShapeDtypeStruct((b, t, h, v_dim), jnp.float32), vmap_method="sequential"
     )
     if isinstance(kv_b_weight, int8.Int8):
         w, w_scale = kv_b_weight.q, kv_b_weight.scale
     else:
         w, w_scale = kv_b_weight, jnp.ones(kv_b_weight.shape[:1], jnp.float32)
     o = call(
-        q[:, 0],
+        q,
         pool,
         jnp.asarray(block_table, jnp.int32),
-        jnp.asarray(end, jnp.int32),
+        _token_ends(end, t),
         w,
         w_scale,
         scale=np.float32(scale),
         nope=np.int64(nope_dim),
     )
-    return o[:, None].astype(q.dtype)
+    return o.astype(q.dtype)
+
+
+PAGED_KERNEL_MAX_TOKENS = 8  # tokens per row up to which the CPU kernel runs (past it XLA's products win)
+
+
+def _token_ends(end: Any, num_tokens: int) -> jax.Array:
+    """`end` as [B, T] int32: given per token, or per row ([B]) for each of its tokens."""
+    end = jnp.asarray(end, jnp.int32)
+    return end if end.ndim == 2 else jnp.broadcast_to(end[:, None], (end.shape[0], num_tokens))
 
 
 def paged_kernel_applies(q: jax.Array, pool: jax.Array, kv_b_weight: jax.Array | int8.Int8) -> bool:
     """Whether :func:`mla_attention_paged` runs the CPU kernel for these operands."""
-    if q.shape[1] != 1 or jax.default_backend() != "cpu":
+    if q.shape[1] > PAGED_KERNEL_MAX_TOKENS or jax.default_backend() != "cpu":
         return False
     weight_ok = isinstance(kv_b_weight, int8.Int8) or kv_b_weight.dtype == jnp.float32
     if q.dtype != jnp.float32 or pool.dtype != jnp.float32 or not weight_ok:

@@ -1,4 +1,5 @@
-"""Stacks of matrices (experts [E, ...], layer groups [G, E, ...]): one matrix read by its leading indices."""
+"""Stacks of matrices (experts [E, ...], layer groups [G, E, ...]): one matrix read by its leading indices;
+and pools of rows (the engine's per-slot states): rows set by their leading index."""
 
 from __future__ import annotations
 
@@ -30,3 +31,23 @@ def flat_index(lead: tuple[int, ...], index: Any) -> jax.Array:
     for i, n in zip(index if isinstance(index, tuple) else (index,), lead, strict=True):
         flat = flat * n + jnp.asarray(i, jnp.int32)
     return flat
+
+
+def set_rows_reference(pool: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    """`pool` [S, ...] with `values[b]` in slot `rows[b]` (rows [B] int32, distinct, in range)."""
+    return pool.at[rows].set(values.astype(pool.dtype))
+
+
+def set_rows(pool: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    """:func:`set_rows_reference` written in place by the native kernel on the CPU for a float32 pool (the
+    result aliases `pool`: donate it), where XLA's scatter copies a pool that its program also reads;
+    elsewhere the reference."""
+    from jaxhybrid.ops.native import set_rows_kernel
+
+    if jax.default_backend() != "cpu" or pool.dtype != jnp.float32 or set_rows_kernel() is None:
+        return set_rows_reference(pool, rows, values)
+    if rows.ndim != 1 or values.shape != (rows.shape[0], *pool.shape[1:]):
+        raise ValueError(f"rows [B] and values [B, {pool.shape[1:]}] expected: {rows.shape}, {values.shape}")
+    out = jax.ShapeDtypeStruct(pool.shape, pool.dtype)
+    call = jax.ffi.ffi_call(set_rows_kernel(), out, input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(pool, rows.astype(jnp.int32), values.astype(jnp.float32))

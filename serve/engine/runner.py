@@ -30,6 +30,7 @@ from jaxhybrid.cache import (
 from jaxhybrid.layers.mla import read_paged, write_paged
 from jaxhybrid.model import HybridLM
 from jaxhybrid.ops.kda import steps_into_pools
+from jaxhybrid.ops.stacks import set_rows
 from jaxhybrid.scan import ScanDefs, forward_scanned, scan_layout, split_for_scan
 from jaxhybrid.weights.pages import move_to_huge_pages
 from serve.engine import copies
@@ -89,8 +90,9 @@ class Programs:
     (`Last`, rows' KDA states or (), new KDA pools or (), MLA pools).
 
     `run_in_place`, where kernels can (one CPU device, float32 pools), is `run` for one token per row that
-    donates the KDA pools too and writes its rows' states into them itself (`KDAPoolInPlace`): no rows' write.
-    Other programs leave the rows to `write_rows`: in one program with the model, XLA fuses the read of a
+    donates the KDA pools too and writes its rows' states into them itself (`KDAPoolInPlace`): no rows' write;
+    there `verify` too sets its rows' accepted states into the pools it donates (`stacks.set_rows`). Other
+    programs leave the rows to `write_rows`: in one program with the model, XLA fuses the read of a
     layer's old conv window into its scatter of the new one, cannot then update the pool in place and copies
     every KDA pool twice per step (the cost grows with the slots); a program that returned the pools it did
     not change would copy each once."""
@@ -98,7 +100,7 @@ class Programs:
     run: Any
     write_rows: Any
     sample: Any
-    verify: Any  # `run` for rows that carry drafted tokens (`_verify_fn`); never scanned
+    verify: Any  # `run` for rows that carry drafted tokens (`_verify_fn`; in place with `run_in_place`)
     run_scanned: Any = None  # `run` over the scanned form (`jaxhybrid.scan`), when the engine scans
     run_in_place: Any = None
 
@@ -186,13 +188,15 @@ def row_caches(
     return tuple(cache)
 
 
-def _verify_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
+def _verify_fn(model_def: Any, layer_types: tuple[str, ...], in_place: bool = False) -> Any:
     """The `verify` program's function: `run` for rows that hold their last sampled token and then their
     drafted tokens (`num_valid` = 1 + drafts), with `sampling.verify` deciding which drafts stand. Every KDA
     layer keeps its state after every token; the rows' new states are those after each row's last accepted
     token, so the rows' write leaves every slot as if it had decoded only the accepted tokens. Returns
-    ((tokens [B, T], logprobs [B, T], accepted [B]), rows' states, (), MLA pools);
-    the KV written past a row's accepted tokens lies beyond its length, where the next step writes over it."""
+    ((tokens [B, T], logprobs [B, T], accepted [B]), rows' states, (), MLA pools); with `in_place` the
+    program sets those states into the KDA pools itself (`stacks.set_rows`) and returns ((...), (), KDA
+    pools, MLA pools). The KV written past a row's accepted tokens lies beyond its length, where the next
+    step writes over it."""
 
     def verify_rows(
         params,
@@ -221,6 +225,12 @@ def _verify_fn(model_def: Any, layer_types: tuple[str, ...]) -> Any:
             if kind == "kda"
         )
         mla = tuple(c.pool for kind, c in zip(layer_types, new, strict=True) if kind != "kda")
+        if in_place:
+            pools = tuple(
+                KDACache(conv=set_rows(p.conv, slot_ids, r.conv), state=set_rows(p.state, slot_ids, r.state))
+                for p, r in zip(kda_pools, rows, strict=True)
+            )
+            return out, (), pools, mla
         return out, rows, (), mla
 
     return verify_rows
@@ -242,6 +252,8 @@ def _programs(
         run, verify_, *scanned = [jax.jit(fn, donate_argnums=(2,)) for fn in fns]
         scanned_run = scanned[0] if scanned else None
         writes = jax.jit(_run_fn(graphdef, layer_types, True), donate_argnums=(1, 2)) if in_place else None
+        if in_place:
+            verify_ = jax.jit(_verify_fn(graphdef, layer_types, True), donate_argnums=(1, 2))
         write_rows = jax.jit(_write_rows, donate_argnums=(0,))
         return Programs(run, write_rows, jax.jit(sample), verify_, scanned_run, writes)
     kda_shardings = tuple(s for kind, s in zip(layer_types, pool_shardings, strict=True) if kind == "kda")
@@ -399,7 +411,7 @@ class Runner(AheadOfTime, StoreCopies):
     def _program_name(self, run: Any) -> str:
         """The name of jitted model function `run` (part of its programs' key)."""
         if run is self.programs.verify:
-            return "verify"
+            return "verify" if self.programs.run_in_place is None else "verify_in_place"
         if run is self.programs.run_in_place:
             return "run_in_place"
         return "run_scanned" if run is self.programs.run_scanned else "run"
@@ -457,15 +469,24 @@ class Runner(AheadOfTime, StoreCopies):
         host = self._row_inputs(
             reqs, [[r.tokens[r.num_computed], *d] for r, d in zip(reqs, drafts, strict=True)], program
         )
-        per_position = [(r, i) for r in [*reqs, *([None] * (rows - n))] for i in range(program.length)]
-        sampling = batch_arrays(
-            [None if r is None else r.params for r, _ in per_position],
-            [0 if r is None else r.seed for r, _ in per_position],
-            [0 if r is None else len(r.generated) + i for r, i in per_position],
-        )
+        if all(r.params.greedy for r in reqs):  # no key, filter or temperature changes a greedy row's tokens
+            sampling = self._greedy_arrays(rows * program.length)
+        else:
+            per_position = [(r, i) for r in [*reqs, *([None] * (rows - n))] for i in range(program.length)]
+            sampling = batch_arrays(
+                [None if r is None else r.params for r, _ in per_position],
+                [0 if r is None else r.seed for r, _ in per_position],
+                [0 if r is None else len(r.generated) + i for r, i in per_position],
+            )
         out = self._execute(program, (self.programs.verify, self.params), host, sampling)
         tokens, logps, accepted = (np.asarray(a)[:n] for a in out)
         return Verified(tokens, logps, accepted)
+
+    @functools.cache  # noqa: B019 - a few sizes per runner, kept while it lives
+    def _greedy_arrays(self, positions: int) -> tuple[Any, ...]:
+        """`batch_arrays` for `positions` greedy positions (made once per size: a step of greedy rows only
+        skips building its keys)."""
+        return batch_arrays([None] * positions, [0] * positions, [0] * positions)
 
     def prefill_rows(self, reqs: list[Request], ns: list[int]) -> jax.Array:
         """The next `ns[i]` tokens of each of `reqs` (distinct slots) in one call: one row, or the packed

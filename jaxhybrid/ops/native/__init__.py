@@ -15,7 +15,9 @@
   the recurrent state; the kernel reads and writes each state once. Its pool variants write a step's states
   and conv windows over the old ones in the engine's pools, in place (`kda_decode_into_pool`,
   `jaxhybrid.ops.conv.causal_conv1d_into_pool`), where XLA:CPU copies a pool that one program both reads
-  and writes.
+  and writes. Its many-token variant runs a verify step's few tokens per row and keeps every state
+  (`kda_decode_states`), where XLA:CPU runs a loop of a dozen ops a token; and the states it accepts are
+  set into their slots in place (`jaxhybrid.ops.stacks.set_rows`).
 
 Each shared library is compiled with the machine's C++ compiler (`$CXX`, else g++, else c++) and
 `-march=native`, once per source, compiler and CPU, into the user's cache directory (or
@@ -45,6 +47,8 @@ F32_TARGET = "jaxhybrid_matvec_f32"
 KDA_SOURCE = Path(__file__).with_name("kda_decode.cc")
 KDA_TARGET = "jaxhybrid_kda_decode"
 KDA_POOL_TARGET = "jaxhybrid_kda_decode_pool"
+KDA_STATES_TARGET = "jaxhybrid_kda_states"
+SET_ROWS_TARGET = "jaxhybrid_set_rows_pool"
 CONV_POOL_TARGET = "jaxhybrid_conv_decode_pool"
 MLA_SOURCE = Path(__file__).with_name("mla_decode.cc")
 MLA_TARGET = "jaxhybrid_mla_decode"
@@ -167,6 +171,22 @@ def kda_decode_kernel() -> str | None:
     line saying why) where it cannot be built."""
     lib = _kda_library()
     return None if lib is None else _register(lib, KDA_TARGET)
+
+
+@functools.cache
+def kda_states_kernel() -> str | None:
+    """The FFI target name of the kernel that runs a few tokens per row and keeps the state after each,
+    registered with JAX for the CPU; None where the library is not there."""
+    lib = _kda_library()
+    return None if lib is None else _register(lib, KDA_STATES_TARGET)
+
+
+@functools.cache
+def set_rows_kernel() -> str | None:
+    """The FFI target name of the kernel that sets rows of a float32 pool in place, registered with JAX for
+    the CPU; None where the library is not there."""
+    lib = _kda_library()
+    return None if lib is None else _register(lib, SET_ROWS_TARGET)
 
 
 @functools.cache

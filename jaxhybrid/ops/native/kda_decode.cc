@@ -60,24 +60,25 @@ void Head(const float* q, const float* k, const float* g, const float* v, float 
   }
 }
 
-// Checks the shapes; runs every (row, head), writing row b's new state at out + row_of(b) * H * dk * dv.
-template <typename RowOf>
-ffi::Error Step(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& g,
-                ffi::Buffer<ffi::F32>& v, ffi::Buffer<ffi::F32>& beta, ffi::Buffer<ffi::F32>& state,
-                ffi::Buffer<ffi::S32>& rows, float* os, float* outs, RowOf row_of) {
+// Checks the shapes; runs T tokens of every (row, head) in order, each from the state the last one wrote (the
+// first from the row's slot of `state`), writing the state after token t at to(b, t, h). q, k, g hold
+// [B, T, H, dk] floats, v [B, T, H, dv], beta [B, T, H] (T = 1: the one-token step's [B, H, ...]).
+template <typename To>
+ffi::Error Steps(ffi::ThreadPool& pool, int64_t T, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+                 ffi::Buffer<ffi::F32>& g, ffi::Buffer<ffi::F32>& v, ffi::Buffer<ffi::F32>& beta,
+                 ffi::Buffer<ffi::F32>& state, ffi::Buffer<ffi::S32>& rows, float* os, To to) {
   const auto sd = state.dimensions();
-  if (sd.size() != 4 || q.dimensions().size() != 3) {
-    return ffi::Error::InvalidArgument("kda_decode: q [B, H, dk], state [S, H, dk, dv] expected");
-  }
-  const int64_t S = sd[0], B = q.dimensions()[0], H = sd[1], dk = sd[2], dv = sd[3];
-  if (rows.element_count() != B) return ffi::Error::InvalidArgument("kda_decode: rows [B] expected");
+  if (sd.size() != 4) return ffi::Error::InvalidArgument("kda_decode: state [S, H, dk, dv] expected");
+  const int64_t S = sd[0], B = rows.element_count(), H = sd[1], dk = sd[2], dv = sd[3];
   const int32_t* rs = rows.typed_data();
   for (int64_t b = 0; b < B; ++b) {
     if (rs[b] < 0 || rs[b] >= S) return ffi::Error::InvalidArgument("kda_decode: a row past the states");
   }
-  if (q.element_count() != B * H * dk || k.element_count() != B * H * dk || g.element_count() != B * H * dk ||
-      v.element_count() != B * H * dv || beta.element_count() != B * H) {
-    return ffi::Error::InvalidArgument("kda_decode: q, k, g [B, H, dk], v [B, H, dv], beta [B, H] expected");
+  const int64_t n = B * T * H;
+  if (q.element_count() != n * dk || k.element_count() != n * dk || g.element_count() != n * dk ||
+      v.element_count() != n * dv || beta.element_count() != n) {
+    return ffi::Error::InvalidArgument(
+        "kda_decode: q, k, g [B, (T,) H, dk], v [B, (T,) H, dv], beta [B, (T,) H] and rows [B] expected");
   }
   const float *qs = q.typed_data(), *ks = k.typed_data(), *gs = g.typed_data(), *vs = v.typed_data();
   const float *bs = beta.typed_data(), *ss = state.typed_data();
@@ -87,9 +88,13 @@ ffi::Error Step(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi
     for (int64_t bh = p; bh < B * H; bh += parts) {
       const int64_t b = bh / H, h = bh % H;
       const float* from = ss + (rs[b] * H + h) * dk * dv;
-      float* to = outs + (row_of(b) * H + h) * dk * dv;
-      Head(qs + bh * dk, ks + bh * dk, gs + bh * dk, vs + bh * dv, bs[bh], from, to, os + bh * dv, dk, dv,
-           scratch.data());
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t at = (b * T + t) * H + h;  // (b, t, h) in the [B, T, H] layout
+        float* into = to(b, t, h);
+        Head(qs + at * dk, ks + at * dk, gs + at * dk, vs + at * dv, bs[at], from, into, os + at * dv, dk, dv,
+             scratch.data());
+        from = into;
+      }
     }
   });
   return ffi::Error::Success();
@@ -99,8 +104,15 @@ ffi::Error KdaDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
                      ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> beta,
                      ffi::Buffer<ffi::F32> state, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> o,
                      ffi::ResultBuffer<ffi::F32> out) {
-  return Step(pool, q, k, g, v, beta, state, rows, o->typed_data(), out->typed_data(),
-              [](int64_t b) { return b; });
+  if (state.dimensions().size() != 4) return ffi::Error::InvalidArgument("kda_decode: state [S, H, dk, dv]");
+  const auto sd = state.dimensions();
+  const int64_t H = sd[1], size = sd[2] * sd[3];
+  if (out->element_count() != rows.element_count() * H * size) {
+    return ffi::Error::InvalidArgument("kda_decode: the result must be [B, H, dk, dv]");
+  }
+  float* outs = out->typed_data();
+  return Steps(pool, 1, q, k, g, v, beta, state, rows, o->typed_data(),
+               [=](int64_t b, int64_t, int64_t h) { return outs + (b * H + h) * size; });
 }
 
 // The pool variant: `out` is the pool itself (aliased by the caller), row b written at its slot.
@@ -108,15 +120,18 @@ ffi::Error KdaDecodePool(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
                          ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> beta,
                          ffi::Buffer<ffi::F32> state, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> o,
                          ffi::ResultBuffer<ffi::F32> out) {
-  if (out->element_count() != state.element_count()) {
-    return ffi::Error::InvalidArgument("kda_decode_pool: the result must be the pool");
+  if (out->element_count() != state.element_count() || state.dimensions().size() != 4) {
+    return ffi::Error::InvalidArgument("kda_decode_pool: the result must be the pool [S, H, dk, dv]");
   }
+  const auto sd = state.dimensions();
+  const int64_t H = sd[1], size = sd[2] * sd[3];
   const int32_t* rs = rows.typed_data();
   float* outs = out->typed_data();
   if (outs != state.typed_data()) {  // not aliased: start from a copy of the pool
     std::copy(state.typed_data(), state.typed_data() + state.element_count(), outs);
   }
-  return Step(pool, q, k, g, v, beta, state, rows, o->typed_data(), outs, [rs](int64_t b) { return rs[b]; });
+  return Steps(pool, 1, q, k, g, v, beta, state, rows, o->typed_data(),
+               [=](int64_t b, int64_t, int64_t h) { return outs + (rs[b] * H + h) * size; });
 }
 
 // The step's short convolution: x float32 [B, C] (the token's q/k/v inputs), weight float32 [C, K], pool
@@ -166,6 +181,53 @@ ffi::Error ConvDecodePool(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> weight,
   return ffi::Error::Success();
 }
 
+// A few tokens per row, keeping the state after each one (`kda_recurrent_states`: verifying drafted tokens
+// needs the state at the last accepted position). q, k, g float32 [B, T, H, dk]; v float32 [B, T, H, dv];
+// beta float32 [B, T, H]; state [S, H, dk, dv] and rows [B] as above -> o float32 [B, T, H, dv], states
+// float32 [B, T, H, dk, dv]. Per (b, h) the T steps run in order, each reading the state the last one wrote
+// (still in L1/L2); XLA:CPU runs them as a loop of a dozen ops a step.
+ffi::Error KdaStates(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> g,
+                     ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> state,
+                     ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> out) {
+  const auto sd = state.dimensions(), qd = q.dimensions();
+  if (sd.size() != 4 || qd.size() != 4 || qd[2] != sd[1] || qd[3] != sd[2]) {
+    return ffi::Error::InvalidArgument("kda_states: q [B, T, H, dk], state [S, H, dk, dv] expected");
+  }
+  const int64_t T = qd[1], H = sd[1], size = sd[2] * sd[3];
+  if (out->element_count() != qd[0] * T * H * size) {
+    return ffi::Error::InvalidArgument("kda_states: the result must be [B, T, H, dk, dv]");
+  }
+  float* outs = out->typed_data();
+  return Steps(pool, T, q, k, g, v, beta, state, rows, o->typed_data(),
+               [=](int64_t b, int64_t t, int64_t h) { return outs + ((b * T + t) * H + h) * size; });
+}
+
+// Rows of a pool set in place: pool float32 [S, ...], rows int32 [B] (distinct), values float32 [B, ...] -> the
+// pool, aliased, with values[b] in slot rows[b] (a verify step's accepted states, which XLA's scatter would
+// write into a copy of a pool the same program reads).
+ffi::Error SetRowsPool(ffi::Buffer<ffi::F32> pool, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  const auto pd = pool.dimensions();
+  const int64_t B = rows.element_count();
+  if (pd.size() < 1 || out->element_count() != pool.element_count()) {
+    return ffi::Error::InvalidArgument("set_rows_pool: pool [S, ...] expected, and the result must be the pool");
+  }
+  const int64_t S = pd[0], row = S == 0 ? 0 : pool.element_count() / S;
+  if (values.element_count() != B * row) {
+    return ffi::Error::InvalidArgument("set_rows_pool: values [B, ...] with the pool's row shape expected");
+  }
+  const int32_t* rs = rows.typed_data();
+  for (int64_t b = 0; b < B; ++b) {
+    if (rs[b] < 0 || rs[b] >= S) return ffi::Error::InvalidArgument("set_rows_pool: a row past the pool");
+  }
+  float* to = out->typed_data();
+  const float* from = pool.typed_data();
+  if (to != from) std::copy(from, from + pool.element_count(), to);  // not aliased: start from a copy
+  const float* vs = values.typed_data();
+  for (int64_t b = 0; b < B; ++b) std::copy(vs + b * row, vs + (b + 1) * row, to + rs[b] * row);
+  return ffi::Error::Success();
+}
+
 // The arguments and results of both KDA steps: q, k, g, v, beta, state, rows -> o, states.
 auto StepBinding() {
   using F32 = ffi::Buffer<ffi::F32>;
@@ -178,6 +240,15 @@ auto StepBinding() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_kda_decode, KdaDecode, StepBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_kda_decode_pool, KdaDecodePool, StepBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_kda_states, KdaStates, StepBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_set_rows_pool, SetRowsPool,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhybrid_conv_decode_pool, ConvDecodePool,
                               ffi::Ffi::Bind()

@@ -1,14 +1,16 @@
-// MLA attention of one new token per row over a paged latent pool on the CPU, as an XLA FFI custom call:
-// `mla_attention_paged` (the absorbed form, reading the pool through the block table in place).
+// MLA attention of a few new tokens per row (a decode or verify step) over a paged latent pool on the CPU, as
+// an XLA FFI custom call: `mla_attention_paged` (the absorbed form, reading the pool through the block table
+// in place).
 //
-// q float32 [B, H, nope + rope]; pool float32 [NB, bs, R + rope]; table int32 [B, W]; end int32 [B] (row b
-// sees its positions t < end[b]); w float32 [H * (nope + v), R] (kv_b_proj, checkpoint layout)
-// -> o float32 [B, H, v]. Attributes: scale (float), nope (int64).
+// q float32 [B, T, H, nope + rope]; pool float32 [NB, bs, R + rope]; table int32 [B, W]; end int32 [B, T]
+// (token j of row b sees its positions t < end[b, j]); w float32 [H * (nope + v), R] (kv_b_proj, checkpoint
+// layout) -> o float32 [B, T, H, v]. Attributes: scale (float), nope (int64).
 //
-// Per row and head: q_lat = W_uk^T q_nope; s_t = scale (q_lat . c_t + q_rope . k_r,t); p = softmax(s);
+// Per row, token and head: q_lat = W_uk^T q_nope; s_t = scale (q_lat . c_t + q_rope . k_r,t); p = softmax(s);
 // o = W_uv (sum_t p_t c_t). XLA:CPU gathers the row's pool into a copy, copies it again transposed for
 // one of the two products and runs a dozen small products and fusions; here each latent is read once
-// from the pool for every head of a part, where it lies. Parts: (row, half of the heads) over XLA's pool.
+// from the pool for every token and head of a part, where it lies. Parts: (row, half of the heads) over
+// XLA's pool.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,7 +24,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 struct Shapes {
-  int64_t B, H, nope, rope, v, R, NB, bs, W;
+  int64_t B, T, H, nope, rope, v, R, NB, bs, W;
 };
 
 // a . b in 16 running sums (a loop the compiler vectorizes without reordering any one sum).
@@ -40,56 +42,71 @@ inline float Dot(const float* __restrict a, const T* __restrict b, int64_t n) {
   return acc;
 }
 
-// Heads [h0, h1) of row b; W: the weight's element type (float or int8_t), ws its per-row scale.
+// Heads [h0, h1) of every token of row b (`end`: the row's T ends); W: the weight's element type (float or
+// int8_t), ws its per-row scale. Query k = j * nh + i is token j, head h0 + i.
 template <typename W>
-void Heads(const Shapes& s, const float* q, const float* pool, const int32_t* table, int32_t end, const W* w,
-           const float* ws, float scale, int64_t b, int64_t h0, int64_t h1, float* o) {
-  const int64_t L = s.R + s.rope, nh = h1 - h0, n = std::clamp<int64_t>(end, 0, s.W * s.bs);
-  std::vector<float> qlat(nh * s.R, 0.0f), p(nh * std::max<int64_t>(n, 1)), olat(nh * s.R, 0.0f);
-  for (int64_t i = 0; i < nh; ++i) {
-    const float* qh = q + (b * s.H + h0 + i) * (s.nope + s.rope);
-    const int64_t first = (h0 + i) * (s.nope + s.v);
-    float* __restrict ql = qlat.data() + i * s.R;
-    for (int64_t m = 0; m < s.nope; ++m) {
-      const float a = qh[m] * ws[first + m];
-      const W* __restrict row = w + (first + m) * s.R;
-      for (int64_t r = 0; r < s.R; ++r) ql[r] += a * static_cast<float>(row[r]);
+void Heads(const Shapes& s, const float* q, const float* pool, const int32_t* table, const int32_t* end,
+           const W* w, const float* ws, float scale, int64_t b, int64_t h0, int64_t h1, float* o) {
+  const int64_t L = s.R + s.rope, nh = h1 - h0, nq = s.T * nh, D = s.nope + s.rope;
+  std::vector<int64_t> n(s.T);
+  int64_t most = 0;
+  for (int64_t j = 0; j < s.T; ++j) most = std::max(most, n[j] = std::clamp<int64_t>(end[j], 0, s.W * s.bs));
+  std::vector<float> qlat(nq * s.R, 0.0f), p(nq * std::max<int64_t>(most, 1)), olat(nq * s.R, 0.0f);
+  auto query = [&](int64_t j, int64_t i) { return q + ((b * s.T + j) * s.H + h0 + i) * D; };
+  for (int64_t j = 0; j < s.T; ++j) {
+    for (int64_t i = 0; i < nh; ++i) {
+      const float* qh = query(j, i);
+      const int64_t first = (h0 + i) * (s.nope + s.v);
+      float* __restrict ql = qlat.data() + (j * nh + i) * s.R;
+      for (int64_t m = 0; m < s.nope; ++m) {
+        const float a = qh[m] * ws[first + m];
+        const W* __restrict row = w + (first + m) * s.R;
+        for (int64_t r = 0; r < s.R; ++r) ql[r] += a * static_cast<float>(row[r]);
+      }
     }
   }
   auto latent = [&](int64_t t) {
     const int64_t blk = std::min<int64_t>(std::max<int32_t>(table[b * s.W + t / s.bs], 0), s.NB - 1);
     return pool + (blk * s.bs + t % s.bs) * L;
   };
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = 0; t < most; ++t) {
     const float* c = latent(t);
-    for (int64_t i = 0; i < nh; ++i) {
-      const float* __restrict ql = qlat.data() + i * s.R;
-      const float* qr = q + (b * s.H + h0 + i) * (s.nope + s.rope) + s.nope;
-      p[i * n + t] = (Dot(ql, c, s.R) + Dot(qr, c + s.R, s.rope)) * scale;
+    for (int64_t j = 0; j < s.T; ++j) {
+      if (t >= n[j]) continue;
+      for (int64_t i = 0; i < nh; ++i) {
+        const int64_t k = j * nh + i;
+        p[k * most + t] = (Dot(qlat.data() + k * s.R, c, s.R) + Dot(query(j, i) + s.nope, c + s.R, s.rope)) * scale;
+      }
     }
   }
-  std::vector<float> inv(nh, 0.0f);
-  for (int64_t i = 0; i < nh && n > 0; ++i) {
-    float* pi = p.data() + i * n;
-    const float mx = *std::max_element(pi, pi + n);
+  std::vector<float> inv(nq, 0.0f);
+  for (int64_t k = 0; k < nq; ++k) {
+    const int64_t nk = n[k / nh];
+    if (nk == 0) continue;
+    float* pk = p.data() + k * most;
+    const float mx = *std::max_element(pk, pk + nk);
     float sum = 0.0f;
-    for (int64_t t = 0; t < n; ++t) sum += (pi[t] = std::exp(pi[t] - mx));
-    inv[i] = 1.0f / sum;
+    for (int64_t t = 0; t < nk; ++t) sum += (pk[t] = std::exp(pk[t] - mx));
+    inv[k] = 1.0f / sum;
   }
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = 0; t < most; ++t) {
     const float* __restrict c = latent(t);
-    for (int64_t i = 0; i < nh; ++i) {
-      const float a = p[i * n + t];
-      float* __restrict ol = olat.data() + i * s.R;
-      for (int64_t r = 0; r < s.R; ++r) ol[r] += a * c[r];
+    for (int64_t j = 0; j < s.T; ++j) {
+      if (t >= n[j]) continue;
+      for (int64_t i = 0; i < nh; ++i) {
+        const int64_t k = j * nh + i;
+        const float a = p[k * most + t];
+        float* __restrict ol = olat.data() + k * s.R;
+        for (int64_t r = 0; r < s.R; ++r) ol[r] += a * c[r];
+      }
     }
   }
-  for (int64_t i = 0; i < nh; ++i) {
-    const int64_t first = (h0 + i) * (s.nope + s.v) + s.nope;
-    const float* __restrict ol = olat.data() + i * s.R;
-    float* oh = o + (b * s.H + h0 + i) * s.v;
-    for (int64_t j = 0; j < s.v; ++j) {
-      oh[j] = Dot(ol, w + (first + j) * s.R, s.R) * ws[first + j] * inv[i];
+  for (int64_t j = 0; j < s.T; ++j) {
+    for (int64_t i = 0; i < nh; ++i) {
+      const int64_t k = j * nh + i, first = (h0 + i) * (s.nope + s.v) + s.nope;
+      const float* __restrict ol = olat.data() + k * s.R;
+      float* oh = o + ((b * s.T + j) * s.H + h0 + i) * s.v;
+      for (int64_t m = 0; m < s.v; ++m) oh[m] = Dot(ol, w + (first + m) * s.R, s.R) * ws[first + m] * inv[k];
     }
   }
 }
@@ -98,13 +115,14 @@ ffi::Error MlaDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
                      ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> end, ffi::AnyBuffer w,
                      ffi::Buffer<ffi::F32> w_scale, float scale, int64_t nope, ffi::ResultBuffer<ffi::F32> o) {
   const auto qd = q.dimensions(), pd = kv.dimensions(), td = table.dimensions(), od = o->dimensions();
-  if (qd.size() != 3 || pd.size() != 3 || td.size() != 2 || od.size() != 3 || w.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument("mla_decode: q [B, H, D], pool [NB, bs, L], table [B, W], w [H*(n+v), R]");
+  if (qd.size() != 4 || pd.size() != 3 || td.size() != 2 || od.size() != 4 || w.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument(
+        "mla_decode: q [B, T, H, D], pool [NB, bs, L], table [B, W], w [H*(n+v), R], o [B, T, H, v]");
   }
-  Shapes s{qd[0], qd[1], nope, qd[2] - nope, od[2], w.dimensions()[1], pd[0], pd[1], td[1]};
-  if (s.rope < 0 || pd[2] != s.R + s.rope || td[0] != s.B || end.element_count() != s.B ||
+  Shapes s{qd[0], qd[1], qd[2], nope, qd[3] - nope, od[3], w.dimensions()[1], pd[0], pd[1], td[1]};
+  if (s.rope < 0 || pd[2] != s.R + s.rope || td[0] != s.B || end.element_count() != s.B * s.T ||
       w.dimensions()[0] != s.H * (s.nope + s.v) || w_scale.element_count() != w.dimensions()[0] || od[0] != s.B ||
-      od[1] != s.H) {
+      od[1] != s.T || od[2] != s.H) {
     return ffi::Error::InvalidArgument("mla_decode: shapes do not line up");
   }
   const bool codes = w.element_type() == ffi::DataType::S8;
@@ -120,9 +138,9 @@ ffi::Error MlaDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
     const int64_t b = part / halves, half = part % halves;
     const int64_t h0 = half * s.H / halves, h1 = (half + 1) * s.H / halves;
     if (codes) {
-      Heads(s, qs, ps, ts, es[b], static_cast<const int8_t*>(ws), scales, scale, b, h0, h1, os);
+      Heads(s, qs, ps, ts, es + b * s.T, static_cast<const int8_t*>(ws), scales, scale, b, h0, h1, os);
     } else {
-      Heads(s, qs, ps, ts, es[b], static_cast<const float*>(ws), scales, scale, b, h0, h1, os);
+      Heads(s, qs, ps, ts, es + b * s.T, static_cast<const float*>(ws), scales, scale, b, h0, h1, os);
     }
   });
   return ffi::Error::Success();
