@@ -321,6 +321,7 @@ class Runner(AheadOfTime, StoreCopies):
         self.programs = _programs(graphdef, cfg.layer_types, self.pool_shardings, scan_defs, in_place)
         self._pool_specs = spec(self.pools)  # what a compile needs of the pools, on any thread
         self._compiling: set[ProgramShape] = set()  # programs handed to the background compile
+        self._greedy: dict[int, tuple[Any, ...]] = {}  # `_greedy_arrays` by size
         self._restore_shardings: list[tuple[Any, Any]] | None = None
         # the compiled model programs by shape, read from the compile cache's executables when it has them
         structure = lambda: repr((graphdef, scan_defs, cfg.layer_types))  # noqa: E731
@@ -482,11 +483,12 @@ class Runner(AheadOfTime, StoreCopies):
         tokens, logps, accepted = (np.asarray(a)[:n] for a in out)
         return Verified(tokens, logps, accepted)
 
-    @functools.cache  # noqa: B019 - a few sizes per runner, kept while it lives
     def _greedy_arrays(self, positions: int) -> tuple[Any, ...]:
-        """`batch_arrays` for `positions` greedy positions (made once per size: a step of greedy rows only
-        skips building its keys)."""
-        return batch_arrays([None] * positions, [0] * positions, [0] * positions)
+        """`batch_arrays` for `positions` greedy positions (made once per size, kept with the runner: a step
+        of greedy rows only skips building its keys)."""
+        if positions not in self._greedy:
+            self._greedy[positions] = batch_arrays([None] * positions, [0] * positions, [0] * positions)
+        return self._greedy[positions]
 
     def prefill_rows(self, reqs: list[Request], ns: list[int]) -> jax.Array:
         """The next `ns[i]` tokens of each of `reqs` (distinct slots) in one call: one row, or the packed
