@@ -60,6 +60,20 @@ void Head(const float* q, const float* k, const float* g, const float* v, float 
   }
 }
 
+// Whether every one of the B rows names one of S slots.
+bool RowsInRange(const ffi::Buffer<ffi::S32>& rows, int64_t S) {
+  const int32_t* rs = rows.typed_data();
+  return std::all_of(rs, rs + rows.element_count(), [S](int32_t r) { return r >= 0 && r < S; });
+}
+
+// A pool variant's result starts as its pool: nothing to do where the caller aliased them, else a copy.
+float* StartFrom(const ffi::Buffer<ffi::F32>& pool, ffi::ResultBuffer<ffi::F32>& out) {
+  float* to = out->typed_data();
+  const float* from = pool.typed_data();
+  if (to != from) std::copy(from, from + pool.element_count(), to);
+  return to;
+}
+
 // Checks the shapes; runs T tokens of every (row, head) in order, each from the state the last one wrote (the
 // first from the row's slot of `state`), writing the state after token t at to(b, t, h). q, k, g hold
 // [B, T, H, dk] floats, v [B, T, H, dv], beta [B, T, H] (T = 1: the one-token step's [B, H, ...]).
@@ -70,10 +84,8 @@ ffi::Error Steps(ffi::ThreadPool& pool, int64_t T, ffi::Buffer<ffi::F32>& q, ffi
   const auto sd = state.dimensions();
   if (sd.size() != 4) return ffi::Error::InvalidArgument("kda_decode: state [S, H, dk, dv] expected");
   const int64_t S = sd[0], B = rows.element_count(), H = sd[1], dk = sd[2], dv = sd[3];
+  if (!RowsInRange(rows, S)) return ffi::Error::InvalidArgument("kda_decode: a row past the states");
   const int32_t* rs = rows.typed_data();
-  for (int64_t b = 0; b < B; ++b) {
-    if (rs[b] < 0 || rs[b] >= S) return ffi::Error::InvalidArgument("kda_decode: a row past the states");
-  }
   const int64_t n = B * T * H;
   if (q.element_count() != n * dk || k.element_count() != n * dk || g.element_count() != n * dk ||
       v.element_count() != n * dv || beta.element_count() != n) {
@@ -126,10 +138,7 @@ ffi::Error KdaDecodePool(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   const auto sd = state.dimensions();
   const int64_t H = sd[1], size = sd[2] * sd[3];
   const int32_t* rs = rows.typed_data();
-  float* outs = out->typed_data();
-  if (outs != state.typed_data()) {  // not aliased: start from a copy of the pool
-    std::copy(state.typed_data(), state.typed_data() + state.element_count(), outs);
-  }
+  float* outs = StartFrom(state, out);
   return Steps(pool, 1, q, k, g, v, beta, state, rows, o->typed_data(),
                [=](int64_t b, int64_t, int64_t h) { return outs + (rs[b] * H + h) * size; });
 }
@@ -150,13 +159,9 @@ ffi::Error ConvDecodePool(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> weight,
       valid.element_count() != B || out->element_count() != pool.element_count()) {
     return ffi::Error::InvalidArgument("conv_decode_pool: x [B, C], weight [C, K], pool [S, C, K-1] expected");
   }
+  if (!RowsInRange(rows, S)) return ffi::Error::InvalidArgument("conv_decode_pool: a row past the pool");
   const int32_t *rs = rows.typed_data(), *vs = valid.typed_data();
-  for (int64_t b = 0; b < B; ++b) {
-    if (rs[b] < 0 || rs[b] >= S) return ffi::Error::InvalidArgument("conv_decode_pool: a row past the pool");
-  }
-  float* to = out->typed_data();
-  const float* from = pool.typed_data();
-  if (to != from) std::copy(from, from + pool.element_count(), to);  // not aliased: start from a copy
+  float* to = StartFrom(pool, out);
   const float *xs = x.typed_data(), *ws = weight.typed_data();
   float* ys = y->typed_data();
   for (int64_t b = 0; b < B; ++b) {
@@ -216,13 +221,9 @@ ffi::Error SetRowsPool(ffi::Buffer<ffi::F32> pool, ffi::Buffer<ffi::S32> rows, f
   if (values.element_count() != B * row) {
     return ffi::Error::InvalidArgument("set_rows_pool: values [B, ...] with the pool's row shape expected");
   }
+  if (!RowsInRange(rows, S)) return ffi::Error::InvalidArgument("set_rows_pool: a row past the pool");
   const int32_t* rs = rows.typed_data();
-  for (int64_t b = 0; b < B; ++b) {
-    if (rs[b] < 0 || rs[b] >= S) return ffi::Error::InvalidArgument("set_rows_pool: a row past the pool");
-  }
-  float* to = out->typed_data();
-  const float* from = pool.typed_data();
-  if (to != from) std::copy(from, from + pool.element_count(), to);  // not aliased: start from a copy
+  float* to = StartFrom(pool, out);
   const float* vs = values.typed_data();
   for (int64_t b = 0; b < B; ++b) std::copy(vs + b * row, vs + (b + 1) * row, to + rs[b] * row);
   return ffi::Error::Success();
