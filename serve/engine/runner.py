@@ -249,11 +249,13 @@ def _programs(
     fns = [_run_fn(graphdef, layer_types), _verify_fn(graphdef, layer_types)]
     fns += [_run_fn(scan, layer_types)] if scan is not None else []
     if pool_shardings is None:
-        run, verify_, *scanned = [jax.jit(fn, donate_argnums=(2,)) for fn in fns]
-        scanned_run = scanned[0] if scanned else None
-        writes = jax.jit(_run_fn(graphdef, layer_types, True), donate_argnums=(1, 2)) if in_place else None
-        if in_place:
+        run = jax.jit(fns[0], donate_argnums=(2,))
+        scanned_run = jax.jit(fns[2], donate_argnums=(2,)) if scan is not None else None
+        if in_place:  # the KDA pools (argument 1) are donated and written; the MLA pools as always
+            writes = jax.jit(_run_fn(graphdef, layer_types, True), donate_argnums=(1, 2))
             verify_ = jax.jit(_verify_fn(graphdef, layer_types, True), donate_argnums=(1, 2))
+        else:
+            writes, verify_ = None, jax.jit(fns[1], donate_argnums=(2,))
         write_rows = jax.jit(_write_rows, donate_argnums=(0,))
         return Programs(run, write_rows, jax.jit(sample), verify_, scanned_run, writes)
     kda_shardings = tuple(s for kind, s in zip(layer_types, pool_shardings, strict=True) if kind == "kda")
