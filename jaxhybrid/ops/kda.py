@@ -112,9 +112,23 @@ def _states_and_rows(
         _check_shapes(q, k, v, g, beta, initial_state)
         return _init_state(initial_state, b, h, dk, dv), jnp.arange(b, dtype=jnp.int32)
     _check_shapes(q, k, v, g, beta, None)
+    _require_pool(initial_state, rows)
     if initial_state.shape[1:] != (h, dk, dv) or rows.shape != (b,):
-        raise ValueError(f"a pool [S, {h}, {dk}, {dv}] and rows [{b}] expected: {initial_state.shape}")
+        raise ValueError(
+            f"a pool [S, {h}, {dk}, {dv}] and rows [{b}] expected: {initial_state.shape}, {rows.shape}"
+        )
     return initial_state.astype(jnp.float32), rows.astype(jnp.int32)
+
+
+def _require_pool(initial_state: jax.Array | None, rows: jax.Array | None) -> None:
+    if rows is not None and initial_state is None:
+        raise ValueError("rows index a pool of states: give the pool as initial_state")
+
+
+def _reference_start(initial_state: jax.Array | None, rows: jax.Array | None) -> jax.Array | None:
+    """The XLA references' `initial_state`: the given states, or with `rows` the pool's rows."""
+    _require_pool(initial_state, rows)
+    return initial_state if rows is None else initial_state[rows]
 
 
 def kda_decode(
@@ -131,10 +145,8 @@ def kda_decode(
     elsewhere, or for longer T, :func:`kda_recurrent` itself. Same signature and results, and `rows`
     ([B] int32): `initial_state` is then a pool of states [S, H, dk, dv] and row b starts from
     `initial_state[rows[b]]`, which the kernel reads in place (XLA copies a slot out of a pool first)."""
-    if rows is not None and initial_state is None:
-        raise ValueError("rows index a pool of states: give the pool as initial_state")
     if q.shape[1] != 1 or jax.default_backend() != "cpu" or _kda_target() is None:
-        return kda_recurrent(q, k, v, g, beta, initial_state if rows is None else initial_state[rows])
+        return kda_recurrent(q, k, v, g, beta, _reference_start(initial_state, rows))
     b, _, h, dk = q.shape
     dv = v.shape[-1]
     state, rows = _states_and_rows(q, k, v, g, beta, initial_state, rows)
@@ -177,16 +189,13 @@ def kda_decode_into_pool(
 
     if q.shape[1] != 1 or not steps_into_pools() or pool.dtype != jnp.float32:
         return kda_decode_into_pool_reference(q, k, v, g, beta, pool, rows)
-    kernels = kda_pool_kernels()
-    b, _, h, dk = q.shape
+    b, _, h, _ = q.shape
     dv = v.shape[-1]
-    _check_shapes(q, k, v, g, beta, None)
-    if pool.shape[1:] != (h, dk, dv) or rows.shape != (b,):
-        raise ValueError(f"a pool [S, {h}, {dk}, {dv}] and rows [{b}] expected: {pool.shape}, {rows.shape}")
+    pool, rows = _states_and_rows(q, k, v, g, beta, pool, rows)
     f32 = lambda x: x[:, 0].astype(jnp.float32)  # noqa: E731
     out = (jax.ShapeDtypeStruct((b, h, dv), jnp.float32), jax.ShapeDtypeStruct(pool.shape, jnp.float32))
-    call = jax.ffi.ffi_call(kernels[0], out, input_output_aliases={5: 1}, vmap_method="sequential")
-    o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), pool, rows.astype(jnp.int32))
+    call = jax.ffi.ffi_call(kda_pool_kernels()[0], out, input_output_aliases={5: 1}, vmap_method="sequential")
+    o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), pool, rows)
     return o[:, None].astype(v.dtype), new
 
 
@@ -233,10 +242,8 @@ def kda_decode_states(
     results, and `rows` as :func:`kda_decode`'s (row b starts from the pool's `initial_state[rows[b]]`)."""
     from jaxhybrid.ops.native import kda_states_kernel
 
-    if rows is not None and initial_state is None:
-        raise ValueError("rows index a pool of states: give the pool as initial_state")
     if jax.default_backend() != "cpu" or kda_states_kernel() is None:
-        return kda_recurrent_states(q, k, v, g, beta, initial_state if rows is None else initial_state[rows])
+        return kda_recurrent_states(q, k, v, g, beta, _reference_start(initial_state, rows))
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     state, rows = _states_and_rows(q, k, v, g, beta, initial_state, rows)

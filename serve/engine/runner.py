@@ -251,11 +251,10 @@ def _programs(
     if pool_shardings is None:
         run = jax.jit(fns[0], donate_argnums=(2,))
         scanned_run = jax.jit(fns[2], donate_argnums=(2,)) if scan is not None else None
-        if in_place:  # the KDA pools (argument 1) are donated and written; the MLA pools as always
-            writes = jax.jit(_run_fn(graphdef, layer_types, True), donate_argnums=(1, 2))
-            verify_ = jax.jit(_verify_fn(graphdef, layer_types, True), donate_argnums=(1, 2))
-        else:
-            writes, verify_ = None, jax.jit(fns[1], donate_argnums=(2,))
+        # in place, the KDA pools (argument 1) are donated and written too; the MLA pools (2) always
+        donate = (1, 2) if in_place else (2,)
+        writes = jax.jit(_run_fn(graphdef, layer_types, True), donate_argnums=donate) if in_place else None
+        verify_ = jax.jit(_verify_fn(graphdef, layer_types, in_place), donate_argnums=donate)
         write_rows = jax.jit(_write_rows, donate_argnums=(0,))
         return Programs(run, write_rows, jax.jit(sample), verify_, scanned_run, writes)
     kda_shardings = tuple(s for kind, s in zip(layer_types, pool_shardings, strict=True) if kind == "kda")
