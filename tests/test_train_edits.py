@@ -109,7 +109,8 @@ def test_edit_rows_start_at_a_document_and_hold_whole_documents() -> None:
 def test_fine_tuning_starts_from_the_model_and_learns_its_edit_documents(tmp_path: Path) -> None:
     """`train --init` on tiny: with a learning rate of ~0 the exported weights are the initial model's (a
     fresh start would not be), its config and tokenizer carry over, and the log reports edit documents of
-    both splits with their validation loss; bad settings are errors, not tracebacks."""
+    both splits with their validation loss (copy documents in the same batches); bad settings are errors,
+    not tracebacks."""
     from flax import nnx
 
     from jaxhybrid.config import load_config
@@ -134,9 +135,10 @@ def test_fine_tuning_starts_from_the_model_and_learns_its_edit_documents(tmp_pat
         env = {**os.environ, "XLA_FLAGS": subprocess_xla_flags()}
         return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
 
-    done = train("run", "--lr", "1e-12", "--edit-share", "0.5", "--bias-rate", "0")
+    done = train("run", "--lr", "1e-12", "--edit-share", "0.5", "--copy-share", "0.25", "--bias-rate", "0")
     assert done.returncode == 0, done.stderr[-3000:]
     log = json.loads((tmp_path / "run" / "log.json").read_text())
+    assert log["settings"]["copy_share"] == 0.25
     assert log["init"] == str(init) and log["config"] == "tiny"
     assert log["corpus"]["edit_documents"]["train"] > 0 and log["corpus"]["edit_documents"]["val"] > 0
     assert np.isfinite(log["final_val_edit_loss"])

@@ -23,6 +23,9 @@ import numpy as np
 MIN_LINES, MAX_LINES = 3, 40
 # The names a renamed argument takes (the first not already in the function).
 NEW_NAMES = ("value", "item", "data", "name", "obj", "result", "arg", "key", "entry", "other")
+# What comes before the code to copy, and the request to write it again that follows it.
+COPY_HEADER = "# Original:\n"
+UNCHANGED_REQUEST = "\n\n# The same function, unchanged:\n"
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ def unchanged_prompt(code: str) -> str:
     """The request to write `code` again unchanged, up to the end of its first line (a prompt). It stops
     before the line's newline: a byte-level BPE merges a newline with the next line's indent, so a prompt
     that ends in a bare newline ends in a token that, in source, precedes an unindented line."""
-    return f"# Original:\n{code}\n\n# The same function, unchanged:\n{code.splitlines()[0]}"
+    return f"{COPY_HEADER}{code}{UNCHANGED_REQUEST}{code.splitlines()[0]}"
 
 
 def unchanged_completion(code: str) -> str:
@@ -85,7 +88,7 @@ def edit_document(fn: Function) -> str:
     new = next((n for n in NEW_NAMES if not re.search(rf"\b{n}\b", fn.code)), old + "_new")
     after = rename(fn.code, old, new)
     if kind == 1:
-        return f"# Original:\n{fn.code}\n\n# The same function with `{old}` renamed to `{new}`:\n{after}\n"
+        return f"{COPY_HEADER}{fn.code}\n\n# The same function with `{old}` renamed to `{new}`:\n{after}\n"
     return f"# Before:\n{fn.code}\n\n# After (rename `{old}` to `{new}`):\n{after}\n"
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxhybrid.train import copies as C
 from jaxhybrid.train import data as D
 from jaxhybrid.train import edits as E
 from jaxhybrid.train.schedule import lr_schedule, make_optimizer
@@ -66,6 +67,9 @@ class TrainConfig:
     stop_after: int | None = None  # stop early (checkpointed), as if interrupted; not part of the fingerprint
     init: str | None = None  # a model directory to start from (its config, weights and tokenizer)
     edit_share: float = 0.0  # share of each batch's sequences that are edit documents (`edits`)
+    copy_share: float = 0.0  # share of each batch's sequences that are copy documents (`copies`)
+    copy_alphabet: int = 0  # > 0: half the random copy spans draw from a few ids (`copies.copy_span`)
+    copy_longest: int = C.MAX_SPAN  # the longest copy span, in tokens
 
     def fingerprint(self) -> dict[str, Any]:
         keys = (
@@ -86,6 +90,9 @@ class TrainConfig:
             "val_fraction",
             "init",
             "edit_share",
+            "copy_share",
+            "copy_alphabet",
+            "copy_longest",
         )
         d = asdict(self)
         return {k: list(d[k]) if isinstance(d[k], tuple) else d[k] for k in keys}
@@ -105,8 +112,19 @@ def _check(cfg: TrainConfig) -> None:
         raise TrainError(f"--tokenizer must be bpe or byte, got {cfg.tokenizer}")
     if not cfg.data:
         raise TrainError("--data needs at least one path (or 'stdlib')")
-    if not 0.0 <= cfg.edit_share <= 1.0:
-        raise TrainError(f"--edit-share must lie in [0, 1], got {cfg.edit_share}")
+    for name in ("edit_share", "copy_share"):
+        if not 0.0 <= getattr(cfg, name) <= 1.0:
+            raise TrainError(f"--{name.replace('_', '-')} must lie in [0, 1], got {getattr(cfg, name)}")
+    shares = (cfg.edit_share, cfg.copy_share)
+    if sum(E.edit_share_rows(cfg.batch_size, s) for s in shares) > cfg.batch_size:
+        raise TrainError(
+            f"--edit-share {cfg.edit_share} and --copy-share {cfg.copy_share} together take more than the "
+            f"{cfg.batch_size} rows of a batch"
+        )
+    if cfg.copy_alphabet and cfg.copy_alphabet < C.MIN_ALPHABET:
+        raise TrainError(f"--copy-alphabet must be 0 or at least {C.MIN_ALPHABET}, got {cfg.copy_alphabet}")
+    if cfg.copy_longest < C.MIN_SPAN:
+        raise TrainError(f"--copy-longest must be at least {C.MIN_SPAN}, got {cfg.copy_longest}")
     if cfg.init is not None and not (Path(cfg.init) / "config.json").exists():
         raise TrainError(f"--init {cfg.init}: not a model directory (no config.json)")
 
@@ -297,12 +315,48 @@ class EditData:
         return list(D.val_batches(np.concatenate(self.val), cfg.batch_size, cfg.seq_len, cfg.val_batches))
 
 
-def _batch(cfg: TrainConfig, stream: np.ndarray, edits: EditData | None, step: int) -> np.ndarray:
-    """Batch `step`: windows of the corpus, and with `--edit-share` the last rows whole edit documents."""
-    rows = cfg.batch_size - (0 if edits is None else edits.rows)
+@dataclass(frozen=True)
+class CopyData:
+    """What copy documents (`copies`) are built from: their frame in the tokenizer's ids and the vocabulary
+    random ids are drawn from."""
+
+    frame: C.CopyFrame
+    vocab: int
+    rows: int  # of each training batch
+    alphabet: int = 0
+    longest: int = C.MAX_SPAN
+
+    @staticmethod
+    def build(cfg: TrainConfig, tok: Any, model_cfg: Any, corpus_tokens: int) -> CopyData | None:
+        if cfg.copy_share <= 0:
+            return None
+        frame = C.CopyFrame.encode(tok, *_bos_eos(tok, model_cfg))
+        try:
+            C.span_bound(frame, corpus_tokens, cfg.seq_len, cfg.copy_longest)
+        except ValueError as exc:
+            raise TrainError(f"--copy-share: {exc}") from None
+        vocab = min(model_cfg.vocab_size, getattr(tok, "vocab_size", model_cfg.vocab_size))
+        rows = E.edit_share_rows(cfg.batch_size, cfg.copy_share)
+        return CopyData(frame, vocab, rows, cfg.copy_alphabet, cfg.copy_longest)
+
+
+def _batch(
+    cfg: TrainConfig,
+    stream: np.ndarray,
+    edits: EditData | None,
+    step: int,
+    copies: CopyData | None = None,
+) -> np.ndarray:
+    """Batch `step`: windows of the corpus, then with `--edit-share` rows of whole edit documents, then with
+    `--copy-share` rows of copy documents."""
+    special = (0 if edits is None else edits.rows) + (0 if copies is None else copies.rows)
+    rows = cfg.batch_size - special
     parts = [D.train_batch(stream, rows, cfg.seq_len, cfg.seed, step)] if rows else []
     if edits is not None:
         parts.append(E.edit_rows(edits.train, edits.rows, cfg.seq_len, cfg.seed, step))
+    if copies is not None:
+        args = (copies.frame, stream, copies.vocab, copies.rows, cfg.seq_len, cfg.seed, step)
+        parts.append(C.copy_rows(*args, alphabet=copies.alphabet, longest=copies.longest))
     return np.concatenate(parts)
 
 
@@ -327,6 +381,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     D.train_batch(train_stream, 1, cfg.seq_len, cfg.seed, 0)  # DataError if the split is too short
     edits = EditData.build(cfg, corpus, tok, model_cfg)
     val_edits = None if edits is None else edits.val_batches(cfg)
+    copies = CopyData.build(cfg, tok, model_cfg, len(train_stream))
     counts = D.unigram_counts(train_stream, model_cfg.vocab_size)
     val_targets = np.concatenate([b[:, 1:].reshape(-1) for b in val_data])
     unigram = D.unigram_cross_entropy(counts, val_targets)
@@ -384,7 +439,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not cfg.progress)
     end = cfg.steps if cfg.stop_after is None else max(start, min(cfg.steps, cfg.stop_after))
     for step in range(start, end):
-        batch = jnp.asarray(_batch(cfg, train_stream, edits, step))
+        batch = jnp.asarray(_batch(cfg, train_stream, edits, step, copies))
         t0 = time.perf_counter()
         params, rest, opt_state, metrics = train_step(params, rest, opt_state, batch)
         loss = float(metrics["loss"])
@@ -458,6 +513,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "data": list(cfg.data),
         "init": cfg.init,
         "edit_share": cfg.edit_share,
+        "copy_share": cfg.copy_share,
+        "copy_alphabet": cfg.copy_alphabet,
+        "copy_longest": cfg.copy_longest,
         "final_val_loss": final_val,
         "unigram_val_loss": unigram,
         "train_unigram_counts": counts.tolist(),

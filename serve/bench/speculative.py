@@ -5,13 +5,14 @@ Workloads (Python source of this repository, which the shipped model never saw: 
 standard library): `edit`, a function followed by a request to write it again unchanged and the function's
 first line (`jaxhybrid.train.edits.unchanged_prompt`, the phrasing of the training's edit documents: the
 completion rewrites code the prompt holds, and ends at its end-of-sequence token), and `continue`, the
-first lines of a file (free completion, `--new-tokens` each). Each row runs `--batch` copies of its prompts
-greedily, first without speculation and then with prompt-lookup drafts (`ngram`), in one engine each
-(prefix store off, so both prefill the same), after a warm-up pass that compiles; it reports tokens/s of
-the decode steps, their ratio, whether the tokens are identical, drafted and accepted tokens, and where
-the time of the speculating pass went: drafting (host), the verify program (which also keeps the state of
-the last accepted token: there is no separate rollback) and plain decode steps (steps in which no row had
-drafts).
+first lines of a file (free completion, `--new-tokens` each). Each row serves its workload's prompts on
+`--batch` slots (each prompt once, cycled through up to `--batch` requests: at batch 1, every prompt alone,
+one after another) greedily, first without speculation and then with prompt-lookup drafts (`ngram`), in
+one engine each (prefix store off, so both prefill the same), after a warm-up pass that compiles; it
+reports tokens/s of the decode steps, their ratio, whether the tokens are identical, drafted and accepted
+tokens, and where the time of the speculating pass went: drafting (host), the verify program (which also
+keeps the state of the last accepted token: there is no separate rollback) and plain decode steps (steps
+in which no row had drafts).
 """
 
 from __future__ import annotations
@@ -103,7 +104,14 @@ class Setup:
     method "draft"), compiled by a first pass; `stop`: a request ends at its end-of-sequence token."""
 
     def __init__(
-        self, model: Any, ids: list[list[int]], args: argparse.Namespace, method: str, draft: Any, stop: bool
+        self,
+        model: Any,
+        ids: list[list[int]],
+        args: argparse.Namespace,
+        method: str,
+        draft: Any,
+        stop: bool,
+        slots: int,
     ):
         from serve.engine.config import EngineShape
         from serve.engine.engine import Engine, EngineConfig, draft_source
@@ -113,7 +121,7 @@ class Setup:
         spec = Speculation.parse(method, args.num_speculative_tokens)
         longest = max(len(p) for p in ids) + args.new_tokens + 1
         config = EngineConfig(
-            max_slots=len(ids), max_model_len=longest, prefix=None, speculative=spec, kv_dtype=args.dtype
+            max_slots=slots, max_model_len=longest, prefix=None, speculative=spec, kv_dtype=args.dtype
         )
         if method == "draft":
             self.drafter = draft_source(draft, model.config, EngineShape.resolve(config, model.config))
@@ -160,16 +168,16 @@ def measure(model: Any, tokenizer: Any, args: argparse.Namespace, draft: Any = N
     for workload in args.workloads:
         texts = prompts(workload, args.prompt_chars)
         for batch in args.batch:
-            ids = [tokenizer.encode(texts[i % len(texts)]) for i in range(batch)]
+            ids = [tokenizer.encode(texts[i % len(texts)]) for i in range(max(batch, len(texts)))]
             stop = workload == "edit"  # an edit ends where the rewritten code does; free completion runs on
-            setups = {m: Setup(model, ids, args, m, draft, stop) for m in ["off", *methods]}
+            setups = {m: Setup(model, ids, args, m, draft, stop, batch) for m in ["off", *methods]}
             for _ in range(args.repeats):
                 for setup in setups.values():
                     setup.timed_pass()
             wanted, share = expected(workload), None
             if wanted is not None:  # the tokens are the off pass's (every method's when identical)
                 texts_out = [tokenizer.decode(t) for t in setups["off"].best["tokens"]]
-                share = round(copied(texts_out, [wanted[i % len(wanted)] for i in range(batch)]), 3)
+                share = round(copied(texts_out, [wanted[i % len(wanted)] for i in range(len(ids))]), 3)
             for method in methods:
                 rows.append(row(workload, batch, ids, setups["off"].best, setups[method].best, method))
                 if share is not None:
@@ -184,7 +192,8 @@ def row(workload: str, batch: int, ids: list, off: dict, on: dict, method: str) 
         "workload": workload,
         "method": method,
         "batch": batch,
-        "prompt_tokens": sum(len(p) for p in ids) // batch,
+        "requests": len(ids),
+        "prompt_tokens": sum(len(p) for p in ids) // len(ids),
         "new_tokens": len(off["tokens"][0]),
         "off_tokens_per_s": round(off["decode_tokens_per_s"], 1),
         "spec_tokens_per_s": round(on["decode_tokens_per_s"], 1),
@@ -207,6 +216,7 @@ COLUMNS = [
     "workload",
     "method",
     "batch",
+    "requests",
     "prompt_tokens",
     "off_tokens_per_s",
     "spec_tokens_per_s",
@@ -269,7 +279,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--workloads", nargs="+", choices=["edit", "continue"], default=["edit", "continue"], help="which"
     )
-    p.add_argument("--batch", type=int, nargs="+", default=[1], help="requests decoded together (default 1)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="slots: requests decoded together; each prompt of a workload is served once, and the prompts "
+        "are cycled up to this many requests (default 1: every prompt alone, one after another)",
+    )
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="k (default 4)")
     p.add_argument("--prompt-chars", type=int, default=4000, help="longest prompt in characters")

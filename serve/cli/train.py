@@ -45,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
         stop_after=args.stop_after,
         init=args.init,
         edit_share=args.edit_share,
+        copy_share=args.copy_share,
+        copy_alphabet=args.copy_alphabet,
+        copy_longest=args.copy_longest,
     )
     try:
         summary = train(cfg)
@@ -114,6 +117,29 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=0.0,
         help="share of each batch's sequences that are edit documents: a function of the corpus, a request "
         "to write it again (unchanged or with an argument renamed) and the result (default 0)",
+    )
+    p.add_argument(
+        "--copy-share",
+        type=float,
+        default=0.0,
+        help="share of each batch's sequences that are copy documents: a span (random ids, or corpus text "
+        "with random ids substituted), the request to write it again, and the span again; teaches a small "
+        "model to copy what its context shows (default 0)",
+    )
+    p.add_argument(
+        "--copy-alphabet",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --copy-share: half the random spans draw from 4 to N ids, whose short n-grams recur, so "
+        "that a copy is found by a longer match (default 0: every random span from the whole vocabulary)",
+    )
+    p.add_argument(
+        "--copy-longest",
+        type=int,
+        default=360,
+        metavar="N",
+        help="with --copy-share: the longest span in tokens (also at most half a sequence; default 360)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
