@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import subprocess_xla_flags
 
+from jaxhybrid.train import data as D
 from jaxhybrid.train import edits as E
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,7 +104,7 @@ def test_edit_rows_start_at_a_document_and_hold_whole_documents() -> None:
             piece = row[at : at + len(doc)]
             assert np.array_equal(piece, doc[: len(piece)])
             at += len(doc)
-    assert [E.edit_share_rows(8, s) for s in (0.0, 0.01, 0.5, 1.0)] == [0, 1, 4, 8]
+    assert [D.share_rows(8, s) for s in (0.0, 0.01, 0.5, 1.0)] == [0, 1, 4, 8]
 
 
 def test_fine_tuning_starts_from_the_model_and_learns_its_edit_documents(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxhybrid.train.bpe import SPECIALS
+from jaxhybrid.train.data import pack_documents
 from jaxhybrid.train.edits import COPY_HEADER, UNCHANGED_REQUEST
 
 # Span lengths in tokens (each copy document holds its span twice, so a row of `seq_len` tokens holds spans of
@@ -104,13 +105,10 @@ def copy_rows(
     int32 [rows, seq_len + 1]."""
     longest = span_bound(frame, len(stream), seq_len, longest)
     rng = np.random.default_rng([seed, step, 2])
-    out = np.empty((rows, seq_len + 1), np.int32)
-    for r in range(rows):
-        source = None if r < rows // 2 else stream
-        filled = 0
-        while filled < seq_len + 1:
-            span = copy_span(rng, vocab, source, int(rng.integers(MIN_SPAN, longest + 1)), alphabet)
-            doc = frame.document(span)[: seq_len + 1 - filled]
-            out[r, filled : filled + len(doc)] = doc
-            filled += len(doc)
-    return out
+
+    def document(row: int) -> np.ndarray:
+        source = None if row < rows // 2 else stream
+        length = int(rng.integers(MIN_SPAN, longest + 1))
+        return frame.document(copy_span(rng, vocab, source, length, alphabet))
+
+    return pack_documents(rows, seq_len, document)

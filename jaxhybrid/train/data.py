@@ -133,6 +133,24 @@ def train_batch(stream: np.ndarray, batch: int, seq_len: int, seed: int, step: i
     return np.stack([stream[s : s + span] for s in starts])
 
 
+def pack_documents(rows: int, seq_len: int, next_document: Callable[[int], np.ndarray]) -> np.ndarray:
+    """`rows` sequences of `seq_len + 1` tokens, each filled from its first token with the documents
+    `next_document(row)` returns, in turn, the last one cut at the row's end: int32 [rows, seq_len + 1]."""
+    out = np.empty((rows, seq_len + 1), np.int32)
+    for r in range(rows):
+        filled = 0
+        while filled < seq_len + 1:
+            doc = next_document(r)[: seq_len + 1 - filled]
+            out[r, filled : filled + len(doc)] = doc
+            filled += len(doc)
+    return out
+
+
+def share_rows(batch: int, share: float) -> int:
+    """How many of a batch's `batch` rows a share `share` of them is (0 < share <= 1: at least one)."""
+    return 0 if share <= 0 else max(1, min(batch, round(batch * share)))
+
+
 def val_batches(stream: np.ndarray, batch: int, seq_len: int, max_batches: int) -> Iterator[np.ndarray]:
     """Consecutive non-overlapping windows of the validation stream, `batch` at a time, at most
     `max_batches` batches (a final short batch is dropped): the same tokens at every evaluation."""

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxhybrid.train.data import pack_documents
+
 # Functions of this many lines (signature to last line) become documents: long enough to be worth copying,
 # short enough that the pair fits a training sequence.
 MIN_LINES, MAX_LINES = 3, 40
@@ -101,16 +103,4 @@ def edit_rows(docs: Sequence[np.ndarray], rows: int, seq_len: int, seed: int, st
     """`rows` sequences of `seq_len + 1` tokens, each starting at a document's first token (documents drawn
     by a generator seeded by (seed, step), concatenated until the row is full): int32 [rows, seq_len + 1]."""
     rng = np.random.default_rng([seed, step, 1])
-    out = np.empty((rows, seq_len + 1), np.int32)
-    for r in range(rows):
-        filled = 0
-        while filled < seq_len + 1:
-            doc = docs[rng.integers(len(docs))][: seq_len + 1 - filled]
-            out[r, filled : filled + len(doc)] = doc
-            filled += len(doc)
-    return out
-
-
-def edit_share_rows(batch: int, share: float) -> int:
-    """How many of a batch's `batch` rows are edit documents at `share` (0 < share <= 1: at least one)."""
-    return 0 if share <= 0 else max(1, min(batch, round(batch * share)))
+    return pack_documents(rows, seq_len, lambda _row: docs[rng.integers(len(docs))])

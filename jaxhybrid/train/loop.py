@@ -116,7 +116,7 @@ def _check(cfg: TrainConfig) -> None:
         if not 0.0 <= getattr(cfg, name) <= 1.0:
             raise TrainError(f"--{name.replace('_', '-')} must lie in [0, 1], got {getattr(cfg, name)}")
     shares = (cfg.edit_share, cfg.copy_share)
-    if sum(E.edit_share_rows(cfg.batch_size, s) for s in shares) > cfg.batch_size:
+    if sum(D.share_rows(cfg.batch_size, s) for s in shares) > cfg.batch_size:
         raise TrainError(
             f"--edit-share {cfg.edit_share} and --copy-share {cfg.copy_share} together take more than the "
             f"{cfg.batch_size} rows of a batch"
@@ -309,7 +309,7 @@ class EditData:
                 f"--edit-share: the corpus has no function of {E.MIN_LINES}-{E.MAX_LINES} lines whose edit "
                 f"document fits --seq-len {cfg.seq_len} in both splits"
             )
-        return EditData(encoded[0], encoded[1], E.edit_share_rows(cfg.batch_size, cfg.edit_share))
+        return EditData(encoded[0], encoded[1], D.share_rows(cfg.batch_size, cfg.edit_share))
 
     def val_batches(self, cfg: TrainConfig) -> list[np.ndarray]:
         return list(D.val_batches(np.concatenate(self.val), cfg.batch_size, cfg.seq_len, cfg.val_batches))
@@ -336,7 +336,7 @@ class CopyData:
         except ValueError as exc:
             raise TrainError(f"--copy-share: {exc}") from None
         vocab = min(model_cfg.vocab_size, getattr(tok, "vocab_size", model_cfg.vocab_size))
-        rows = E.edit_share_rows(cfg.batch_size, cfg.copy_share)
+        rows = D.share_rows(cfg.batch_size, cfg.copy_share)
         return CopyData(frame, vocab, rows, cfg.copy_alphabet, cfg.copy_longest)
 
 
