@@ -84,6 +84,23 @@ class Continuations:
         return drafted
 
 
+class FixedCosts(StepCosts):
+    """A verify step costs `verify_cost` plain ones, whatever the clock says."""
+
+    def __init__(self, verify_cost, retry=1000):
+        super().__init__(retry=retry)
+        self.verify_cost = verify_cost
+
+    def observe(self, verify, rows, seconds, compiled=False):
+        super().observe(verify, rows, self.verify_cost if verify else 1.0, compiled)
+
+
+def priced_engine(model, drafter, verify_cost):
+    """One slot, no prefix store, verifying drafts only where `FixedCosts(verify_cost)` says it pays."""
+    config = EngineConfig(max_slots=1, block_size=8, prefill_chunk=32, max_model_len=256, prefix=None)
+    return Engine(model, config, drafter=drafter, step_costs=FixedCosts(verify_cost))
+
+
 def prompts(lengths, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(3, VOCAB, n).tolist() for n in lengths]
@@ -167,6 +184,19 @@ def test_verify_greedy_accepts_the_argmax_prefix():
         np.testing.assert_array_equal(tokens[row, : a + 1], best[row, : a + 1])
     want = log_softmax(np.asarray(logits, np.float64))
     np.testing.assert_allclose(logps[1], want[1, np.arange(5), np.asarray(tokens[1])], rtol=0, atol=1e-5)
+    # beside a sampled row (the step's other branch) the greedy rows come out the same
+    mixed = jnp.concatenate([logits, logits[:1]])
+    params = [SamplingParams(temperature=0.0)] * 3 + [SamplingParams(temperature=0.9)]
+    out = verify(
+        mixed,
+        jnp.asarray(np.concatenate([drafts, drafts[:1]]), jnp.int32),
+        jnp.asarray([4, 4, 3, 4]),
+        *_verify_inputs(mixed, params),
+    )
+    np.testing.assert_array_equal(out[2][:3], accepted)
+    for row, a in enumerate([2, 4, 0]):
+        np.testing.assert_array_equal(out[0][row, : a + 1], tokens[row, : a + 1])
+        np.testing.assert_allclose(out[1][row, : a + 1], logps[row, : a + 1], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 1.0), (0, 0.7)])
@@ -249,7 +279,7 @@ def test_drafts_stop_before_a_stop_token():
 
 
 def test_adaptive_k_shrinks_pauses_and_recovers():
-    k = AdaptiveK(4)
+    k = AdaptiveK(4, DraftMethod.DRAFT)
     assert k.limit() == 4
     k.record(4, 4)
     assert k.limit() == 4
@@ -264,6 +294,37 @@ def test_adaptive_k_shrinks_pauses_and_recovers():
     assert paused == 8
     k.record(1, 1)
     assert k.k == 2 and k.pause == 8
+
+
+def test_prompt_lookup_keeps_its_k_and_pauses():
+    """A prompt-lookup row drafts its full k after a miss (a lookup costs nothing, and a verify window runs at
+    its full length whatever a row drafts); drafts that keep missing still pause it."""
+    k = AdaptiveK(4, DraftMethod.NGRAM)
+    k.record(4, 1)
+    assert k.limit() == 4
+    k.record(4, 0)
+    k.record(4, 0)
+    assert k.paused and k.limit() == 0
+
+
+def test_a_row_drafts_again_after_a_window_that_missed(model):
+    """Where a verify step costs 1.6 plain ones, one window whose drafts all miss does not end a row's
+    drafting (at k = 1 even drafts that all stand would not pay, and the row decoded plainly to its end)."""
+    p = prompts([9], seed=8)[0]
+    want = engine(model).generate([p], greedy(40, spec=None))[0].token_ids
+
+    class MissOnce(Continuations):
+        """The model's own tokens, but the third drafting all wrong."""
+
+        calls = 0
+
+        def propose(self, req, k):
+            out, self.calls = super().propose(req, k), self.calls + 1
+            return [(t + 1) % VOCAB for t in out] if self.calls == 3 else out
+
+    eng = priced_engine(model, MissOnce([p + want]), verify_cost=1.6)
+    assert eng.generate([p], greedy(40))[0].token_ids == want
+    assert eng.speculation.windows >= 6
 
 
 def test_step_costs_verify_only_what_pays():
@@ -301,18 +362,7 @@ def test_drafts_that_do_not_pay_are_not_verified(model):
     want = engine(model).generate([p], greedy(40, spec=None))[0].token_ids
     drafter = Continuations([p + want], wrong=1)  # every draft wrong: a verify step gives one token
 
-    class ThreeTimes(StepCosts):
-        """A verify step costs 3 plain ones, whatever the clock says."""
-
-        def observe(self, verify, rows, seconds, compiled=False):
-            super().observe(verify, rows, 3.0 if verify else 1.0, compiled)
-
-    eng = Engine(
-        model,
-        EngineConfig(max_slots=1, block_size=8, prefill_chunk=32, max_model_len=256, prefix=None),
-        drafter=drafter,
-        step_costs=ThreeTimes(retry=1000),
-    )
+    eng = priced_engine(model, drafter, verify_cost=3.0)
     assert eng.generate([p], greedy(40))[0].token_ids == want
     assert 2 <= eng.speculation.windows <= 4 < drafter.proposed
 

@@ -481,7 +481,7 @@ class Runner(AheadOfTime, StoreCopies):
                 [0 if r is None else len(r.generated) + i for r, i in per_position],
             )
         out = self._execute(program, (self.programs.verify, self.params), host, sampling)
-        tokens, logps, accepted = (np.asarray(a)[:n] for a in out)
+        tokens, logps, accepted = (a[:n] for a in jax.device_get(out))  # one transfer for the three
         return Verified(tokens, logps, accepted)
 
     def _greedy_arrays(self, positions: int) -> tuple[Any, ...]:

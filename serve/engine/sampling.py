@@ -259,11 +259,38 @@ def verify(
     B, T, V = logits.shape
     x = logits.reshape(B * T, V).astype(jnp.float32)
     temperature = jnp.asarray(temperature, jnp.float32)
+    d = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1).reshape(B * T)
+    has = (jnp.arange(T)[None, :] < num_drafts[:, None]).reshape(B * T)
+
+    def all_greedy() -> tuple[jax.Array, jax.Array, jax.Array]:
+        # every position's token is its argmax: a draft stands where it is that token
+        token, logp = greedy(x)
+        return token, logp, has & (d == token)
+
+    def any_sampled() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return _verify_sampled(x, d, has, temperature, top_k, top_p, keys)
+
+    # a step of greedy rows (the common case) skips the PRNG, the filters and the vocabulary's second pass
+    token, logp, ok = jax.lax.cond(jnp.all(temperature <= 0), all_greedy, any_sampled)
+    accepted = jnp.sum(jnp.cumprod(ok.reshape(B, T).astype(jnp.int32), axis=1), axis=1)
+    return token.reshape(B, T), logp.reshape(B, T), accepted.astype(jnp.int32)
+
+
+def _verify_sampled(
+    x: jax.Array,
+    d: jax.Array,
+    has: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    keys: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`verify` where a row samples: (token, its logprob, whether the draft stands) per position of x
+    [B*T, V] (fp32), drafts d and `has` (a drafted token there) [B*T]."""
+    V = x.shape[-1]
     top_k = jnp.asarray(top_k, jnp.int32)
     top_p = jnp.asarray(top_p, jnp.float32)
     plain, _ = sample(x, temperature, top_k, top_p, keys)
-    d = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1).reshape(B * T)
-    has = (jnp.arange(T)[None, :] < num_drafts[:, None]).reshape(B * T)
     is_greedy, scaled = _scaled(x, temperature)
     greedy_id = _argmax(x)
     sampled = has & ~is_greedy
@@ -286,5 +313,4 @@ def verify(
     after_draft = jnp.where(is_greedy, greedy_id, drawn)
     token = jnp.where(ok, d, jnp.where(has, after_draft, plain))
     logp = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), token[:, None], axis=-1)[:, 0]
-    accepted = jnp.sum(jnp.cumprod(ok.reshape(B, T).astype(jnp.int32), axis=1), axis=1)
-    return token.reshape(B, T), logp.reshape(B, T), accepted.astype(jnp.int32)
+    return token, logp, ok

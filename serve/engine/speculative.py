@@ -267,10 +267,13 @@ def truncate_at_stop(drafts: list[int], stop_ids: frozenset[int]) -> list[int]:
 
 @dataclasses.dataclass
 class AdaptiveK:
-    """A request's draft length from its recent acceptance: after a window accepted in full, one more
-    (up to `most`); after a rejection, one more than it accepted. When the mean acceptance (an average
-    weighted to the recent windows) falls below `floor` the request stops drafting for `pause` steps, a
-    pause that doubles each time (up to `longest_pause`) and resets once drafts pay again."""
+    """A request's draft length from its recent acceptance. A draft model's (each drafted token one step of
+    it): after a window accepted in full, one more (up to `most`); after a rejection, one more than it
+    accepted. Prompt lookup's stays `most`: a lookup costs nothing and a verify window runs at its full
+    length whatever a row drafts, so fewer drafts would save nothing, and a row at k = 1 would give too few
+    tokens a step to pay for one again. When the mean acceptance (an average weighted to the recent windows)
+    falls below `floor` the request stops drafting for `pause` steps, a pause that doubles each time (up to
+    `longest_pause`) and resets once drafts pay again."""
 
     most: int
     method: DraftMethod = DraftMethod.NGRAM
@@ -295,7 +298,10 @@ class AdaptiveK:
         if drafted <= 0:
             return
         self.rate = 0.5 * self.rate + 0.5 * accepted / drafted
-        self.k = min(self.k + 1, self.most) if accepted == drafted else max(1, accepted + 1)
+        if self.method is DraftMethod.NGRAM:
+            self.k = self.most
+        else:
+            self.k = min(self.k + 1, self.most) if accepted == drafted else max(1, accepted + 1)
         if self.rate < self.floor:
             self.paused, self.rate = self.pause, self.floor
             self.pause = min(2 * self.pause, self.longest_pause)
