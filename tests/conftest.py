@@ -95,7 +95,9 @@ def _free_compiled_programs():
 # it alone at the end. The files of half a minute or more in the default run are collected first, heaviest
 # first; the rest (each under half a minute) keep their order.
 HEAVY_FIRST = (
+    "test_restarts.py",
     "test_prefix_store.py",
+    "test_restarts_bench.py",
     "test_engine.py",
     "test_model.py",
     "test_bench.py",

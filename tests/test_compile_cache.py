@@ -250,3 +250,47 @@ def test_xla_flags_and_the_native_kernels_source_are_part_of_a_programs_key(tmp_
     before = executables.source_digest(tmp_path)
     kernel.write_text("int f() { return 2; }")
     assert executables.source_digest(tmp_path) != before
+
+
+SERVED_BY_JAX_CACHE = """
+import sys
+import jax, jax.numpy as jnp
+from pathlib import Path
+from serve.engine.executables import ExecutableCache, compiled_here
+jax.config.update("jax_compilation_cache_dir", sys.argv[1] + "/xla")  # shared by both runs
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+def f(x, i):
+    y = jnp.exp(x) * 2 + jnp.take(x, i, axis=0).sum()
+    return jnp.where(y > 3, y, -y)
+x, i = jnp.ones((16, 8)), jnp.array([1, 3])
+with compiled_here(keep=False) as compiled:
+    program = jax.jit(f).lower(x, i).compile()
+kept = ExecutableCache(Path(sys.argv[1]) / sys.argv[2]).save("entry", (program,))
+print(compiled.here, kept)
+"""
+
+
+def test_a_program_served_by_jax_cache_is_seen_and_an_entry_that_cannot_run_is_not_written(tmp_path):
+    """Two processes compile one program with JAX's persistent cache on: the first compiles it (XLA's own:
+    `compiled_here` says so, and the entry is kept), the second is served by JAX's cache (seen), and on
+    XLA:CPU that executable serializes without its kernels: the check run on zeros before writing fails,
+    so `save` keeps nothing rather than an entry that would fail at the next process's first call."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    outs = []
+    for run in ("first", "second"):
+        done = subprocess.run(
+            [sys.executable, "-c", SERVED_BY_JAX_CACHE, str(tmp_path), run],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs.append(done.stdout.split())
+    assert outs[0] == ["True", "True"] and (tmp_path / "first" / "entry.pkl").exists()
+    assert outs[1][0] == "False"  # JAX's cache served it
+    if jax.default_backend() == "cpu":
+        assert outs[1][1] == "False" and not (tmp_path / "second").exists()

@@ -11,6 +11,16 @@ program's name, the source of the packages that trace it, the jax and jaxlib ver
 Anything that fails on reading is logged and the program compiles as without the cache; entries are
 written to a temporary file and renamed, so processes may share the directory. Like JAX's own cache, the
 directory must be the user's own: an entry is a pickle of machine code, loaded as it is.
+
+What is kept is only ever what XLA compiled in this process. On XLA:CPU an executable that JAX's persistent
+cache gave back serializes without its kernels' code: it loads, then fails at its first run ("Function
+select_bitcast_fusion not found"), which killed the next command to read it. JAX decides once per process
+whether it reads its cache, so no switch around one compile keeps it out. Instead a program to be kept is
+compiled under keys of its own (`KEPT_OPTIONS`) that JAX's cache never writes (nor would it need to: the
+program is kept here); a compile that JAX's cache served anyway is not kept; and on the CPU every entry is
+loaded back and run once on zeros before it is written (`check`). An entry carries a digest of its bytes,
+checked at load; the native kernels' FFI handlers are registered before anything is loaded (a program calls
+them by name).
 """
 
 from __future__ import annotations
@@ -34,12 +44,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jaxlib
 from jax.experimental import serialize_executable
 
 log = logging.getLogger("jaxhybrid.compile")
 
-FORMAT = "jaxhybrid-executables-v1"
+FORMAT = "jaxhybrid-executables-v2"
 _PACKAGES = ("jaxhybrid", "serve/engine", "sharding")  # the code a program's trace runs
 
 
@@ -61,9 +72,16 @@ def source_digest(root: Path) -> str:
 
 
 def _platform() -> str:
+    """The versions and devices a program is compiled for; on the CPU also its instruction set (XLA:CPU
+    compiles for the host's: a cache directory shared by two machines must not give one the other's code)."""
     devices = jax.devices()
     kinds = sorted({d.device_kind for d in devices})
-    return f"{jax.__version__}/{jaxlib.__version__}/{jax.default_backend()}/{len(devices)}x{kinds}"
+    isa = ""
+    if jax.default_backend() == "cpu":
+        from jaxhybrid.ops.native import cpu_flags
+
+        isa = "/" + hashlib.sha256(cpu_flags().encode()).hexdigest()[:16]
+    return f"{jax.__version__}/{jaxlib.__version__}/{jax.default_backend()}/{len(devices)}x{kinds}{isa}"
 
 
 def input_spec(args: tuple[Any, ...]) -> str:
@@ -81,20 +99,89 @@ def _placement(x: Any) -> Any:
     return getattr(x, "sharding", None) if getattr(x, "committed", True) else None
 
 
+def _devices(compiled: Any) -> list[Any]:
+    """The devices `compiled` runs on, in its device assignment's order (what loading it needs: by default
+    it would be loaded for every device of the backend)."""
+    return list(jax.tree_util.tree_leaves(compiled.input_shardings)[0]._device_assignment)
+
+
 def _device_ids(compiled: Any) -> list[int]:
-    """The ids of the devices `compiled` runs on, in its device assignment's order (what loading it needs:
-    by default it would be loaded for every device of the backend)."""
-    sharding = jax.tree_util.tree_leaves(compiled.input_shardings)[0]
-    return [d.id for d in sharding._device_assignment]
+    return [d.id for d in _devices(compiled)]
 
 
-def fresh_compile() -> contextlib.AbstractContextManager:
-    """Compile in this thread without JAX's persistent cache: on XLA:CPU an executable that cache gave back
-    serializes without its kernels' code (`serialize_executable` of it loads, then fails at its first run with
-    NOT_FOUND: Function ... not found), so a program to be kept must be compiled, not read."""
-    from jax._src import config as jax_config  # the option's thread-local switch, which jax.config lacks
+_JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_served = threading.local()  # how many compiles of this thread JAX's persistent cache served
 
-    return jax_config.enable_compilation_cache(False)
+
+def _count_jax_cache_hit(event: str, **_: Any) -> None:
+    if event == _JAX_CACHE_HIT:  # recorded on the thread that asked for the compile
+        _served.hits = getattr(_served, "hits", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_jax_cache_hit)
+
+
+@dataclasses.dataclass
+class Compiled:
+    """Whether the compiles inside `compiled_here()` were all XLA's own in this process (none served by
+    JAX's persistent cache): only such an executable serializes whole on XLA:CPU."""
+
+    here: bool = True
+
+
+# The compile options of a program this layer keeps: an option that only decides what an XLA dump holds (no
+# code changes) and that JAX's cache key counts, so that a kept program has keys of its own in JAX's cache,
+# which `compiled_here(keep=True)` never writes: XLA compiles it, whatever JAX's cache holds.
+KEPT_OPTIONS = {"xla_dump_large_constants": False}
+
+
+@contextlib.contextmanager
+def compiled_here(keep: bool) -> Any:
+    """Compile in this thread; the `Compiled` yielded says afterwards whether JAX's persistent cache served
+    any of it. With `keep` (the program will be kept by this layer) JAX's cache does not write it."""
+    from jax._src import config as jax_config  # the option's thread-local form, which jax.config lacks
+
+    before = getattr(_served, "hits", 0)
+    result = Compiled()
+    limit = jax_config.persistent_cache_min_compile_time_secs
+    with limit(float("inf")) if keep else contextlib.nullcontext():
+        yield result
+    result.here = getattr(_served, "hits", 0) == before
+
+
+def _on_cpu(compiled: Any) -> bool:
+    """Whether `compiled` runs on CPU devices (where it lives, not the process's default backend)."""
+    return all(d.platform == "cpu" for d in _devices(compiled))
+
+
+def check(compiled: Any, given: tuple[Any, ...] | None = None) -> None:
+    """Run `compiled` once on zeros of its inputs (raises what the run raises). `given`: its first
+    positional arguments, whose concrete, undonated arrays are used as they are instead (the weights: no
+    second copy of them)."""
+    (infos, _), (shardings, _) = compiled.args_info, compiled.input_shardings
+    given = given or ()
+
+    def zero(info: Any, sharding: Any) -> Any:
+        dtype = info._aval.dtype
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            return jax.device_put(jnp.broadcast_to(jax.random.key(0), info.shape), sharding)
+        return jax.device_put(jnp.zeros(info.shape, dtype), sharding)
+
+    def argument(j: int) -> Any:
+        leaf_infos, tree = jax.tree_util.tree_flatten(infos[j])
+        leaf_shardings = jax.tree_util.tree_leaves(shardings[j])
+        have = [None] * len(leaf_infos)
+        if j < len(given) and jax.tree_util.tree_structure(given[j]) == tree:
+            have = jax.tree_util.tree_leaves(given[j])
+        leaves = [
+            h
+            if isinstance(h, jax.Array) and not h.is_deleted() and not i.donated and h.shape == i.shape
+            else zero(i, sh)
+            for h, i, sh in zip(have, leaf_infos, leaf_shardings, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    jax.block_until_ready(compiled(*(argument(j) for j in range(len(infos)))))
 
 
 class ExecutableCache:
@@ -134,13 +221,23 @@ class ExecutableCache:
         return h.hexdigest()
 
     def load(self, key: str) -> tuple[Any, ...] | None:
-        """The entry's compiled programs (as `save` got them), or None when absent or unreadable."""
+        """The entry's compiled programs (as `save` got them), or None when absent or unreadable (torn,
+        corrupt, another format)."""
         if self.directory is None:
             return None
         path = self.directory / f"{key}.pkl"
         try:
             with open(path, "rb") as f:
                 entry = pickle.load(f)
+            if not (isinstance(entry, dict) and entry.get("format") == FORMAT):
+                raise ValueError(f"not a {FORMAT} entry")
+            if hashlib.sha256(entry["payload"]).hexdigest() != entry["digest"]:
+                raise ValueError("its bytes do not match their digest")
+            parts = pickle.loads(entry["payload"])
+            if jax.default_backend() == "cpu":
+                from jaxhybrid.ops.native import register_all
+
+                register_all()  # the handlers of the kernels a program calls, before it is loaded
             by_id = {d.id: d for d in jax.devices()}
             return tuple(
                 None
@@ -148,7 +245,7 @@ class ExecutableCache:
                 else serialize_executable.deserialize_and_load(
                     part[0], part[1], part[2], execution_devices=[by_id[i] for i in part[3]]
                 )
-                for part in entry
+                for part in parts
             )
         except FileNotFoundError:
             return None
@@ -156,14 +253,28 @@ class ExecutableCache:
             self._note(f"cannot load the compiled program {path.name} ({type(e).__name__}: {e}); compiling")
             return None
 
-    def save(self, key: str, compiled: tuple[Any, ...]) -> None:
-        """Keep `compiled` (jax.stages.Compiled programs, or None) under `key`; failures are logged."""
+    def save(self, key: str, compiled: tuple[Any, ...], given: tuple[Any, ...] = ()) -> bool:
+        """Keep `compiled` (jax.stages.Compiled programs, or None, each compiled by XLA in this process)
+        under `key`; whether it was kept (failures are logged). On the CPU each program is first loaded back
+        from its bytes and run once on zeros (`check`; `given[i]`: arguments of program i it may use as they
+        are): an entry that cannot run is never written."""
         if self.directory is None:
-            return
+            return False
         try:
-            entry = tuple(
-                None if c is None else (*serialize_executable.serialize(c), _device_ids(c)) for c in compiled
-            )
+            parts = []
+            for i, c in enumerate(compiled):
+                if c is None:
+                    parts.append(None)
+                    continue
+                part = (*serialize_executable.serialize(c), _device_ids(c))
+                if _on_cpu(c):
+                    back = serialize_executable.deserialize_and_load(
+                        *part[:3], execution_devices=_devices(c)
+                    )
+                    check(back, given[i] if i < len(given) else None)
+                parts.append(part)
+            payload = pickle.dumps(tuple(parts), protocol=pickle.HIGHEST_PROTOCOL)
+            entry = {"format": FORMAT, "digest": hashlib.sha256(payload).hexdigest(), "payload": payload}
             self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".tmp")
             try:
@@ -173,8 +284,10 @@ class ExecutableCache:
             except BaseException:
                 os.unlink(tmp)
                 raise
+            return True
         except Exception as e:
             self._note(f"could not keep a compiled program in {self.directory} ({type(e).__name__}: {e})")
+            return False
 
     def _note(self, message: str) -> None:
         """The first failure at info, later ones at debug: serving goes on either way."""
@@ -329,26 +442,32 @@ class ModelExecutables:
         slot.best, slot.quick = (loaded[0], loaded[1]), False
         return True
 
-    def _lower(self, run: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
-        """The traced (lowered) model program, ready for XLA at any tier, and the rows' write's arguments.
-        Only the thread that calls the engine traces the model: Flax's graph merge inside a trace is not safe
-        on two threads at once."""
-        return run.lower(*args), (args[1], args[4])
+    def _lower(self, run: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...], Any]:
+        """The traced (lowered) model program, ready for XLA at any tier, the rows' write's arguments, and
+        the weights (`args[0]`: what a check of the compiled program runs on, as they are). Only the thread
+        that calls the engine traces the model: Flax's graph merge inside a trace is not safe on two threads
+        at once."""
+        return run.lower(*args), (args[1], args[4]), args[0]
 
-    def _install(self, slot: _Slot, lowered: tuple[Any, tuple[Any, ...]], tier: Tier) -> None:
+    def _install(self, slot: _Slot, lowered: tuple[Any, tuple[Any, ...], Any], tier: Tier) -> None:
         """Compile `lowered` at `tier` into `slot` (the caller holds its lock), with the rows' write for the
-        states as the compiled program leaves them; optimized ones are kept in the cache."""
+        states as the compiled program leaves them; optimized ones XLA compiled here are kept in the cache."""
         options = program_options(slot.program, tier)
-        run, (pools, slots) = lowered
-        with fresh_compile() if self.cache.enabled else contextlib.nullcontext():
+        run, (pools, slots), params = lowered
+        keep = self.cache.enabled and tier is Tier.OPTIMIZED
+        if keep:
+            options = (options or {}) | KEPT_OPTIONS
+        with compiled_here(keep) as compiled:
             compiled_run = run.compile(compiler_options=options)
             _, rows, _, _ = compiled_run.out_info
             write = None  # no rows: the program wrote its rows' states into the pools itself
             if rows:
                 write = self.write_rows.lower(pools, slots, rows).compile(compiler_options=options)
         slot.best, slot.quick = (compiled_run, write), tier is Tier.QUICK
-        if tier is Tier.OPTIMIZED:
-            self.cache.save(slot.key, slot.best)
+        if keep and not compiled.here:
+            log.debug("JAX's cache gave back program %s: not kept (it would not serialize whole)", slot.key)
+        elif keep:
+            self.cache.save(slot.key, slot.best, given=((params,), None))
 
     def _submit(self, slot: _Slot, lowered: tuple[Any, Any], tier: Tier) -> concurrent.futures.Future:
         """Compile `lowered` at `tier` into `slot` on the background thread (unless it is ready by then)."""

@@ -62,7 +62,8 @@ def _cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("jaxhybrid")) / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The host CPU's feature flags (what `-march=native` and XLA:CPU compile for)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -83,7 +84,7 @@ def _build(path: Path, cxx: str) -> Path:
     import jax.ffi
 
     source = path.read_bytes() + b"".join(h.read_bytes() for h in sorted(path.parent.glob("*.h")))
-    key = hashlib.sha256(source + cxx.encode() + _cpu_flags().encode() + jax.__version__.encode()).hexdigest()
+    key = hashlib.sha256(source + cxx.encode() + cpu_flags().encode() + jax.__version__.encode()).hexdigest()
     out = _cache_dir() / f"{path.stem}-{key[:16]}.so"
     if out.exists():
         return out
@@ -203,3 +204,12 @@ def mla_decode_kernel() -> str | None:
     one log line saying why) where it cannot be built."""
     lib = _library(MLA_SOURCE, "MLA decode steps use XLA's formulation")
     return None if lib is None else _register(lib, MLA_TARGET)
+
+
+def register_all() -> None:
+    """Register every kernel that builds here (each is built once): a compiled program read from the compile
+    cache calls its kernels by name, and their handlers must be registered before it is loaded."""
+    for kernel in (int8_kernel, f32_kernel, kda_decode_kernel, kda_states_kernel, set_rows_kernel):
+        kernel()
+    kda_pool_kernels()
+    mla_decode_kernel()
