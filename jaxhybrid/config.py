@@ -523,9 +523,10 @@ def from_dict(raw: Mapping[str, Any], *, strict: bool, name: str = "custom") -> 
 
 
 def configs_dir() -> Path:
-    """Where named configs live: $JAXHYBRID_CONFIGS or the repository's `configs/`."""
+    """Where named configs live: $JAXHYBRID_CONFIGS or the package's `jaxhybrid/configs/` (package data: a
+    wheel or a non-editable install has them too)."""
     env = os.environ.get("JAXHYBRID_CONFIGS")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "configs"
+    return Path(env) if env else Path(__file__).resolve().parent / "configs"
 
 
 def available_configs() -> list[str]:
@@ -533,7 +534,8 @@ def available_configs() -> list[str]:
 
 
 def load_config(spec: str | os.PathLike[str]) -> ModelConfig:
-    """A config by name (`configs/NAME.yaml`), YAML path, HF `config.json` path, or a model directory."""
+    """A config by name (`jaxhybrid/configs/NAME.yaml`), YAML path, HF `config.json` path, or a model
+    directory."""
     path = Path(spec)
     if path.is_dir() and (path / "config.json").exists():
         path = path / "config.json"

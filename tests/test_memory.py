@@ -36,8 +36,9 @@ def test_kimi_linear_48b_hand_count():
 
 
 def test_kimi_k3_published_figures():
-    """By hand from configs/kimi-k3.yaml (24 MLA layers of latent 512 + rope 64; 69 KDA layers of 96 heads of
-    128), bf16 KV and conv state, fp32 recurrent state: exact bytes, then the rounded figures K3.md quotes."""
+    """By hand from jaxhybrid/configs/kimi-k3.yaml (24 MLA layers of latent 512 + rope 64; 69 KDA layers of
+    96 heads of 128), bf16 KV and conv state, fp32 recurrent state: exact bytes, then the rounded figures
+    K3.md quotes."""
     T = 1_048_576
     rep = memory_report(load_config("kimi-k3"), T, 8192, jnp.bfloat16)
     kv = 24 * T * (512 + 64) * 2

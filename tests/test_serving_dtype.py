@@ -120,6 +120,33 @@ def test_info_and_memory_count_what_serve_allocates(bf16_dir, capsys):
     assert json.loads(capsys.readouterr().out)["dtype_reason"] == "--dtype"
 
 
+def test_info_of_a_model_directory_counts_what_serve_holds_and_allocates(bf16_dir, capsys):
+    """`info --model DIR` loads the model as `serve --model DIR` does (a bf16 checkpoint on this CPU: in
+    float32), so its one dtype is the one it counts and the one the model holds: the bytes it reports held are
+    the bytes of the model `serve` loads (`model_bytes`, as /metrics reports them), and it counts one
+    sequence's KV and KDA state at the model's own context (max_position_embeddings), as an engine of one
+    slot at that length allocates them. It counted bf16 weights under a "float32" heading, and KV at 32,768
+    tokens whatever the model's context."""
+    from serve.engine.engine import Engine, EngineConfig
+
+    model, _ = loaded(["serve", "--model", str(bf16_dir)])
+    assert main(["info", "--model", str(bf16_dir), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    context = CFG.max_position_embeddings
+    assert info["dtype"] == info["model"]["dtype"] == "float32" and info["context"] == context
+    engine = Engine(model, EngineConfig(max_slots=1, max_model_len=context, prefix=None))
+    try:
+        memory = engine.memory()
+        assert info["model"]["held_bytes"] == memory["model_bytes"]
+        assert info["cache_per_sequence"]["kv_bytes"] == memory["kv_bytes_total"]
+        assert info["cache_per_sequence"]["state_bytes"] == memory["state_bytes_per_slot"]
+    finally:
+        engine.close()
+    assert main(["info", "--model", str(bf16_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "parameter bytes (float32)" in out and f"MLA latent KV @ {context} tokens" in out
+
+
 def test_float32_products_ask_for_float32_precision_and_bfloat16_ones_for_the_default():
     """JAX leaves a product's precision to the backend: a GPU runs float32 operands in TF32 and a TPU in one
     bfloat16 pass (TF32 on an H200 changed `small`'s greedy tokens against transformers'). Every product of

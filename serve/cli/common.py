@@ -16,7 +16,7 @@ def add_config_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument(
         "--config",
         required=required,
-        help="a name in configs/ (tiny, small, kimi-linear-48b-a3b, kimi-k3, ...), a YAML path, "
+        help="a name in jaxhybrid/configs/ (tiny, small, kimi-linear-48b-a3b, kimi-k3, ...), a YAML path, "
         "or a Hugging Face config.json / model directory",
     )
 

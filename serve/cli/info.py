@@ -42,9 +42,10 @@ def checkpoint_bytes(cfg: Any, counts: dict[str, Any], itemsize: int) -> dict[st
     }
 
 
-def model_report(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+def model_report(args: argparse.Namespace, dtype: str) -> tuple[Any, dict[str, Any]]:
     """(the config, what the loaded --model holds): its arrays' bytes as held (MXFP4 experts packed unless
-    --dequantize-experts) against the analytic count of its config at the loaded dtype."""
+    --dequantize-experts), loaded in `dtype` as `serve` loads it, against the analytic count of its config at
+    that dtype."""
     import jax.numpy as jnp
 
     from jaxhybrid.counting import count_params
@@ -53,7 +54,7 @@ def model_report(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     model = load_pretrained(
         args.model,
-        dtype=None if args.dtype is None else jnp.dtype(args.dtype),
+        dtype=jnp.dtype(dtype),
         progress=False,
         dequantize_experts=args.dequantize_experts,
     )
@@ -86,8 +87,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = None
     try:
         if args.model:
-            cfg, loaded = model_report(args)
             choice = serving_dtype(args.dtype, args.model)
+            cfg, loaded = model_report(args, choice.dtype)
         else:
             cfg = load_config(args.config)
             choice = serving_dtype(args.dtype, checkpoint_dir(args.config))
@@ -96,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     dtype = jnp.dtype(loaded["dtype"] if loaded else choice.dtype)
     counts = count_params(cfg, dtype)
-    cache = cache_bytes_per_sequence(cfg, args.context, dtype)
+    context = args.context or cfg.max_position_embeddings  # the model's own context unless asked
+    cache = cache_bytes_per_sequence(cfg, context, dtype)
     ckpt = checkpoint_bytes(cfg, counts, dtype.itemsize)
     out = {
         "dtype": choice.dtype,
@@ -106,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         "layers": cfg.num_hidden_layers,
         "kda_layers": cfg.num_kda_layers,
         "mla_layers": cfg.num_mla_layers,
+        "context": context,
         "cache_per_sequence": cache,
     }
     if loaded:
@@ -120,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  counted in {choice.describe()}, as `serve` would allocate it")
     if counts["approximate"]:
         print(f"  note: approximate, not implemented yet: {', '.join(counts['unimplemented'])}")
-    print_rows(table_rows(counts, ckpt, cache, loaded, args.context, dtype.name))
+    print_rows(table_rows(counts, ckpt, cache, loaded, context, dtype.name))
     return 0
 
 
@@ -203,6 +206,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "random weights); "
         "the KDA recurrent state is always fp32",
     )
-    p.add_argument("--context", type=int, default=32768, help="tokens per sequence for the cache bytes")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="tokens per sequence for the cache bytes (default: the model's own context, "
+        "max_position_embeddings)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)

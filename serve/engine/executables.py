@@ -39,6 +39,7 @@ import pickle
 import queue
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -211,8 +212,10 @@ class ExecutableCache:
         # and $XLA_FLAGS decide how XLA compiles it
         precision = f"precision={jax.config.jax_default_matmul_precision}"
         flags = f"xla_flags={os.environ.get('XLA_FLAGS', '')}"
-        # whether the native kernels are on decides which custom calls a program makes and what it returns
-        native = f"native={os.environ.get('JAXHYBRID_NATIVE', '1')}"
+        # whether the native kernels are on, and the target they are built for, decide which custom calls a
+        # program makes and what it returns
+        env = os.environ.get
+        native = f"native={env('JAXHYBRID_NATIVE', '1')}/{env('JAXHYBRID_NATIVE_MARCH', 'native')}"
         parts = (FORMAT, _platform(), code_fingerprint(), precision, flags, native, name, structure)
         parts += (input_spec(args),)
         for part in parts:
@@ -268,9 +271,7 @@ class ExecutableCache:
                     continue
                 part = (*serialize_executable.serialize(c), _device_ids(c))
                 if _on_cpu(c):
-                    back = serialize_executable.deserialize_and_load(
-                        *part[:3], execution_devices=_devices(c)
-                    )
+                    back = serialize_executable.deserialize_and_load(*part[:3], execution_devices=_devices(c))
                     check(back, given[i] if i < len(given) else None)
                 parts.append(part)
             payload = pickle.dumps(tuple(parts), protocol=pickle.HIGHEST_PROTOCOL)
@@ -294,6 +295,8 @@ class ExecutableCache:
         log.log(logging.DEBUG if self._warned else logging.INFO, message)
         self._warned = True
 
+
+WAIT_LOGGED_S = 0.5  # a step that waits this long for its program says so at info
 
 QUICK_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
@@ -372,17 +375,39 @@ class ModelExecutables:
         """(model program, rows' write) for `program`'s shape, at whatever tier is ready: `run` (a jitted
         function named `name`) is traced only when neither this process nor the cache has it. `args`: `run`'s
         arguments (params, KDA pools, MLA pools, tokens, slot ids, block tables, start, valid), only looked
-        at for their shapes. A compile in progress on another thread is waited for."""
+        at for their shapes. A compile in progress on another thread is waited for. A step that waits for
+        its program (read, compiled here, or compiling elsewhere) says so in one log line with the time."""
         slot = self._slots.get(program)
         if slot is not None and slot.best is not None:
             return slot.best
+        start = time.monotonic()
         slot = self._slot(program, name, args)
-        with slot.lock:
+        how = "compiling on another thread"
+        if slot.lock.acquire(blocking=False):
+            how = ""
+        else:
+            log.info("a step waits for its program %s, %s", program, how)
+            slot.lock.acquire()
+        try:
             if slot.best is None and not self._load(slot):
                 lowered = self._lower(run, args)
-                self._install(slot, lowered, Tier.QUICK if self.tiered else Tier.OPTIMIZED)
+                tier = Tier.QUICK if self.tiered else Tier.OPTIMIZED
+                self._install(slot, lowered, tier)
+                how = f"compiled at the {tier.value} tier"
                 if slot.quick:  # the optimized form from the same trace, in the background
                     self._submit(slot, lowered, Tier.OPTIMIZED)
+            elif not how:
+                how = "read from the compile cache"
+        finally:
+            slot.lock.release()
+        waited = time.monotonic() - start
+        log.log(
+            logging.INFO if waited >= WAIT_LOGGED_S else logging.DEBUG,
+            "a step waited %.1f s for its program %s (%s)",
+            waited,
+            program,
+            how,
+        )
         return slot.best
 
     def compile(

@@ -21,9 +21,10 @@
 
 Each shared library is compiled with the machine's C++ compiler (`$CXX`, else g++, else c++) and
 `-march=native`, once per source, compiler and CPU, into the user's cache directory (or
-`$JAXHYBRID_KERNEL_DIR`); compiling takes a few seconds. Where that fails (no compiler, no AVX2), the op
-says why once and takes its XLA formulation, which gives the same numbers. `JAXHYBRID_NATIVE=0` turns
-every kernel off.
+`$JAXHYBRID_KERNEL_DIR`); compiling takes a few seconds. `JAXHYBRID_NATIVE_MARCH` names another target
+(`x86-64-v3`: AVX2 and FMA without AVX-512), so that one machine can run the kernels' other branches.
+Where that fails (no compiler, no AVX2), the op says why once and takes its XLA formulation, which gives the
+same numbers. `JAXHYBRID_NATIVE=0` turns every kernel off.
 """
 
 from __future__ import annotations
@@ -84,14 +85,17 @@ def _build(path: Path, cxx: str) -> Path:
     import jax.ffi
 
     source = path.read_bytes() + b"".join(h.read_bytes() for h in sorted(path.parent.glob("*.h")))
-    key = hashlib.sha256(source + cxx.encode() + cpu_flags().encode() + jax.__version__.encode()).hexdigest()
+    march = os.environ.get("JAXHYBRID_NATIVE_MARCH", "native")
+    key = hashlib.sha256(
+        source + cxx.encode() + cpu_flags().encode() + jax.__version__.encode() + march.encode()
+    ).hexdigest()
     out = _cache_dir() / f"{path.stem}-{key[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         lib = Path(tmp) / out.name
-        cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+        cmd = [cxx, "-O3", f"-march={march}", "-std=c++17", "-shared", "-fPIC", "-w"]
         cmd += [f"-I{jax.ffi.include_dir()}", str(path), "-o", str(lib)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
