@@ -128,23 +128,23 @@ np.save(f"{cache_dir}/{phase}.npy", decode_once(Runner(model, EngineShape.resolv
 """
 
 
+def run_script(script: str, *argv: str) -> str:
+    """`script` in a fresh process (JAX opens its cache once per process) from the repository: its stdout."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-c", script, *argv]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def test_a_program_kept_after_jax_cache_gave_it_back_runs(tmp_path):
     """Three starts, as a server's: the first compiles the decode program into JAX's persistent cache only,
     the second keeps it as a serialized executable (JAX's cache holds it), the third reads that and runs it.
     On XLA:CPU an executable read back from JAX's cache serializes without its kernels: the third start failed
     at its first step (NOT_FOUND: Function ... not found). Oracle: the first start's logits, bit for bit."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
     for phase in ("jax", "keep", "read"):
-        run = subprocess.run(
-            [sys.executable, "-c", KEEP_AFTER_JAX_CACHE, str(tmp_path), phase],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert run.returncode == 0, run.stderr[-3000:]
+        run_script(KEEP_AFTER_JAX_CACHE, str(tmp_path), phase)
     assert list((tmp_path / "executables").glob("*.pkl"))
     np.testing.assert_array_equal(np.load(tmp_path / "read.npy"), np.load(tmp_path / "jax.npy"))
 
@@ -276,20 +276,7 @@ def test_a_program_served_by_jax_cache_is_seen_and_an_entry_that_cannot_run_is_n
     `compiled_here` says so, and the entry is kept), the second is served by JAX's cache (seen), and on
     XLA:CPU that executable serializes without its kernels: the check run on zeros before writing fails,
     so `save` keeps nothing rather than an entry that would fail at the next process's first call."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    outs = []
-    for run in ("first", "second"):
-        done = subprocess.run(
-            [sys.executable, "-c", SERVED_BY_JAX_CACHE, str(tmp_path), run],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        outs.append(done.stdout.split())
+    outs = [run_script(SERVED_BY_JAX_CACHE, str(tmp_path), run).split() for run in ("first", "second")]
     assert outs[0] == ["True", "True"] and (tmp_path / "first" / "entry.pkl").exists()
     assert outs[1][0] == "False"  # JAX's cache served it
     if jax.default_backend() == "cpu":
