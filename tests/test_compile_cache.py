@@ -281,3 +281,31 @@ def test_a_program_served_by_jax_cache_is_seen_and_an_entry_that_cannot_run_is_n
     assert outs[1][0] == "False"  # JAX's cache served it
     if jax.default_backend() == "cpu":
         assert outs[1][1] == "False" and not (tmp_path / "second").exists()
+
+
+def test_a_step_that_waits_for_a_program_compiling_elsewhere_says_so_and_for_how_long(caplog):
+    """The first request of a server can wait behind the warm-up's compile of the program it needs: the step
+    logs that it waits, and when it goes on, for how long and why (it waited 14.8 s with no line)."""
+    import logging
+    import threading
+    import time
+
+    ex = executables.ModelExecutables(None, lambda: "structure", ExecutableCache(None), tiered=True)
+    args = (jnp.zeros((2,), jnp.float32),)
+    slot = ex._slot(DECODE, "run", args)
+    slot.lock.acquire()  # a compile in progress on another thread, done 0.6 s later
+
+    def finish():
+        time.sleep(0.6)
+        slot.best = ("program", "write")
+        slot.lock.release()
+
+    finisher = threading.Thread(target=finish)
+    with caplog.at_level(logging.INFO, logger="jaxhybrid.compile"):
+        finisher.start()
+        assert ex.get(DECODE, "run", None, args) == ("program", "write")
+    finisher.join()
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxhybrid.compile"]
+    assert lines[0].startswith("a step waits for its program") and "compiling on another thread" in lines[0]
+    waited = float(lines[1].split("waited ")[1].split(" s")[0])
+    assert waited >= 0.5 and lines[1].endswith("(compiling on another thread)")
