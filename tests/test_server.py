@@ -526,7 +526,8 @@ def test_jaxhybrid_serve_with_no_arguments():
         lines = [line for line in out.splitlines() if line.strip()]
         assert all(" INFO " not in line or " jaxhybrid." in line for line in lines), out
         ours = [line for line in lines if not re.search(r"warm-up \d+/\d+: ", line)]
-        assert len(ours) <= 7, "\n".join(lines)
+        # (one of them may say that the first request waited for its program, and how long)
+        assert len(ours) <= 8, "\n".join(lines)
     finally:
         if proc.poll() is None:
             proc.kill()

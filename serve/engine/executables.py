@@ -376,17 +376,16 @@ class ModelExecutables:
         function named `name`) is traced only when neither this process nor the cache has it. `args`: `run`'s
         arguments (params, KDA pools, MLA pools, tokens, slot ids, block tables, start, valid), only looked
         at for their shapes. A compile in progress on another thread is waited for. A step that waits for
-        its program (read, compiled here, or compiling elsewhere) says so in one log line with the time."""
+        its program (read, compiled here, or compiling elsewhere) says so, and for how long, in one log line
+        (at info from `WAIT_LOGGED_S` on)."""
         slot = self._slots.get(program)
         if slot is not None and slot.best is not None:
             return slot.best
         start = time.monotonic()
         slot = self._slot(program, name, args)
-        how = "compiling on another thread"
-        if slot.lock.acquire(blocking=False):
-            how = ""
-        else:
-            log.info("a step waits for its program %s, %s", program, how)
+        how = ""
+        if not slot.lock.acquire(blocking=False):
+            how = "compiling on another thread"
             slot.lock.acquire()
         try:
             if slot.best is None and not self._load(slot):
