@@ -72,6 +72,7 @@ def source_digest(root: Path) -> str:
     return h.hexdigest()
 
 
+@functools.cache
 def _platform() -> str:
     """The versions and devices a program is compiled for; on the CPU also its instruction set (XLA:CPU
     compiles for the host's: a cache directory shared by two machines must not give one the other's code)."""
@@ -237,11 +238,11 @@ class ExecutableCache:
             if hashlib.sha256(entry["payload"]).hexdigest() != entry["digest"]:
                 raise ValueError("its bytes do not match their digest")
             parts = pickle.loads(entry["payload"])
-            if jax.default_backend() == "cpu":
+            by_id = {d.id: d for d in jax.devices()}
+            if any(by_id[i].platform == "cpu" for part in parts if part is not None for i in part[3]):
                 from jaxhybrid.ops.native import register_all
 
-                register_all()  # the handlers of the kernels a program calls, before it is loaded
-            by_id = {d.id: d for d in jax.devices()}
+                register_all()  # the handlers of the kernels a CPU program calls, before it is loaded
             return tuple(
                 None
                 if part is None
@@ -388,7 +389,9 @@ class ModelExecutables:
             how = "compiling on another thread"
             slot.lock.acquire()
         try:
-            if slot.best is None and not self._load(slot):
+            if slot.best is None and self._load(slot):
+                how = "read from the compile cache"
+            elif slot.best is None:
                 lowered = self._lower(run, args)
                 tier = Tier.QUICK if self.tiered else Tier.OPTIMIZED
                 self._install(slot, lowered, tier)
@@ -396,7 +399,7 @@ class ModelExecutables:
                 if slot.quick:  # the optimized form from the same trace, in the background
                     self._submit(slot, lowered, Tier.OPTIMIZED)
             elif not how:
-                how = "read from the compile cache"
+                how = "compiled by another runner of this process"
         finally:
             slot.lock.release()
         waited = time.monotonic() - start
