@@ -4,8 +4,11 @@ healthy (shared by the server, hostile-input, soak and multi-process tests)."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,3 +36,45 @@ def wait_healthy(url: str, alive: Callable[[], bool], describe: Callable[[], str
             pass
         assert time.monotonic() < deadline, "the server did not become healthy"
         time.sleep(0.25)
+
+
+class ServeProcess:
+    """`jaxhybrid serve FLAGS` as a subprocess on a free port, its output in `log`, waited on until healthy
+    (killed if it never is). `stop()` ends it with SIGTERM (-9 after 60 s) and returns its exit code;
+    `kill()` is kill -9."""
+
+    def __init__(self, log: Path, *flags: str, env: dict[str, str] | None = None, timeout: float = 180):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "serve.cli", "serve", "--port", str(self.port), *flags]
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(self.url, lambda: self.proc.poll() is None, self.tail, timeout=timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def tail(self) -> str:
+        return self.log.read_text()[-3000:]
+
+    def wait_warm(self, timeout: float = 300) -> None:
+        """Until the warm-up (`--warmup` other than none) has compiled everything: /health says "ok"."""
+        deadline = time.monotonic() + timeout
+        while httpx.get(f"{self.url}/health", timeout=30).json().get("status") != "ok":
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.tail()
+            time.sleep(0.25)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import subprocess_xla_flags
-from servers import free_port, wait_healthy
+from servers import ServeProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ("--config", "tiny", "--seed", "0")
@@ -75,30 +75,11 @@ def test_generate_runs_sharing_a_compile_cache_give_the_uncached_tokens(tmp_path
     assert list((tmp_path / "cache" / "executables").glob("*.pkl"))  # the engine's layer was in use
 
 
-class Server:
-    """`jaxhybrid serve` of tiny as a subprocess, healthy; `stop()` ends it with SIGTERM, `kill()` with -9."""
+class Server(ServeProcess):
+    """`jaxhybrid serve` of tiny with the tests' engine flags (`ServeProcess`), greedy completions."""
 
     def __init__(self, env: dict[str, str], log: Path, *flags: str):
-        self.url = f"http://127.0.0.1:{(port := free_port())}"
-        self.log = log
-        cmd = [sys.executable, "-m", "serve.cli", "serve", *TINY, *ENGINE, "--port", str(port), *flags]
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(self.url, lambda: self.proc.poll() is None, self.tail, timeout=180)
-        except BaseException:
-            self.kill()
-            raise
-
-    def wait_warm(self, timeout: float = 300) -> None:
-        """Until the warm-up has compiled (and kept) its programs: /health says "ok"."""
-        deadline = time.monotonic() + timeout
-        while httpx.get(f"{self.url}/health", timeout=30).json().get("status") != "ok":
-            assert time.monotonic() < deadline and self.proc.poll() is None, self.tail()
-            time.sleep(0.25)
-
-    def tail(self) -> str:
-        return self.log.read_text()[-3000:]
+        super().__init__(log, *TINY, *ENGINE, *flags, env=env)
 
     def complete(self, prompt: list[int], n: int) -> list[int]:
         body = {
@@ -111,17 +92,6 @@ class Server:
         r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, (r.text, self.tail())
         return r.json()["choices"][0]["token_ids"]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 def test_serve_restarts_sharing_a_compile_cache_answer_as_uncached(tmp_path):

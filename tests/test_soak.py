@@ -8,16 +8,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from servers import free_port, wait_healthy
+from servers import ServeProcess
 
 pytestmark = pytest.mark.soak
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,34 +32,17 @@ def _no_server_outlives_its_test():
         _STARTED.pop().stop()
 
 
-class Served:
+class Served(ServeProcess):
     """`jaxhybrid serve --config tiny ...` as a subprocess (stopped after the test at the latest)."""
 
     def __init__(self, tmp_path: Path, *flags: str, name: str = "serve"):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-        self.log = tmp_path / f"{name}.log"
-        cmd = [sys.executable, "-m", "serve.cli", "serve", "--config", "tiny", "--port", str(self.port)]
-        cmd += ["--warmup", "none"]  # unless a test asks for it (a later --warmup wins)
-        self.proc = subprocess.Popen(
-            [*cmd, *flags],
-            env=env,
-            stdout=open(self.log, "w"),
-            stderr=subprocess.STDOUT,  # noqa: SIM115
+        # --warmup none unless a test asks for it (a later --warmup wins)
+        super().__init__(
+            tmp_path / f"{name}.log", "--config", "tiny", "--warmup", "none", *flags, env=env, timeout=120
         )
         _STARTED.append(self)
-        wait_healthy(
-            self.url, lambda: self.proc.poll() is None, lambda: self.log.read_text()[-3000:], timeout=120
-        )
-
-    def wait_warm(self, timeout: float) -> None:
-        """Until the warm-up (`--warmup` other than none) has compiled everything: /health says "ok"."""
-        deadline = time.monotonic() + timeout
-        while httpx.get(f"{self.url}/health", timeout=30).json().get("status") != "ok":
-            assert time.monotonic() < deadline and self.proc.poll() is None, self.log.read_text()[-3000:]
-            time.sleep(0.5)
 
     def rss_mb(self) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -78,16 +58,6 @@ class Served:
                 if line.startswith(name + " "):
                     out[name] = float(line.split()[-1])
         return out
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 def complete(url: str, prompt, n: int, **extra) -> list[int]:
@@ -223,8 +193,7 @@ def test_repeated_kill_9_during_saves_never_serves_a_wrong_token(tmp_path):
         t = threading.Thread(target=load)
         t.start()
         time.sleep(rng.uniform(0.3, 2.0))
-        srv.proc.kill()  # kill -9, typically with Orbax saves in flight
-        srv.proc.wait()
+        srv.kill()  # kill -9, typically with Orbax saves in flight
         stop.set()
         t.join()
     final = Served(tmp_path, *flags, name="final")
