@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    dtype = jnp.dtype(loaded["dtype"] if loaded else choice.dtype)
+    dtype = jnp.dtype(choice.dtype)  # a --model is loaded in it too
     counts = count_params(cfg, dtype)
     context = args.context or cfg.max_position_embeddings  # the model's own context unless asked
     cache = cache_bytes_per_sequence(cfg, context, dtype)
