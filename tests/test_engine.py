@@ -1,5 +1,6 @@
 """Serving engine: greedy output equals the full causal pass under batching, preemption and bad requests."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -73,7 +74,7 @@ def test_decode_steps_update_the_state_pools_in_place(model, full_pass):
     and the tokens are the full pass's."""
     from jaxhybrid.ops.kda import steps_into_pools
 
-    if not steps_into_pools():
+    if not steps_into_pools(jax.devices()[0].platform):
         pytest.skip("no native kernels here: the rows' write program updates the pools")
     eng = Engine(model, EngineConfig(max_slots=4, block_size=8))
     kda = [i for i, kind in enumerate(model.config.layer_types) if kind == "kda"]

@@ -23,6 +23,7 @@ from jaxhybrid.ops.mla import (
     mla_attention_paged,
     paged_kernel_applies,
 )
+from jaxhybrid.ops.placement import by_platform
 
 # Queries per block of the full pass's causal attention (2048 tokens on small: 142 ms a layer, 230 unblocked).
 CAUSAL_BLOCK = 256
@@ -156,10 +157,10 @@ class MultiHeadLatentAttention(nnx.Module):
         lengths: jax.Array | None,
         added: jax.Array,
     ) -> tuple[jax.Array, PagedMLACache] | None:
-        """A few new tokens per row (a decode or verify step) where `mla_attention_paged` runs its CPU kernel:
-        the new latents written into the pool first, then attention over the pool where it lies (no gathered
-        copy of the rows' view), token t seeing the positions up to its own (and none past the row's valid
-        tokens). None where the kernel does not apply (the caller takes the view path)."""
+        """A few new tokens per row (a decode or verify step, on CPUs) where `mla_attention_paged` runs its
+        kernel: the new latents written into the pool first, then attention over the pool where it lies (no
+        gathered copy of the rows' view), token t seeing the positions up to its own (and none past the row's
+        valid tokens). None where the kernel does not apply (the caller takes `attend_paged_view`)."""
         w = self.kv_b_proj.codes() if self.kv_b_proj.is_int8 else self.kv_b_proj.dense_weight(q.dtype)
         if not paged_kernel_applies(q, cache.pool, w):
             return None
@@ -172,6 +173,24 @@ class MultiHeadLatentAttention(nnx.Module):
             q, pool, cache.block_table, ends, w, nope_dim=self.nope, v_dim=self.v_dim, scale=self.scale
         )
         return self.output(o, x), PagedMLACache(pool=pool, block_table=cache.block_table, length=end)
+
+    def attend_paged_view(
+        self,
+        x: jax.Array,
+        q: jax.Array,
+        new: jax.Array,
+        cache: PagedMLACache,
+        lengths: jax.Array | None,
+        added: jax.Array,
+    ) -> tuple[jax.Array, PagedMLACache]:
+        """New tokens attending over the rows' view of the pool, gathered through the block table; then the
+        new latents written into the pool. The view is read before the write and the new latents put into
+        the read copy: the write then updates the pool in place (read after the write, XLA reads the old pool
+        and copies it whole)."""
+        view = read_paged(cache.pool, cache.block_table)
+        y, written = self.attend_rows(x, q, new, view, cache.length, lengths)
+        pool = write_paged(cache, written, lengths)
+        return y, PagedMLACache(pool=pool, block_table=cache.block_table, length=cache.length + added)
 
     def attend_rows(
         self,
@@ -204,15 +223,13 @@ class MultiHeadLatentAttention(nnx.Module):
         B, T, _ = x.shape
         q, new = self.query_and_latent(x)
         added = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-        if isinstance(cache, PagedMLACache) and (done := self.decode_paged(x, q, new, cache, lengths, added)):
-            return done
         if isinstance(cache, PagedMLACache):
-            # Read the pool before writing it and put the new latents into the read copy: the write then
-            # updates the pool in place (read after the write, XLA reads the old pool and copies it whole).
-            view = read_paged(cache.pool, cache.block_table)
-            y, written = self.attend_rows(x, q, new, view, cache.length, lengths)
-            pool = write_paged(cache, written, lengths)
-            return y, PagedMLACache(pool=pool, block_table=cache.block_table, length=cache.length + added)
+            through_view = lambda: self.attend_paged_view(x, q, new, cache, lengths, added)  # noqa: E731
+            return by_platform(
+                (q, cache.pool),
+                cpu=lambda: self.decode_paged(x, q, new, cache, lengths, added) or through_view(),
+                default=through_view,
+            )
         if isinstance(cache, MLAView):
             y, written = self.attend_rows(x, q, new, cache.view, cache.length, lengths)
             return y, MLAWrite(new=written, length=cache.length + added)

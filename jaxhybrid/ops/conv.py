@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxhybrid.ops import placement
+
 
 def _prepare(x: jax.Array, weight: jax.Array, state: jax.Array | None) -> tuple[jax.Array, int]:
     """Validate shapes and return the state as [B, C, K-1] in x.dtype (zeros when absent)."""
@@ -80,13 +82,12 @@ def causal_conv1d_into_pool(
     `pool`: donate it, else XLA copies it first). In a program that reads the pool and scatters into it,
     XLA:CPU fuses the read into the scatter and then copies the whole pool, twice. Elsewhere, or without
     the kernel, the reference."""
-    from jaxhybrid.ops.kda import steps_into_pools
     from jaxhybrid.ops.native import kda_pool_kernels
 
     f32 = jnp.float32
-    if x.shape[1] != 1 or not steps_into_pools() or not x.dtype == pool.dtype == f32:
-        return causal_conv1d_into_pool_reference(x, weight, pool, rows, lengths)
     kernels = kda_pool_kernels()
+    if x.shape[1] != 1 or kernels is None or not x.dtype == pool.dtype == f32:
+        return causal_conv1d_into_pool_reference(x, weight, pool, rows, lengths)
     b, _, c = x.shape
     if weight.ndim != 2 or pool.shape[1:] != (c, weight.shape[1] - 1) or rows.shape != (b,):
         want = f"weight [{c}, K], pool [S, {c}, K-1], rows [{b}]"
@@ -94,8 +95,14 @@ def causal_conv1d_into_pool(
     valid = jnp.ones((b,), jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
     out = (jax.ShapeDtypeStruct((b, c), f32), jax.ShapeDtypeStruct(pool.shape, f32))
     call = jax.ffi.ffi_call(kernels[1], out, input_output_aliases={2: 1}, vmap_method="sequential")
-    y, new = call(x[:, 0], weight.astype(f32), pool, rows.astype(jnp.int32), valid)
-    return y[:, None], new
+
+    def kernel() -> tuple[jax.Array, jax.Array]:
+        y, new = call(x[:, 0], weight.astype(f32), pool, rows.astype(jnp.int32), valid)
+        return y[:, None], new
+
+    return placement.by_platform(
+        x, cpu=kernel, default=lambda: causal_conv1d_into_pool_reference(x, weight, pool, rows, lengths)
+    )
 
 
 def causal_conv1d_windows(

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import precision
+from jaxhybrid.ops import placement, precision
 from jaxhybrid.ops.int8 import KERNEL_ROWS
 from jaxhybrid.ops.stacks import flat_index, take_leading
 
@@ -50,11 +50,14 @@ def matmul_reference(x: jax.Array, w: jax.Array, index: Any = None) -> jax.Array
 
 
 def matmul(x: jax.Array, w: jax.Array, index: Any = None) -> jax.Array:
-    if math.prod(x.shape[:-1]) <= KERNEL_ROWS and kernel_applies(x, w):
-        lead = w.shape[:-2]
-        (y,) = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w)], flat_index(lead, index).reshape(1))
+    if math.prod(x.shape[:-1]) > KERNEL_ROWS or not kernel_applies(x, w):
+        return matmul_reference(x, w, index)
+
+    def kernel() -> jax.Array:
+        (y,) = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w)], flat_index(w.shape[:-2], index).reshape(1))
         return y.reshape(*x.shape[:-1], w.shape[-2])
-    return matmul_reference(x, w, index)
+
+    return placement.by_platform(x, cpu=kernel, default=lambda: matmul_reference(x, w, index))
 
 
 def matmul_many_reference(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
@@ -65,10 +68,14 @@ def matmul_many_reference(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Ar
 def matmul_many(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     """:func:`matmul_many_reference` as one kernel call on the CPU (decode-sized float32 rows: the
     matrices' rows are split over the threads as one product); else the reference."""
-    if math.prod(x.shape[:-1]) <= KERNEL_ROWS and all(kernel_applies(x, w) for w in ws):
+    if math.prod(x.shape[:-1]) > KERNEL_ROWS or not all(kernel_applies(x, w) for w in ws):
+        return matmul_many_reference(x, ws)
+
+    def kernel() -> tuple[jax.Array, ...]:
         ys = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w) for w in ws], jnp.zeros((1,), jnp.int32))
         return tuple(y.reshape(*x.shape[:-1], w.shape[-2]) for y, w in zip(ys, ws, strict=True))
-    return matmul_many_reference(x, ws)
+
+    return placement.by_platform(x, cpu=kernel, default=lambda: matmul_many_reference(x, ws))
 
 
 def matmul_pairs_reference(x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
@@ -92,16 +99,18 @@ def matmul_pairs_many_reference(
 
 def matmul_pairs_many(x: jax.Array, ws: Sequence[jax.Array], ids: jax.Array) -> tuple[jax.Array, ...]:
     """:func:`matmul_pairs_many_reference` as one kernel call on the CPU; elsewhere the reference."""
-    if all(kernel_applies(x, w) for w in ws):
-        return tuple(_kernel(x, ws, ids))
-    return matmul_pairs_many_reference(x, ws, ids)
+    if not all(kernel_applies(x, w) for w in ws):
+        return matmul_pairs_many_reference(x, ws, ids)
+    return placement.by_platform(
+        x, cpu=lambda: tuple(_kernel(x, ws, ids)), default=lambda: matmul_pairs_many_reference(x, ws, ids)
+    )
 
 
 def kernel_applies(x: jax.Array, w: jax.Array) -> bool:
-    """Whether the CPU kernel takes these operands (float32 both, on the CPU); `matmul` takes it for up to
-    `KERNEL_ROWS` rows, `matmul_pairs` for any number (its caller decides)."""
-    floats = x.dtype == jnp.float32 and w.dtype == jnp.float32
-    return floats and jax.default_backend() == "cpu" and _target() is not None
+    """Whether the CPU kernel takes these operands (float32 both, and the kernel built) in a program on CPUs
+    (`placement` says where one runs); `matmul` takes it for up to `KERNEL_ROWS` rows, `matmul_pairs` for
+    any number (its caller decides)."""
+    return x.dtype == jnp.float32 and w.dtype == jnp.float32 and _target() is not None
 
 
 def _target() -> str | None:

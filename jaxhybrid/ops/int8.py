@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxhybrid.ops import placement
 from jaxhybrid.ops.stacks import flat_index, take_leading
 
 __all__ = [
@@ -96,12 +97,17 @@ def matmul_reference(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
 
 
 def matmul(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
-    if jax.default_backend() != "cpu":
-        return matmul_reference(x, w, index)
-    if kernel_takes(math.prod(x.shape[:-1])):
-        (y,) = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w)], flat_index(w.q.shape[:-2], index).reshape(1))
-        return y.reshape(*x.shape[:-1], w.q.shape[-2])
-    return _blocked(x, select(w, index))
+    """:func:`matmul_reference` in a program on CPUs through the kernel (decode-sized rows, or any with its
+    blocked product) or block by block (`_blocked`); elsewhere the reference."""
+
+    def on_cpu() -> jax.Array:
+        if kernel_takes(math.prod(x.shape[:-1])):
+            ids = flat_index(w.q.shape[:-2], index).reshape(1)
+            (y,) = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w)], ids)
+            return y.reshape(*x.shape[:-1], w.q.shape[-2])
+        return _blocked(x, select(w, index))
+
+    return placement.by_platform(x, cpu=on_cpu, default=lambda: matmul_reference(x, w, index))
 
 
 def matmul_many_reference(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, ...]:
@@ -112,10 +118,14 @@ def matmul_many_reference(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, 
 def matmul_many(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, ...]:
     """:func:`matmul_many_reference` as one kernel call on the CPU (decode-sized rows: the matrices' rows
     are split over the threads as one product); else one :func:`matmul` each."""
-    if jax.default_backend() == "cpu" and kernel_takes(math.prod(x.shape[:-1])):
+    if not kernel_takes(math.prod(x.shape[:-1])):
+        return tuple(matmul(x, w) for w in ws)
+
+    def kernel() -> tuple[jax.Array, ...]:
         ys = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w) for w in ws], jnp.zeros((1,), jnp.int32))
         return tuple(y.reshape(*x.shape[:-1], w.q.shape[-2]) for y, w in zip(ys, ws, strict=True))
-    return tuple(matmul(x, w) for w in ws)
+
+    return placement.by_platform(x, cpu=kernel, default=lambda: matmul_many_reference(x, ws))
 
 
 def matmul_pairs_reference(x: jax.Array, w: Int8, ids: jax.Array) -> jax.Array:
@@ -141,9 +151,11 @@ def matmul_pairs_many_reference(x: jax.Array, ws: Sequence[Int8], ids: jax.Array
 
 def matmul_pairs_many(x: jax.Array, ws: Sequence[Int8], ids: jax.Array) -> tuple[jax.Array, ...]:
     """:func:`matmul_pairs_many_reference` as one kernel call on the CPU; elsewhere the reference."""
-    if jax.default_backend() == "cpu" and _target() is not None:
-        return tuple(_kernel(x, ws, ids))
-    return matmul_pairs_many_reference(x, ws, ids)
+    if _target() is None:
+        return matmul_pairs_many_reference(x, ws, ids)
+    return placement.by_platform(
+        x, cpu=lambda: tuple(_kernel(x, ws, ids)), default=lambda: matmul_pairs_many_reference(x, ws, ids)
+    )
 
 
 def _target() -> str | None:

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhybrid.ops import placement
+
 _HI = jax.lax.Precision.HIGHEST  # keep matmuls in true fp32 on accelerators (no TF32/bf16 passes)
 
 
@@ -145,16 +147,24 @@ def kda_decode(
     elsewhere, or for longer T, :func:`kda_recurrent` itself. Same signature and results, and `rows`
     ([B] int32): `initial_state` is then a pool of states [S, H, dk, dv] and row b starts from
     `initial_state[rows[b]]`, which the kernel reads in place (XLA copies a slot out of a pool first)."""
-    if q.shape[1] != 1 or jax.default_backend() != "cpu" or _kda_target() is None:
-        return kda_recurrent(q, k, v, g, beta, _reference_start(initial_state, rows))
-    b, _, h, dk = q.shape
-    dv = v.shape[-1]
-    state, rows = _states_and_rows(q, k, v, g, beta, initial_state, rows)
-    f32 = lambda x: x[:, 0].astype(jnp.float32)  # noqa: E731
-    out = (jax.ShapeDtypeStruct((b, h, dv), jnp.float32), jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32))
-    call = jax.ffi.ffi_call(_kda_target(), out, vmap_method="sequential")
-    o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), state, rows.astype(jnp.int32))
-    return o[:, None].astype(v.dtype), new
+    reference = lambda: kda_recurrent(q, k, v, g, beta, _reference_start(initial_state, rows))  # noqa: E731
+    if q.shape[1] != 1 or _kda_target() is None:
+        return reference()
+
+    def kernel() -> tuple[jax.Array, jax.Array]:
+        b, _, h, dk = q.shape
+        dv = v.shape[-1]
+        state, at = _states_and_rows(q, k, v, g, beta, initial_state, rows)
+        f32 = lambda x: x[:, 0].astype(jnp.float32)  # noqa: E731
+        out = (
+            jax.ShapeDtypeStruct((b, h, dv), jnp.float32),
+            jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32),
+        )
+        call = jax.ffi.ffi_call(_kda_target(), out, vmap_method="sequential")
+        o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), state, at.astype(jnp.int32))
+        return o[:, None].astype(v.dtype), new
+
+    return placement.by_platform(q, cpu=kernel, default=reference)
 
 
 def kda_decode_into_pool_reference(
@@ -187,25 +197,31 @@ def kda_decode_into_pool(
     reference."""
     from jaxhybrid.ops.native import kda_pool_kernels
 
-    if q.shape[1] != 1 or not steps_into_pools() or pool.dtype != jnp.float32:
-        return kda_decode_into_pool_reference(q, k, v, g, beta, pool, rows)
-    b, _, h, _ = q.shape
-    dv = v.shape[-1]
-    pool, rows = _states_and_rows(q, k, v, g, beta, pool, rows)
-    f32 = lambda x: x[:, 0].astype(jnp.float32)  # noqa: E731
-    out = (jax.ShapeDtypeStruct((b, h, dv), jnp.float32), jax.ShapeDtypeStruct(pool.shape, jnp.float32))
-    call = jax.ffi.ffi_call(kda_pool_kernels()[0], out, input_output_aliases={5: 1}, vmap_method="sequential")
-    o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), pool, rows)
-    return o[:, None].astype(v.dtype), new
+    reference = lambda: kda_decode_into_pool_reference(q, k, v, g, beta, pool, rows)  # noqa: E731
+    if q.shape[1] != 1 or kda_pool_kernels() is None or pool.dtype != jnp.float32:
+        return reference()
+
+    def kernel() -> tuple[jax.Array, jax.Array]:
+        b, _, h, _ = q.shape
+        dv = v.shape[-1]
+        states, at = _states_and_rows(q, k, v, g, beta, pool, rows)
+        f32 = lambda x: x[:, 0].astype(jnp.float32)  # noqa: E731
+        out = (jax.ShapeDtypeStruct((b, h, dv), jnp.float32), jax.ShapeDtypeStruct(pool.shape, jnp.float32))
+        target = kda_pool_kernels()[0]
+        call = jax.ffi.ffi_call(target, out, input_output_aliases={5: 1}, vmap_method="sequential")
+        o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), states, at)
+        return o[:, None].astype(v.dtype), new
+
+    return placement.by_platform(q, cpu=kernel, default=reference)
 
 
-def steps_into_pools() -> bool:
-    """Whether :func:`kda_decode_into_pool` and `conv.causal_conv1d_into_pool` update their pools in place
-    here (the CPU with the native kernels); elsewhere they are XLA's scatters, which copy a pool that the
-    same program reads."""
+def steps_into_pools(platform: str) -> bool:
+    """Whether :func:`kda_decode_into_pool` and `conv.causal_conv1d_into_pool` update their pools in place in
+    a program on `platform`'s devices (CPUs, with the native kernels); elsewhere they are XLA's scatters,
+    which copy a pool that the same program reads."""
     from jaxhybrid.ops.native import kda_pool_kernels
 
-    return jax.default_backend() == "cpu" and kda_pool_kernels() is not None
+    return platform == placement.CPU and kda_pool_kernels() is not None
 
 
 def _kda_target() -> str | None:
@@ -242,19 +258,24 @@ def kda_decode_states(
     results, and `rows` as :func:`kda_decode`'s (row b starts from the pool's `initial_state[rows[b]]`)."""
     from jaxhybrid.ops.native import kda_states_kernel
 
-    if jax.default_backend() != "cpu" or kda_states_kernel() is None:
-        return kda_recurrent_states(q, k, v, g, beta, _reference_start(initial_state, rows))
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
-    state, rows = _states_and_rows(q, k, v, g, beta, initial_state, rows)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    out = (
-        jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32),
-        jax.ShapeDtypeStruct((b, t, h, dk, dv), jnp.float32),
-    )
-    call = jax.ffi.ffi_call(kda_states_kernel(), out, vmap_method="sequential")
-    o, states = call(f32(q), f32(k), f32(g), f32(v), f32(beta), state, rows.astype(jnp.int32))
-    return o.astype(v.dtype), states
+    reference = lambda: kda_recurrent_states(q, k, v, g, beta, _reference_start(initial_state, rows))  # noqa: E731
+    if kda_states_kernel() is None:
+        return reference()
+
+    def kernel() -> tuple[jax.Array, jax.Array]:
+        b, t, h, dk = q.shape
+        dv = v.shape[-1]
+        state, at = _states_and_rows(q, k, v, g, beta, initial_state, rows)
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        out = (
+            jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32),
+            jax.ShapeDtypeStruct((b, t, h, dk, dv), jnp.float32),
+        )
+        call = jax.ffi.ffi_call(kda_states_kernel(), out, vmap_method="sequential")
+        o, states = call(f32(q), f32(k), f32(g), f32(v), f32(beta), state, at.astype(jnp.int32))
+        return o.astype(v.dtype), states
+
+    return placement.by_platform(q, cpu=kernel, default=reference)
 
 
 def _mask_sum(mask: np.ndarray, x: jax.Array) -> jax.Array:

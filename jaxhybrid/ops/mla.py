@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.ops import int8, precision
+from jaxhybrid.ops import int8, placement, precision
 
 __all__ = [
     "causal_mask",
@@ -36,13 +36,8 @@ __all__ = [
 
 
 def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """``einsum`` accumulating (and returning) float32, whatever the operand dtypes.
-
-    On the CPU backend sub-32-bit float operands are upcast first (`precision.f32_operands`).
-    """
-    hi = precision.of(a, b)  # of the operands as given (bfloat16 ones keep the default)
-    a, b = precision.f32_operands(a, b)
-    return jnp.einsum(spec, a, b, precision=hi, preferred_element_type=jnp.float32)
+    """``einsum`` accumulating (and returning) float32 whatever the operand dtypes: `precision.einsum_f32`."""
+    return precision.einsum_f32(spec, a, b)
 
 
 def causal_mask(start: jax.Array, num_new: int, kv_len: int, valid: jax.Array | None = None) -> jax.Array:
@@ -242,11 +237,29 @@ def mla_attention_paged(
     """:func:`mla_attention_paged_reference` through the CPU kernel (`jaxhybrid.ops.native`: the latents read
     in place through the block table, once for all of a row's tokens and heads) where it applies: the CPU,
     float32 q and pool, a float32 weight or int8 codes (read as they are), at most `PAGED_KERNEL_MAX_TOKENS`
-    tokens per row; elsewhere the reference. Same signature and results."""
-    if not paged_kernel_applies(q, pool, kv_b_weight):
+    tokens per row, in a program on CPUs; elsewhere the reference. Same signature and results."""
+
+    def reference() -> jax.Array:
         return mla_attention_paged_reference(
             q, pool, block_table, end, kv_b_weight, nope_dim=nope_dim, v_dim=v_dim, scale=scale
         )
+
+    if not paged_kernel_applies(q, pool, kv_b_weight):
+        return reference()
+    kernel = lambda: _paged_kernel(q, pool, block_table, end, kv_b_weight, nope_dim, v_dim, scale)  # noqa: E731
+    return placement.by_platform(q, cpu=kernel, default=reference)
+
+
+def _paged_kernel(
+    q: jax.Array,
+    pool: jax.Array,
+    block_table: jax.Array,
+    end: jax.Array,
+    kv_b_weight: jax.Array | int8.Int8,
+    nope_dim: int,
+    v_dim: int,
+    scale: float,
+) -> jax.Array:
     from jaxhybrid.ops.native import mla_decode_kernel
 
     b, t, h, _ = q.shape
@@ -280,8 +293,9 @@ def _token_ends(end: Any, num_tokens: int) -> jax.Array:
 
 
 def paged_kernel_applies(q: jax.Array, pool: jax.Array, kv_b_weight: jax.Array | int8.Int8) -> bool:
-    """Whether :func:`mla_attention_paged` runs the CPU kernel for these operands."""
-    if q.shape[1] > PAGED_KERNEL_MAX_TOKENS or jax.default_backend() != "cpu":
+    """Whether :func:`mla_attention_paged` runs the CPU kernel for these operands in a program on CPUs
+    (`placement` says where one runs)."""
+    if q.shape[1] > PAGED_KERNEL_MAX_TOKENS:
         return False
     weight_ok = isinstance(kv_b_weight, int8.Int8) or kv_b_weight.dtype == jnp.float32
     if q.dtype != jnp.float32 or pool.dtype != jnp.float32 or not weight_ok:

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import dense, int8, mxfp4, precision
+from jaxhybrid.ops import dense, int8, mxfp4, placement, precision
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 from jaxhybrid.ops.int8 import Int8
 from jaxhybrid.ops.mxfp4 import ExpertWeight, as_dense, expert_slice, is_packed
@@ -250,15 +250,9 @@ def moe_experts_dense(
         .add(weights.astype(jnp.float32))
     )
     w1, w2, w3 = (as_dense(w, x.dtype) for w in (w1, w2, w3))
-    xs, w1, w3 = precision.f32_operands(x, w1, w3)
-    gate = jnp.einsum(
-        "nd,efd->nef", xs, w1, precision=precision.of(xs, w1), preferred_element_type=jnp.float32
-    )
-    up = jnp.einsum("nd,efd->nef", xs, w3, precision=precision.of(xs, w3), preferred_element_type=jnp.float32)
-    hidden, w2 = precision.f32_operands(gated_act(gate, up, act).astype(x.dtype), w2)
-    out_all = jnp.einsum(
-        "nef,edf->ned", hidden, w2, precision=precision.of(hidden, w2), preferred_element_type=jnp.float32
-    )
+    gate = precision.einsum_f32("nd,efd->nef", x, w1)
+    up = precision.einsum_f32("nd,efd->nef", x, w3)
+    out_all = precision.einsum_f32("nef,edf->ned", gated_act(gate, up, act).astype(x.dtype), w2)
     out = jnp.einsum("ne,ned->nd", combine, out_all, precision=precision.of(combine, out_all))
     return out.astype(x.dtype)
 
@@ -348,18 +342,11 @@ def moe_experts_blocked(
     num_blocks, block_expert = blocks.num_rows // m, blocks.block_expert
     rows = _block_rows_of(x, blocks, k)
     b1, b3, b2 = (as_dense(expert_slice(w, block_expert), x.dtype) for w in (w1, w3, w2))
-    rows, b1, b3, b2 = precision.f32_operands(rows.reshape(num_blocks, m, dim), b1, b3, b2)
-    gate = jnp.einsum(
-        "bmd,bfd->bmf", rows, b1, precision=precision.of(rows, b1), preferred_element_type=jnp.float32
-    )
-    up = jnp.einsum(
-        "bmd,bfd->bmf", rows, b3, precision=precision.of(rows, b3), preferred_element_type=jnp.float32
-    )
-    hidden = gated_act(gate, up, act).astype(b2.dtype)
-    hi = precision.of(hidden, b2)
-    out = jnp.einsum("bmf,bdf->bmd", hidden, b2, precision=hi, preferred_element_type=jnp.float32).reshape(
-        -1, dim
-    )
+    rows = rows.reshape(num_blocks, m, dim)
+    gate = precision.einsum_f32("bmd,bfd->bmf", rows, b1)
+    up = precision.einsum_f32("bmd,bfd->bmf", rows, b3)
+    hidden = gated_act(gate, up, act).astype(x.dtype)  # rounded as every expert form rounds it
+    out = precision.einsum_f32("bmf,bdf->bmd", hidden, b2).reshape(-1, dim)
     return _combine(out, blocks, weights, k, num_tokens).astype(x.dtype)
 
 
@@ -471,11 +458,10 @@ def _skipping_forward(
 
     def dense_rows(ws: tuple[jax.Array, jax.Array, jax.Array], r: jax.Array) -> jax.Array:
         """[m, D] -> [m, D] through an expert's dense (gate, up, down) matrices."""
-        r, a, c, b = precision.f32_operands(r, *ws)
-        gate = jnp.dot(r, a.T, precision=precision.of(r, a), preferred_element_type=jnp.float32)
-        up = jnp.dot(r, c.T, precision=precision.of(r, c), preferred_element_type=jnp.float32)
-        hidden = gated_act(gate, up, act).astype(b.dtype)
-        return jnp.dot(hidden, b.T, precision=precision.of(hidden, b), preferred_element_type=jnp.float32)
+        a, c, b = ws
+        gate = precision.einsum_f32("md,fd->mf", r, a)
+        up = precision.einsum_f32("md,fd->mf", r, c)
+        return precision.einsum_f32("mf,df->md", gated_act(gate, up, act).astype(r.dtype), b)
 
     def int8_rows(e: jax.Array, r: jax.Array) -> jax.Array:
         """[m, D] -> [m, D] through int8 expert e, read in place (`int8.matmul`: the CPU kernel)."""
@@ -484,7 +470,7 @@ def _skipping_forward(
         gate, up = (int8.matmul(r, w, at) for w in (w1, w3))
         return int8.matmul(gated_act(gate, up, act), w2, at)
 
-    hidden_dtype = precision.f32_operands(x[:0])[0].dtype  # the dtype `rows` gives its hidden activations
+    hidden_dtype = x.dtype  # the dtype `rows` rounds its hidden activations to
     if isinstance(w1, Int8):
         expert_rows = int8_rows
     else:
@@ -532,8 +518,10 @@ def _pairs_in_one_call(x: jax.Array, w1: ExpertWeight, pairs: int, num_experts: 
     in place for all its rows (int8 or float32 experts)."""
     from jaxhybrid.ops.native import gemm_rows
 
+    if placement.platform_of(x) not in (placement.CPU, None):  # unknown: the kernels' ops choose again
+        return False
     small = pairs <= max(INT8_PAIRS, INT8_PAIRS_PER_EXPERT * num_experts)
-    blocked = gemm_rows() > 0 and jax.default_backend() == "cpu"
+    blocked = gemm_rows() > 0
     if isinstance(w1, Int8):
         return small or blocked
     return (small or blocked) and not is_packed(w1) and dense.kernel_applies(x, w1)
@@ -609,11 +597,18 @@ def moe_experts_dropless(
 
     ``valid`` ``[N]`` bool (optional): rows that are not valid (idle slots, padding) are not routed and
     come back as zeros. Every expert implementation takes it, so it is part of the shared signature."""
-    if jax.default_backend() == "cpu":
-        return moe_experts_skipping(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)
-    if isinstance(w1, Int8):  # the int8 kernel is the CPU's; elsewhere the experts run dequantized
-        w1, w2, w3 = (as_dense(w, x.dtype) for w in (w1, w2, w3))
-    return moe_experts_ragged(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)
+
+    def grouped() -> jax.Array:
+        ws = (w1, w2, w3)
+        if isinstance(w1, Int8):  # the int8 kernel is the CPU's; elsewhere the experts run dequantized
+            ws = tuple(as_dense(w, x.dtype) for w in ws)
+        return moe_experts_ragged(x, *ws, weights, expert_ids, act=act, valid=valid)
+
+    return placement.by_platform(
+        x,
+        cpu=lambda: moe_experts_skipping(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid),
+        default=grouped,
+    )
 
 
 def moe_experts_dropless_stacked(
@@ -631,11 +626,17 @@ def moe_experts_dropless_stacked(
     """:func:`moe_experts_dropless` of group `group` of experts stacked over layer groups (w1/w3 [G, E, F, D],
     w2 [G, E, D, F]): on the CPU :func:`moe_experts_skipping_stacked` (the chosen experts read in place), on
     accelerators ``ragged_dot`` on the group's slice. Forward only."""
-    if jax.default_backend() == "cpu":
-        return moe_experts_skipping_stacked(
+
+    def grouped() -> jax.Array:
+        ws = tuple(expert_slice(w, group) for w in (w1, w2, w3))
+        if not is_packed(ws[0]):
+            ws = tuple(as_dense(w, x.dtype).astype(x.dtype) for w in ws)
+        return moe_experts_ragged(x, *ws, weights, expert_ids, act=act, valid=valid)
+
+    return placement.by_platform(
+        x,
+        cpu=lambda: moe_experts_skipping_stacked(
             x, w1, w2, w3, weights, expert_ids, group=group, act=act, valid=valid
-        )
-    w1, w2, w3 = (expert_slice(w, group) for w in (w1, w2, w3))
-    if not is_packed(w1):
-        w1, w2, w3 = (as_dense(w, x.dtype).astype(x.dtype) for w in (w1, w2, w3))
-    return moe_experts_ragged(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)
+        ),
+        default=grouped,
+    )

@@ -1,5 +1,5 @@
 """The precision a matrix product asks for: float32 operands multiply at float32 precision on every backend;
-and the operands XLA:CPU takes for a product that accumulates in float32.
+and a product that accumulates in float32 with operands XLA:CPU takes.
 
 JAX leaves a product's precision to the backend by default, and a GPU then multiplies float32 operands in
 TF32 and a TPU in one bfloat16 pass (on an H200 that changed `small`'s greedy tokens against transformers':
@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxhybrid.ops import placement
+
 
 def of(*operands: jax.Array) -> jax.lax.Precision | None:
     """HIGHEST when every operand is float32, else None (the backend's default). Pass a weight as stored,
@@ -19,12 +21,23 @@ def of(*operands: jax.Array) -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if all(x.dtype == jnp.float32 for x in operands) else None
 
 
-def f32_operands(*arrays: jax.Array) -> tuple[jax.Array, ...]:
-    """Operands for a float32-accumulating product, upcast from bf16/f16 on the CPU backend only.
+def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``einsum(spec, a, b)`` accumulating in, and returning, float32 whatever the operands' dtypes, at the
+    precision `of` gives the operands as they are.
 
-    XLA:CPU's DotThunk rejects some BF16 x BF16 -> F32 dots ("Unsupported element type"). The upcast is
-    exact (a bf16 product fits in f32), so CPU results match what accelerators compute natively. Take
-    `of` from the operands before this upcast."""
-    if jax.default_backend() != "cpu":
-        return arrays
-    return tuple(a.astype(jnp.float32) if a.dtype in (jnp.bfloat16, jnp.float16) else a for a in arrays)
+    In a program on CPUs bf16/f16 operands are upcast first: XLA:CPU's DotThunk rejects some BF16 x BF16 ->
+    F32 products ("Unsupported element type"), and the upcast is exact (a bf16 product fits in f32), so the
+    CPU computes what accelerators do natively. Elsewhere the operands go in as they are: an upcast there
+    would double the bytes a product reads (`placement`: the platform is where the arrays live)."""
+    hi = of(a, b)
+
+    def upcast() -> jax.Array:
+        wide = [x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x for x in (a, b)]
+        return jnp.einsum(spec, *wide, precision=hi, preferred_element_type=jnp.float32)
+
+    def native() -> jax.Array:
+        return jnp.einsum(spec, a, b, precision=hi, preferred_element_type=jnp.float32)
+
+    if not any(x.dtype in (jnp.bfloat16, jnp.float16) for x in (a, b)):
+        return native()
+    return placement.by_platform((a, b), cpu=upcast, default=native)

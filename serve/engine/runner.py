@@ -30,6 +30,7 @@ from jaxhybrid.cache import (
 from jaxhybrid.layers.mla import read_paged, write_paged
 from jaxhybrid.model import HybridLM
 from jaxhybrid.ops.kda import steps_into_pools
+from jaxhybrid.ops.placement import platform_of
 from jaxhybrid.ops.stacks import set_rows
 from jaxhybrid.scan import ScanDefs, forward_scanned, scan_layout, split_for_scan
 from jaxhybrid.weights.pages import move_to_huge_pages
@@ -317,7 +318,7 @@ class Runner(AheadOfTime, StoreCopies):
         self.pools = self._new_pools()
         # a one-token step writes its rows' KDA states into the pools itself where kernels do so in place
         kda_pools, _ = self._split_pools()
-        in_place = self.pool_shardings is None and steps_into_pools()
+        in_place = self.pool_shardings is None and steps_into_pools(platform_of(self.pools))
         in_place = in_place and all(p.conv.dtype == p.state.dtype == jnp.float32 for p in kda_pools)
         self.programs = _programs(graphdef, cfg.layer_types, self.pool_shardings, scan_defs, in_place)
         self._pool_specs = spec(self.pools)  # what a compile needs of the pools, on any thread
