@@ -266,21 +266,35 @@ def f(x, i):
 x, i = jnp.ones((16, 8)), jnp.array([1, 3])
 with compiled_here(keep=False) as compiled:
     program = jax.jit(f).lower(x, i).compile()
-kept = ExecutableCache(Path(sys.argv[1]) / sys.argv[2]).save("entry", (program,))
-print(compiled.here, kept)
+cache = ExecutableCache(Path(sys.argv[1]) / sys.argv[2])
+kept = cache.save("entry", (program,))
+# written anyway, by hand, as the engine's old format did: the next read must refuse it, not load it
+import hashlib, pickle
+from jax.experimental import serialize_executable
+from serve.engine.executables import FORMAT
+payload = pickle.dumps(((*serialize_executable.serialize(program), [jax.devices()[0].id]),))
+entry = {"format": FORMAT, "digest": hashlib.sha256(payload).hexdigest(), "payload": payload}
+(Path(sys.argv[1]) / "forced").mkdir(exist_ok=True)
+(Path(sys.argv[1]) / "forced" / "entry.pkl").write_bytes(pickle.dumps(entry))
+loaded = ExecutableCache(Path(sys.argv[1]) / "forced").load("entry")
+runs = loaded is not None and float(loaded[0](x, i).sum()) == float(jax.jit(f)(x, i).sum())
+print(compiled.here, kept, runs)
 """
 
 
-def test_a_program_served_by_jax_cache_is_seen_and_an_entry_that_cannot_run_is_not_written(tmp_path):
+def test_a_program_served_by_jax_cache_is_seen_and_an_entry_that_cannot_run_is_neither_written_nor_read(
+    tmp_path,
+):
     """Two processes compile one program with JAX's persistent cache on: the first compiles it (XLA's own:
-    `compiled_here` says so, and the entry is kept), the second is served by JAX's cache (seen), and on
-    XLA:CPU that executable serializes without its kernels: the check run on zeros before writing fails,
-    so `save` keeps nothing rather than an entry that would fail at the next process's first call."""
+    `compiled_here` says so, the entry is kept, and one written by hand loads and computes what jit does),
+    the second is served by JAX's cache (seen), and on XLA:CPU that executable serializes without its
+    kernels: `save` keeps nothing rather than an entry that would fail at the next process's first call,
+    and the same bytes written by hand are refused at load (compiled again) instead of run."""
     outs = [run_script(SERVED_BY_JAX_CACHE, str(tmp_path), run).split() for run in ("first", "second")]
-    assert outs[0] == ["True", "True"] and (tmp_path / "first" / "entry.pkl").exists()
+    assert outs[0] == ["True", "True", "True"] and (tmp_path / "first" / "entry.pkl").exists()
     assert outs[1][0] == "False"  # JAX's cache served it
     if jax.default_backend() == "cpu":
-        assert outs[1][1] == "False" and not (tmp_path / "second").exists()
+        assert outs[1][1:] == ["False", "False"] and not (tmp_path / "second").exists()
 
 
 def test_a_step_that_waits_for_a_program_compiling_elsewhere_says_so_and_for_how_long(caplog):

@@ -131,6 +131,21 @@ def test_plan_json(capsys):
     assert len(json.loads(capsys.readouterr().out)["plans"]) == 4
 
 
+def test_plan_counts_at_the_models_own_context_unless_told(capsys):
+    """Like `info`, plan counts a sequence at the model's own context (tiny-k3: 4,096 tokens, its
+    max_position_embeddings) when no --context is given: 64 times the KV pool per sequence of 64 tokens."""
+    bare = ["plan", "--config", "tiny-k3", "--block-size", "8", "--prefill-chunk", "32", "--chips", "1"]
+    assert main([*bare, "--hbm", "1", "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert own["request"]["context"] == load_config("tiny-k3").max_position_embeddings == 4096
+    assert main([*bare, "--hbm", "1", "--context", "64", "--json"]) == 0
+    short = json.loads(capsys.readouterr().out)
+    assert short["request"]["context"] == 64
+    # the KV pool per sequence: context / block size blocks of block size latents (one scratch block aside)
+    per_sequence = lambda plan: plan["chosen"]["bytes"]["kv_pool"] / plan["chosen"]["slots"]  # noqa: E731
+    assert per_sequence(own) == pytest.approx(64 * per_sequence(short), rel=0.02)
+
+
 @settings(max_examples=8, deadline=None)
 @given(
     chips=st.sampled_from([1, 2, 3, 4, 6, 8]),

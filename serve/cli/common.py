@@ -271,3 +271,16 @@ def setup_compile_cache(setting: str | None) -> Path | None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     log.info("compilation cache: %s (--compile-cache off to disable)", directory)
     return directory
+
+
+def build_kernels_meanwhile() -> None:
+    """Start building the CPU kernels (`jaxhybrid.ops.native`) on other threads while the model loads, where
+    the programs run on CPUs: on a new machine their first build takes seconds, which the first trace
+    would otherwise wait for (the first request on a new server). Call it after the backend may be
+    initialized (after a multi-host set-up)."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        from jaxhybrid.ops import native
+
+        native.build_in_background()

@@ -16,6 +16,7 @@ from serve.cli.common import (
     add_config_arg,
     add_engine_args,
     add_prefix_args,
+    build_kernels_meanwhile,
     load_draft_model,
     prefix_config,
     setup_compile_cache,
@@ -185,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     quiet = contextlib.ExitStack()
     try:
         multi = multihost.initialize_from_args(args) and jax.process_count() > 1
+        build_kernels_meanwhile()
         if multi:
             quiet.enter_context(stdout_to_stderr())
         model, mesh = load_on_mesh(args, multi)

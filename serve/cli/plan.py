@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         axes = {
             "chips": _list(args.chips, "--chips"),
             "hbm_bytes": [int(v * 1e9) for v in _list(args.hbm, "--hbm", float)],
-            "context": _list(args.context, "--context"),
+            "context": _list(args.context or str(cfg.max_position_embeddings), "--context"),
             "packed": _experts(args.experts),
             "checkpoint_interval": [0]
             if args.no_prefix_cache
@@ -205,7 +205,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chips", default="8", help="chips in the slice (default 8; a list sweeps)")
     p.add_argument("--hbm", default="95", help="memory per chip in GB, 1e9 bytes (default 95; a list sweeps)")
     p.add_argument("--chips-per-host", type=int, default=None, help="keep the tensor axis within one host")
-    p.add_argument("--context", default="131072", help="tokens per sequence, the engine's --max-model-len")
+    p.add_argument(
+        "--context",
+        default=None,
+        help="tokens per sequence, the engine's --max-model-len (default: the model's own context, its "
+        "max_position_embeddings)",
+    )
     p.add_argument(
         "--experts",
         default="packed",

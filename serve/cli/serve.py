@@ -24,6 +24,7 @@ from serve.cli.common import (
     add_config_arg,
     add_engine_args,
     add_prefix_args,
+    build_kernels_meanwhile,
     load_draft_model,
     setup_compile_cache,
     setup_logging,
@@ -200,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
     multi = False
     try:
         multi = multihost.initialize_from_args(args) and jax.process_count() > 1
+        build_kernels_meanwhile()
         if multi and args.kv_events_endpoint:  # only process 0 would publish; the others' logs would grow
             raise UsageError("--kv-events-endpoint serves one process; it is not supported with several yet")
         model, mesh = load_on_mesh(args, multi)

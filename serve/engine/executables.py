@@ -17,8 +17,8 @@ cache gave back serializes without its kernels' code: it loads, then fails at it
 select_bitcast_fusion not found"), which killed the next command to read it. JAX decides once per process
 whether it reads its cache, so no switch around one compile keeps it out. Instead a program to be kept is
 compiled under keys of its own (`KEPT_OPTIONS`) that JAX's cache never writes (nor would it need to: the
-program is kept here); a compile that JAX's cache served anyway is not kept; and on the CPU every entry is
-loaded back and run once on zeros before it is written (`check`). An entry carries a digest of its bytes,
+program is kept here); a compile that JAX's cache served anyway is not kept; and a CPU program whose bytes
+hold no object code is neither written nor loaded (`_require_code`). An entry carries a digest of its bytes,
 checked at load; the native kernels' FFI handlers are registered before anything is loaded (a program calls
 them by name).
 """
@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import jaxlib
 from jax.experimental import serialize_executable
 
@@ -156,34 +155,17 @@ def _on_cpu(compiled: Any) -> bool:
     return all(d.platform == "cpu" for d in _devices(compiled))
 
 
-def check(compiled: Any, given: tuple[Any, ...] | None = None) -> None:
-    """Run `compiled` once on zeros of its inputs (raises what the run raises). `given`: its first
-    positional arguments, whose concrete, undonated arrays are used as they are instead (the weights: no
-    second copy of them)."""
-    (infos, _), (shardings, _) = compiled.args_info, compiled.input_shardings
-    given = given or ()
+ELF = b"\x7fELF"  # XLA:CPU serializes a program's kernels as ELF objects inside its bytes
 
-    def zero(info: Any, sharding: Any) -> Any:
-        dtype = info._aval.dtype
-        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-            return jax.device_put(jnp.broadcast_to(jax.random.key(0), info.shape), sharding)
-        return jax.device_put(jnp.zeros(info.shape, dtype), sharding)
 
-    def argument(j: int) -> Any:
-        leaf_infos, tree = jax.tree_util.tree_flatten(infos[j])
-        leaf_shardings = jax.tree_util.tree_leaves(shardings[j])
-        have = [None] * len(leaf_infos)
-        if j < len(given) and jax.tree_util.tree_structure(given[j]) == tree:
-            have = jax.tree_util.tree_leaves(given[j])
-        leaves = [
-            h
-            if isinstance(h, jax.Array) and not h.is_deleted() and not i.donated and h.shape == i.shape
-            else zero(i, sh)
-            for h, i, sh in zip(have, leaf_infos, leaf_shardings, strict=True)
-        ]
-        return jax.tree_util.tree_unflatten(tree, leaves)
-
-    jax.block_until_ready(compiled(*(argument(j) for j in range(len(infos)))))
+def _require_code(serialized: bytes) -> None:
+    """Raise unless a CPU program's serialized bytes hold its kernels' object code. An executable that JAX's
+    persistent cache gave back serializes without it (its bytes name kernels they do not hold), and the
+    program loaded from them fails at its first call ("Function ... not found"); `compiled_here` keeps the
+    engine from saving one, and this catches one that got by, at save and at load, for the cost of a scan
+    of the bytes."""
+    if ELF not in serialized:
+        raise ValueError("its bytes hold no object code (an executable JAX's cache gave back?)")
 
 
 class ExecutableCache:
@@ -239,10 +221,14 @@ class ExecutableCache:
                 raise ValueError("its bytes do not match their digest")
             parts = pickle.loads(entry["payload"])
             by_id = {d.id: d for d in jax.devices()}
-            if any(by_id[i].platform == "cpu" for part in parts if part is not None for i in part[3]):
+            on_cpu = [p is not None and any(by_id[i].platform == "cpu" for i in p[3]) for p in parts]
+            if any(on_cpu):
                 from jaxhybrid.ops.native import register_all
 
                 register_all()  # the handlers of the kernels a CPU program calls, before it is loaded
+            for part, cpu in zip(parts, on_cpu, strict=True):
+                if cpu:
+                    _require_code(part[0])
             return tuple(
                 None
                 if part is None
@@ -257,23 +243,21 @@ class ExecutableCache:
             self._note(f"cannot load the compiled program {path.name} ({type(e).__name__}: {e}); compiling")
             return None
 
-    def save(self, key: str, compiled: tuple[Any, ...], given: tuple[Any, ...] = ()) -> bool:
+    def save(self, key: str, compiled: tuple[Any, ...]) -> bool:
         """Keep `compiled` (jax.stages.Compiled programs, or None, each compiled by XLA in this process)
-        under `key`; whether it was kept (failures are logged). On the CPU each program is first loaded back
-        from its bytes and run once on zeros (`check`; `given[i]`: arguments of program i it may use as they
-        are): an entry that cannot run is never written."""
+        under `key`; whether it was kept (failures are logged). A CPU program whose bytes lack its code
+        (`_require_code`) is not written: it would fail at its first call in the next process."""
         if self.directory is None:
             return False
         try:
             parts = []
-            for i, c in enumerate(compiled):
+            for c in compiled:
                 if c is None:
                     parts.append(None)
                     continue
                 part = (*serialize_executable.serialize(c), _device_ids(c))
                 if _on_cpu(c):
-                    back = serialize_executable.deserialize_and_load(*part[:3], execution_devices=_devices(c))
-                    check(back, given[i] if i < len(given) else None)
+                    _require_code(part[0])
                 parts.append(part)
             payload = pickle.dumps(tuple(parts), protocol=pickle.HIGHEST_PROTOCOL)
             entry = {"format": FORMAT, "digest": hashlib.sha256(payload).hexdigest(), "payload": payload}
@@ -469,18 +453,17 @@ class ModelExecutables:
         slot.best, slot.quick = (loaded[0], loaded[1]), False
         return True
 
-    def _lower(self, run: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...], Any]:
-        """The traced (lowered) model program, ready for XLA at any tier, the rows' write's arguments, and
-        the weights (`args[0]`: what a check of the compiled program runs on, as they are). Only the thread
-        that calls the engine traces the model: Flax's graph merge inside a trace is not safe on two threads
-        at once."""
-        return run.lower(*args), (args[1], args[4]), args[0]
+    def _lower(self, run: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+        """The traced (lowered) model program, ready for XLA at any tier, and the rows' write's arguments.
+        Only the thread that calls the engine traces the model: Flax's graph merge inside a trace is not
+        safe on two threads at once."""
+        return run.lower(*args), (args[1], args[4])
 
-    def _install(self, slot: _Slot, lowered: tuple[Any, tuple[Any, ...], Any], tier: Tier) -> None:
+    def _install(self, slot: _Slot, lowered: tuple[Any, tuple[Any, ...]], tier: Tier) -> None:
         """Compile `lowered` at `tier` into `slot` (the caller holds its lock), with the rows' write for the
         states as the compiled program leaves them; optimized ones XLA compiled here are kept in the cache."""
         options = program_options(slot.program, tier)
-        run, (pools, slots), params = lowered
+        run, (pools, slots) = lowered
         keep = self.cache.enabled and tier is Tier.OPTIMIZED
         if keep:
             options = (options or {}) | KEPT_OPTIONS
@@ -494,7 +477,7 @@ class ModelExecutables:
         if keep and not compiled.here:
             log.debug("JAX's cache gave back program %s: not kept (it would not serialize whole)", slot.key)
         elif keep:
-            self.cache.save(slot.key, slot.best, given=((params,), None))
+            self.cache.save(slot.key, slot.best)
 
     def _submit(self, slot: _Slot, lowered: tuple[Any, Any], tier: Tier) -> concurrent.futures.Future:
         """Compile `lowered` at `tier` into `slot` on the background thread (unless it is ready by then)."""

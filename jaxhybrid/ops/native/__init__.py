@@ -29,6 +29,8 @@ same numbers. `JAXHYBRID_NATIVE=0` turns every kernel off.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -38,6 +40,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -81,7 +84,17 @@ def _compiler() -> str | None:
     return None
 
 
+_BUILDING: dict[Path, threading.Lock] = collections.defaultdict(threading.Lock)
+
+
 def _build(path: Path, cxx: str) -> Path:
+    """The library of `path`, compiled unless the cache directory has it. One thread builds a source at a
+    time (another waits, then finds it built)."""
+    with _BUILDING[path]:
+        return _build_unlocked(path, cxx)
+
+
+def _build_unlocked(path: Path, cxx: str) -> Path:
     import jax.ffi
 
     source = path.read_bytes() + b"".join(h.read_bytes() for h in sorted(path.parent.glob("*.h")))
@@ -217,3 +230,25 @@ def register_all() -> None:
         kernel()
     kda_pool_kernels()
     mla_decode_kernel()
+
+
+def build_in_background() -> list[concurrent.futures.Future]:
+    """Start compiling every kernel library this host lacks, all at once and off the caller's thread (a few
+    seconds each, the first time on a machine), so that a command that loads a model meanwhile does not
+    wait for them at its first trace. Nothing is started where the kernels are off or no compiler is
+    found, and nothing is registered here: the kernels' functions do that when first asked (and find the
+    libraries built, or being built: they wait for that build)."""
+    cxx = _compiler()
+    if os.environ.get("JAXHYBRID_NATIVE", "1") == "0" or cxx is None:
+        return []
+
+    def build(path: Path) -> None:
+        try:
+            _build(path, cxx)
+        except (OSError, RuntimeError):
+            pass  # the kernel's function tries again when asked, and says why it could not
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="jaxhybrid-kernels")
+    futures = [pool.submit(build, path) for path in (SOURCE, KDA_SOURCE, MLA_SOURCE)]
+    pool.shutdown(wait=False)
+    return futures
