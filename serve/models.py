@@ -126,7 +126,8 @@ def serving_dtype(
 def _default_backend() -> str:
     """The backend JAX will run on, without starting an accelerator's runtime to ask (`info` and `memory` may
     run beside a server that holds the accelerator): JAX_PLATFORMS when set; else "cpu" unless an
-    accelerator plugin (a `jax_plugins` entry point or module, or libtpu) is installed."""
+    accelerator plugin (a `jax_plugins` entry point or module) is installed, or libtpu on a host with TPU
+    chips."""
     import importlib.metadata
     import importlib.util
 
@@ -134,8 +135,18 @@ def _default_backend() -> str:
     if platforms:
         return platforms.split(",")[0].strip().lower()
     plugins = list(importlib.metadata.entry_points(group="jax_plugins"))
-    installed = plugins or any(importlib.util.find_spec(m) for m in ("jax_plugins", "libtpu"))
-    return "accelerator" if installed else "cpu"
+    installed = plugins or importlib.util.find_spec("jax_plugins") is not None
+    # libtpu alone is no TPU: it is also installed to compile for TPU topologies on a CPU-only host
+    tpu = importlib.util.find_spec("libtpu") is not None and _tpu_devices_present()
+    return "accelerator" if installed or tpu else "cpu"
+
+
+def _tpu_devices_present() -> bool:
+    """Whether this host has TPU chips: their device files (/dev/accel* on v4 and v5e hosts, /dev/vfio/N on
+    later ones)."""
+    import glob
+
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def checkpoint_file_bytes(directory: str | Path) -> int:

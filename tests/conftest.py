@@ -2,6 +2,7 @@
 
 import atexit
 import gc
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -19,6 +20,12 @@ if _level != "default":
     _flags.append(f"--xla_backend_optimization_level={int(_level)}")
     _flags.append("--xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("XLA_FLAGS", " ".join(_flags))
+# With libtpu installed (the `tpu` extra: compiling for TPU topologies, tests/test_topology.py) JAX would try
+# to open a TPU at every start, and log why it cannot: the tests run on the CPU, and describe TPU topologies
+# without opening one. One process at a time may load libtpu unless told otherwise (two test workers).
+if importlib.util.find_spec("libtpu") is not None:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 # `serve` and `generate` keep compiled programs in the user's cache directory (`--compile-cache`): every
 # server and command the tests start uses one of this run instead, removed at the end. The run's processes
@@ -98,6 +105,7 @@ HEAVY_FIRST = (
     "test_restarts.py",
     "test_prefix_store.py",
     "test_restarts_bench.py",
+    "test_topology.py",
     "test_engine.py",
     "test_model.py",
     "test_bench.py",

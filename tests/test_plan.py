@@ -199,3 +199,47 @@ def test_scanned_copy_is_what_the_engine_stacks():
     held = {id(x): x for x in jax.tree.leaves(nnx.state(model)) + jax.tree.leaves(engine.runner.scan_params)}
     weights = plan.bytes.experts + plan.bytes.other_weights
     assert set(per_device(list(held.values())).values()) == {weights + plan.bytes.scanned_copy}
+
+
+def test_compile_without_a_topology_is_a_usage_error(capsys):
+    assert main(["plan", "--config", "tiny", "--compile"]) == 2
+    assert "--compile needs --topology" in capsys.readouterr().err
+
+
+HLO = """
+  %all-reduce.1 = f32[8,64]{1,0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
+  %ag-start = (bf16[4,32]{1,0}, bf16[8,32]{1,0}) all-gather-start(%y), dimensions={0}
+  %ag-done = bf16[8,32]{1,0} all-gather-done(%ag-start)
+  ROOT %a2a = (bf16[2,16]{1,0}, bf16[2,16]{1,0}) all-to-all(%p, %q), dimensions={0}
+  %add.3 = f32[8,64]{1,0} add(%all-reduce.1, %all-reduce.1)
+"""
+
+
+def test_collectives_are_counted_by_their_result_bytes():
+    """A compiled module's collectives by kind: (count, bytes of the result on one device), an async pair
+    once (its start's results), a tuple's parts summed; other ops are not collectives."""
+    from serve.engine.topology import collectives
+
+    assert collectives(HLO) == {
+        "all-reduce": (1, 8 * 64 * 4),
+        "all-gather": (1, 8 * 32 * 2),
+        "all-to-all": (1, 2 * (2 * 16 * 2)),
+    }
+
+
+def test_the_roofline_is_the_slowest_of_flops_bytes_and_collectives():
+    """One v5e device (197 TFLOP/s bf16, 819 GB/s, 400 GB/s ICI) and a TPU7x TensorCore (half a chip)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from serve.engine.topology import roofline_s
+
+    def mesh(kind):
+        return SimpleNamespace(devices=np.array([SimpleNamespace(device_kind=kind)]))
+
+    assert roofline_s(mesh("TPU v5 lite"), 197e12, 819e6, 0) == pytest.approx(1.0)  # flops: 1 s
+    assert roofline_s(mesh("TPU v5 lite"), 0, 819e9, 0) == pytest.approx(1.0)  # HBM: 1 s
+    assert roofline_s(mesh("TPU v5 lite"), 0, 0, 800e9) == pytest.approx(2.0)  # ICI: 2 s
+    assert roofline_s(mesh("TPU7x"), 2307e12 / 2, 0, 0) == pytest.approx(1.0)
+    assert roofline_s(mesh("a CPU"), 1e9, 1e9, 0) is None

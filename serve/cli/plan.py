@@ -142,10 +142,17 @@ def run(args: argparse.Namespace) -> int:
     from serve.plan import PlanError, Planner, PlanRequest, sweep
     from sharding.mesh import MeshSpecError, parse_mesh_spec
 
+    devices = None
     try:
         cfg = _config(args)
+        if args.compile and not args.topology:
+            raise ValueError("--compile needs --topology (the TPU topology to compile for, e.g. v5e:2x2)")
+        if args.topology:
+            from serve.engine.topology import topology_devices
+
+            devices = topology_devices(args.topology)
         axes = {
-            "chips": _list(args.chips, "--chips"),
+            "chips": [len(devices)] if devices else _list(args.chips, "--chips"),
             "hbm_bytes": [int(v * 1e9) for v in _list(args.hbm, "--hbm", float)],
             "context": _list(args.context or str(cfg.max_position_embeddings), "--context"),
             "packed": _experts(args.experts),
@@ -173,11 +180,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     single = len(plans) == 1
+    if args.compile and not single:
+        print("error: --compile compiles one plan: give one value per list flag", file=sys.stderr)
+        return 2
+    compiled = _compile(cfg, plans[0], devices, args.dtype) if args.compile and plans[0].chosen else None
     if args.json:
         out = plans[0].as_dict() if single else {"config": cfg.name, "plans": [p.as_dict() for p in plans]}
+        if compiled is not None:
+            out["topology"] = args.topology
+            out["compiled"] = [c.as_dict() for c in compiled]
         print(json.dumps({"config": cfg.name, **out} if single else out))
     elif single:
         _print_plan(cfg, plans[0])
+        if compiled is not None:
+            _print_compiled(args.topology, plans[0], compiled)
     else:
         print(f"{cfg.name}: the recommended mesh per case; bytes per device in GB, by kind")
         columns = ["chips", "hbm_GB", "context", "experts", "interval", "mesh", *(c for _, c in KINDS)]
@@ -192,6 +208,72 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _compile(cfg: Any, plan: Any, devices: list[Any], dtype: str) -> list[Any]:
+    """The chosen replica's decode step and longest prefill chunk compiled for the topology's devices."""
+    import jax.numpy as jnp
+
+    from serve.engine.config import EngineShape
+    from serve.engine.engine import EngineConfig
+    from serve.engine.topology import compile_engine_programs, replica_mesh
+
+    req, m = plan.request, plan.chosen
+    config = EngineConfig(
+        max_slots=m.slots,
+        block_size=req.block_size,
+        prefill_chunk=req.prefill_chunk,
+        max_model_len=req.context,
+        num_blocks=m.num_blocks,
+        prefix=None,
+        scan_layers="off",
+        kv_dtype=dtype,
+    )
+    shape = EngineShape.resolve(config, cfg)
+    mesh = replica_mesh(devices, m.tensor, m.expert)
+    print(
+        f"compiling for {devices[0].device_kind} (tensor={m.tensor}, expert={m.expert}) ...", file=sys.stderr
+    )
+    return compile_engine_programs(cfg, mesh, shape, jnp.dtype(dtype), packed=req.packed)
+
+
+def _print_compiled(topology: str, plan: Any, compiled: list[Any]) -> None:
+    """XLA's figures per device of the replica, one row per program."""
+    hbm = plan.request.hbm_bytes
+    print(
+        f"\ncompiled for {topology} by XLA, per device (GB = 1e9 bytes; fits: peak within --hbm; roofline: "
+        "the slowest of flops, bytes read and collectives at the chip's peaks; host: this process's peak)"
+    )
+    rows = [
+        {
+            "program": c.name,
+            "rows x tokens": f"{c.rows} x {c.length}",
+            "argument_GB": round(c.argument_bytes / 1e9, 3),
+            "output_GB": round(c.output_bytes / 1e9, 3),
+            "temp_GB": round(c.temp_bytes / 1e9, 3),
+            "alias_GB": round(c.alias_bytes / 1e9, 3),
+            "peak_GB": round(c.peak_bytes / 1e9, 3),
+            "fits": "yes" if c.peak_bytes <= hbm else "NO",
+            "GFLOP": round(c.flops / 1e9, 3),
+            "read_GB": round(c.bytes_accessed / 1e9, 3),
+            "collective_MB": round(c.collective_bytes / 1e6, 3),
+            "roofline_ms": None if c.roofline_s is None else round(c.roofline_s * 1e3, 3),
+            "compile_s": c.compile_s,
+            "host_GB": round(c.host_peak_bytes / 1e9, 2),
+        }
+        for c in compiled
+        if c.error is None
+    ]
+    if rows:
+        print_table(rows, list(rows[0]))
+    for c in compiled:
+        if c.collectives:
+            kinds = ", ".join(f"{k} x{n} ({b / 1e6:.3f} MB)" for k, (n, b) in sorted(c.collectives.items()))
+            print(f"{c.name} collectives per device: {kinds}")
+        if c.error is not None:
+            print(f"{c.name} ({c.rows} x {c.length} tokens) does not compile: {c.error}")
+        if c.cpu_calls:
+            print(f"warning: {c.name} calls CPU kernels: {', '.join(c.cpu_calls)}", file=sys.stderr)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -245,5 +327,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_checkpoint_dtype_arg(g)
     g.add_argument("--no-prefix-cache", action="store_true", help="no state checkpoints")
+    t = p.add_argument_group("compiling for a TPU topology (needs libtpu: pip install -e '.[tpu]')")
+    t.add_argument(
+        "--topology",
+        default=None,
+        help="a TPU topology, e.g. v5e:2x2, v6e:2x4, tpu7x:2x2x4: --chips becomes its device count",
+    )
+    t.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the chosen replica's decode step and longest prefill chunk for --topology and print "
+        "XLA's bytes and costs per device",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

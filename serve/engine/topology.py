@@ -1,0 +1,302 @@
+"""The engine's programs compiled for a TPU topology from any host, a CPU-only one included: what XLA itself
+says one device of a replica holds and reads, before any TPU is rented.
+
+With libtpu installed (`pip install -e ".[tpu]"`) JAX describes a named topology's devices
+(`jax.experimental.topologies.get_topology_desc`, e.g. "v5e:2x2", "v6e:2x4", "tpu7x:2x2x4") without owning
+any, and compiles for them ahead of time. Here the model is abstract (shapes only, nothing allocated), its
+parameters and the engine's pools carry the shardings `sharding.rules` gives them on the replica's mesh, and
+each program is the one the engine's runner would run there (`serve.engine.runner._programs`, with the pools'
+shardings), lowered from those shapes and compiled by XLA for the TPU. The figures are XLA's per device:
+`memory_analysis()` (argument, output, temporary and aliased bytes) and `cost_analysis()` (flops, bytes
+accessed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxhybrid.config import ModelConfig
+from jaxhybrid.model import abstract_model
+from serve.engine import runner as runner_mod
+from serve.engine.config import EngineShape, ProgramShape
+
+__all__ = [
+    "CHIPS",
+    "Chip",
+    "CompiledProgram",
+    "collectives",
+    "roofline_s",
+    "ProgramArguments",
+    "TopologyError",
+    "compile_engine_programs",
+    "program_arguments",
+    "replica_mesh",
+    "topology_devices",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One TPU chip's peaks, per chip: bf16 matrix flops, HBM capacity and bandwidth, and bidirectional ICI
+    bandwidth (the vendor's published figures; `CHIPS` cites them)."""
+
+    name: str
+    bf16_flops: float  # per second
+    hbm_bytes: float
+    hbm_bandwidth: float  # bytes per second
+    ici_bandwidth: float  # bytes per second, bidirectional, all links of the chip
+    devices_per_chip: int = 1  # JAX devices a chip shows as (TPU7x: one per TensorCore)
+
+
+# Google Cloud's TPU pages (docs.cloud.google.com/tpu/docs/v5e, v5p, v6e, tpu7x); TPU7x's HBM and ICI
+# bandwidth from Google's Ironwood announcement (7.37 TB/s, 1.2 TB/s). Keyed by the device kind libtpu names.
+CHIPS = {
+    "TPU v5 lite": Chip("v5e", 197e12, 16e9, 819e9, 400e9),
+    "TPU v5": Chip("v5p", 459e12, 95 * 2**30, 2765e9, 1200e9),
+    "TPU v6 lite": Chip("v6e", 918e12, 32e9, 1638e9, 800e9),
+    "TPU7x": Chip("tpu7x", 2307e12, 192 * 2**30, 7370e9, 1200e9, devices_per_chip=2),
+}
+
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+)
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4}
+_DTYPE_BYTES |= {"f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
+
+
+def collectives(hlo_text: str) -> dict[str, tuple[int, int]]:
+    """{kind: (count, bytes)} of the collectives in a compiled module's text, each counted by the bytes of
+    its result on one device (an async pair counted once, at its start)."""
+    out: dict[str, list[int]] = {}
+    for line in hlo_text.splitlines():
+        match = re.match(r"\s*(?:ROOT )?%\S+ = (.+?) ([a-z-]+)\(", line)
+        if match is None:
+            continue
+        op = match.group(2)
+        kind = op.removesuffix("-start")
+        if kind not in COLLECTIVES:
+            continue
+        shapes = re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", match.group(1))
+        if op != kind:  # an async start's result holds its operands then its results: take the results
+            shapes = shapes[len(shapes) // 2 :]
+        size = sum(_DTYPE_BYTES.get(t, 4) * _prod(dims) for t, dims in shapes)
+        entry = out.setdefault(kind, [0, 0])
+        entry[0] += 1
+        entry[1] += int(size)
+    return {kind: (count, size) for kind, (count, size) in out.items()}
+
+
+def _prod(dims: str) -> int:
+    n = 1
+    for d in dims.split(","):
+        if d:
+            n *= int(d)
+    return n
+
+
+class TopologyError(ValueError):
+    """A topology that cannot be described here (no libtpu, an unknown name, a mesh that does not fit)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledProgram:
+    """One engine program compiled for one device of the replica: XLA's bytes and costs, and the seconds
+    lowering and compiling took on this host."""
+
+    name: str  # "decode" or "prefill"
+    rows: int
+    length: int
+    width: int  # block-table entries
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int  # outputs that reuse a donated argument's buffer (the pools)
+    flops: float
+    bytes_accessed: float
+    compile_s: float
+    cpu_calls: tuple[str, ...]  # custom calls to the CPU kernels found in the program (none, on a TPU)
+    error: str | None = None  # XLA's refusal (its out-of-memory message), when it did not compile
+    collectives: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # kind: (count, bytes)
+    host_peak_bytes: int = 0  # this process's peak resident memory after the compile
+    roofline_s: float | None = None  # the device's floor: flops, HBM reads and ICI traffic at their peaks
+
+    @property
+    def collective_bytes(self) -> int:
+        return sum(size for _, size in self.collectives.values())
+
+    @property
+    def peak_bytes(self) -> int:
+        """What the device holds while the program runs: its arguments, its outputs that do not reuse an
+        argument's buffer, and its temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {**dataclasses.asdict(self), "cpu_calls": list(self.cpu_calls), "peak_bytes": self.peak_bytes}
+        out["collectives"] = {k: {"count": c, "bytes": b} for k, (c, b) in self.collectives.items()}
+        return out
+
+
+def topology_devices(name: str) -> list[Any]:
+    """The devices of TPU topology `name` ("v5e:2x2", "tpu7x:2x2x4", ...), described by libtpu on any host."""
+    try:
+        from jax.experimental import topologies
+
+        return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+    except (ImportError, RuntimeError, ValueError) as exc:
+        hint = "" if _has_libtpu() else ' (libtpu is not installed: pip install -e ".[tpu]")'
+        raise TopologyError(f"cannot describe the TPU topology {name!r}{hint}: {exc}") from None
+
+
+def _has_libtpu() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def replica_mesh(devices: list[Any], tensor: int, expert: int) -> Any:
+    """The mesh of one replica (data=1): the first tensor x expert devices of the topology."""
+    from sharding.mesh import make_mesh
+
+    if tensor * expert > len(devices):
+        raise TopologyError(f"tensor={tensor} x expert={expert} needs more than the {len(devices)} devices")
+    return make_mesh({"data": 1, "expert": expert, "tensor": tensor}, devices=devices[: tensor * expert])
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramArguments:
+    """The engine's model program (`run`, jitted with the pools' shardings) and its weight and pool
+    arguments as placed shapes (ShapeDtypeStructs with NamedShardings on the mesh): nothing allocated."""
+
+    run: Any
+    params: Any
+    kda_pools: tuple[Any, ...]
+    mla_pools: tuple[Any, ...]
+
+
+def program_arguments(
+    cfg: ModelConfig, mesh: Any, shape: EngineShape, dtype: Any = jnp.bfloat16, packed: bool = True
+) -> ProgramArguments:
+    """What the engine's runner would hold on `mesh` for `shape`, as shapes: the abstract model's parameters
+    in the shardings `sharding.rules` gives them (expert parallelism where the mesh has an expert axis, as
+    the engine installs it), the pools in `pool_shardings`'."""
+    from sharding.placement import _maybe_install, pool_shardings
+    from sharding.rules import state_shardings
+
+    model = abstract_model(cfg, dtype, dequantize_experts=not packed)
+    _maybe_install(model, mesh, None)
+    graphdef, state = nnx.split(model)
+
+    def placed(tree: Any, shardings: Any) -> Any:
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+    params = placed(state, state_shardings(model, mesh)).to_pure_dict()
+    pool_placement = pool_shardings(
+        cfg, mesh, slots=shape.slots, num_blocks=shape.num_blocks, block_size=shape.block_size
+    )
+    pools = placed(jax.eval_shape(lambda: runner_mod.empty_pools(cfg, shape)), pool_placement)
+    return ProgramArguments(
+        run=runner_mod._programs(graphdef, cfg.layer_types, pool_placement, None, False).run,
+        params=params,
+        kda_pools=tuple(p for kind, p in zip(cfg.layer_types, pools, strict=True) if kind == "kda"),
+        mla_pools=tuple(p for kind, p in zip(cfg.layer_types, pools, strict=True) if kind != "kda"),
+    )
+
+
+def compile_engine_programs(
+    cfg: ModelConfig,
+    mesh: Any,
+    shape: EngineShape,
+    dtype: Any = jnp.bfloat16,
+    packed: bool = True,
+    programs: tuple[str, ...] = ("decode", "prefill"),
+) -> list[CompiledProgram]:
+    """Compile the engine's `programs` for `shape` on `mesh` (any devices, TPU ones described by
+    `topology_devices` included): the decode step of every slot and the longest prefill chunk, both at the
+    widest block table (the full context)."""
+    args = program_arguments(cfg, mesh, shape, dtype, packed)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    width = shape.table_buckets[-1]
+    shapes = {
+        "decode": ProgramShape(shape.slots, 1, width),
+        "prefill": ProgramShape(1, shape.prefill_chunk, width),
+    }
+    out = []
+    for name in programs:
+        program = shapes[name]
+        rows = program.rows
+        ints = [(rows, program.length), (rows,), (rows, width), (rows,), (rows,)]
+        ints_placed = tuple(jax.ShapeDtypeStruct(s, jnp.int32, sharding=replicated) for s in ints)
+        start = time.perf_counter()
+        lowered = args.run.lower(args.params, args.kda_pools, args.mla_pools, *ints_placed)
+        calls = tuple(sorted(set(re.findall(r"custom_call @(jaxhybrid_\w+)", lowered.as_text()))))
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as exc:  # XLA's out-of-memory refusal is a finding, not a crash
+            seconds = round(time.perf_counter() - start, 2)
+            error = str(exc).splitlines()[0]
+            out.append(
+                CompiledProgram(
+                    name, rows, program.length, width, 0, 0, 0, 0, 0.0, 0.0, seconds, calls, error
+                )
+            )
+            continue
+        seconds = time.perf_counter() - start
+        memory, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
+        found = collectives(compiled.as_text())
+        flops, read = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+        out.append(
+            CompiledProgram(
+                name=name,
+                rows=rows,
+                length=program.length,
+                width=width,
+                argument_bytes=int(memory.argument_size_in_bytes),
+                output_bytes=int(memory.output_size_in_bytes),
+                temp_bytes=int(memory.temp_size_in_bytes),
+                alias_bytes=int(memory.alias_size_in_bytes),
+                flops=flops,
+                bytes_accessed=read,
+                compile_s=round(seconds, 2),
+                cpu_calls=calls,
+                collectives=found,
+                host_peak_bytes=_host_peak_bytes(),
+                roofline_s=roofline_s(mesh, flops, read, sum(size for _, size in found.values())),
+            )
+        )
+    return out
+
+
+def roofline_s(mesh: Any, flops: float, read_bytes: float, collective_bytes: float) -> float | None:
+    """The least time one device can take for a program of these per-device figures: the slowest of its
+    flops at the chip's bf16 peak, its bytes at HBM bandwidth, and its collectives' bytes at the ICI
+    bandwidth (each device's share of its chip, where a chip shows as several devices). None for a device
+    kind `CHIPS` does not list."""
+    devices = list(mesh.devices.flat)
+    chip = CHIPS.get(devices[0].device_kind)
+    if chip is None:
+        return None
+    share = chip.devices_per_chip
+    return max(
+        flops / (chip.bf16_flops / share),
+        read_bytes / (chip.hbm_bandwidth / share),
+        collective_bytes / (chip.ici_bandwidth / share),
+    )
+
+
+def _host_peak_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux

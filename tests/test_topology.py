@@ -1,0 +1,103 @@
+"""The engine's programs compile for a real TPU topology on this CPU host (libtpu describes v5e:2x2's four
+devices; nothing runs): no CPU kernel inside, and XLA's argument bytes per device at least the shard bytes
+counted by hand from the arguments' shardings (a TPU only pads arrays to its tiles). Needs libtpu
+(`pip install -e ".[tpu]"`, which CI installs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxhybrid.config import load_config
+from serve.cli import main
+from serve.engine.config import EngineShape
+from serve.engine.engine import EngineConfig
+from sharding.plan import tree_shard_nbytes
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason='libtpu is not installed (pip install -e ".[tpu]")'
+)
+
+
+@pytest.fixture(autouse=True)
+def serving_precision():
+    """The programs as `serve` compiles them: the suite asks for HIGHEST matmul precision everywhere (for its
+    fp32 comparisons), under which the TPU compiler's Mosaic refuses a bfloat16 grouped product ("Bad lhs
+    type")."""
+    with jax.default_matmul_precision("default"):
+        yield
+
+
+ENGINE = EngineConfig(
+    max_slots=8, block_size=16, prefill_chunk=16, max_model_len=256, prefix=None, scan_layers="off"
+)
+
+
+def per_device(structs) -> int:
+    """Bytes one device holds of these placed shapes: each array's shard (every device holds the same)."""
+    leaves = jax.tree.leaves(structs)
+    return tree_shard_nbytes(leaves, [leaf.sharding for leaf in leaves])
+
+
+@pytest.mark.parametrize("tensor, expert", [(1, 4), (4, 1)], ids=["expert=4", "tensor=4"])
+def test_tiny_k3_decode_compiles_for_v5e_with_no_cpu_kernel(tensor, expert):
+    from serve.engine.topology import (
+        compile_engine_programs,
+        program_arguments,
+        replica_mesh,
+        topology_devices,
+    )
+
+    cfg = load_config("tiny-k3")
+    devices = topology_devices("v5e:2x2")
+    assert len(devices) == 4 and all(d.platform == "tpu" for d in devices)
+    mesh = replica_mesh(devices, tensor, expert)
+    shape = EngineShape.resolve(ENGINE, cfg)
+    (decode,) = compile_engine_programs(cfg, mesh, shape, jnp.bfloat16, programs=("decode",))
+    assert decode.error is None and decode.cpu_calls == ()
+    args = program_arguments(cfg, mesh, shape, jnp.bfloat16)
+    ints = 4 * (
+        shape.slots * (1 + 1 + 1 + 1) + shape.slots * shape.table_buckets[-1]
+    )  # tokens, ids, .., table
+    counted = per_device((args.params, args.kda_pools, args.mla_pools)) + ints
+    assert decode.argument_bytes >= counted
+    # the MLA pools are donated and come back in place: at least their bytes are aliased
+    assert decode.alias_bytes >= per_device(args.mla_pools) > 0
+    assert decode.flops > 0 and decode.bytes_accessed > 0
+    # the floor is the HBM reads' (a decode step moves far more bytes than v5e's 4 flops a byte can use)
+    assert decode.roofline_s == pytest.approx(decode.bytes_accessed / 819e9)
+    if expert > 1:  # the experts' rows travel between the devices that hold them
+        assert decode.collective_bytes > 0 and set(decode.collectives) & {"all-to-all", "ragged-all-to-all"}
+
+
+def test_plan_compiles_its_choice_for_a_topology(capsys):
+    """`plan --topology NAME --compile`: the topology's device count as --chips, the chosen replica's decode
+    step and prefill chunk compiled there, XLA's figures in the JSON."""
+    args = ["plan", "--config", "tiny-k3", "--topology", "v5e:2x2", "--hbm", "0.05", "--context", "256"]
+    args += [
+        "--block-size",
+        "16",
+        "--prefill-chunk",
+        "16",
+        "--mesh",
+        "expert=4,tensor=1",
+        "--no-prefix-cache",
+    ]
+    assert main([*args, "--compile", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["request"]["chips"] == 4 and out["topology"] == "v5e:2x2"
+    compiled = {c["name"]: c for c in out["compiled"]}
+    assert set(compiled) == {"decode", "prefill"}
+    assert compiled["decode"]["rows"] == out["chosen"]["slots"] and compiled["prefill"]["length"] == 16
+    for c in compiled.values():
+        assert c["error"] is None and c["cpu_calls"] == [] and c["argument_bytes"] > 0
+
+
+def test_an_unknown_topology_is_a_usage_error(capsys):
+    assert main(["plan", "--config", "tiny", "--topology", "v9z:1x1", "--compile"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot describe the TPU topology 'v9z:1x1'" in err and "Traceback" not in err
