@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bounds import assert_within, float32_product_bound
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,21 +22,9 @@ def _f64(x, w):
     return np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
 
 
-U = 2.0**-24  # float32's unit roundoff
-
-
 def assert_float32_product(got, x, w, extra_roundings=0):
-    """`got` is a float32 evaluation of x [.., K] @ w [N, K]^T: each output within gamma(K) = K u / (1 - K u)
-    of the sum of its terms' magnitudes (Higham, Accuracy and Stability, 3.1), which holds for any order
-    and blocking of the sums, so for any CPU's vector width; `extra_roundings` more float32 roundings of
-    each term (a dequantized int8 weight's scale) add theirs. Nothing measured."""
-    k = np.asarray(x).shape[-1] + extra_roundings
-    gamma = k * U / (1 - k * U)
-    bound = gamma * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)).T)
-    err = np.abs(np.asarray(got, np.float64) - _f64(x, w))
-    assert (err <= bound).all(), (
-        f"off by {err.max():.3g} where gamma(K) bounds {bound[err > bound].min():.3g}"
-    )
+    """`got` is a float32 evaluation of x @ w.T: within gamma(K) of its terms' magnitudes (`bounds`)."""
+    assert_within(got, _f64(x, w), float32_product_bound(x, w, extra_roundings))
 
 
 @settings(max_examples=25, deadline=None)

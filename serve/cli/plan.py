@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _compile(cfg: Any, plan: Any, devices: list[Any], dtype: str) -> list[Any]:
-    """The chosen replica's decode step and longest prefill chunk compiled for the topology's devices."""
+    """The chosen replica's programs compiled for the topology's devices (`compile_engine_programs`)."""
     import jax.numpy as jnp
 
     from serve.engine.config import EngineShape
@@ -247,7 +247,7 @@ def _print_compiled(topology: str, plan: Any, compiled: list[Any]) -> None:
     rows = [
         {
             "program": c.name,
-            "rows x tokens": f"{c.rows} x {c.length}",
+            "rows x tokens": f"{c.rows} x {c.length}" if c.length else "a slot",
             "argument_GB": round(c.argument_bytes / 1e9, 3),
             "output_GB": round(c.output_bytes / 1e9, 3),
             "temp_GB": round(c.temp_bytes / 1e9, 3),
@@ -271,7 +271,7 @@ def _print_compiled(topology: str, plan: Any, compiled: list[Any]) -> None:
             kinds = ", ".join(f"{k} x{n} ({b / 1e6:.3f} MB)" for k, (n, b) in sorted(c.collectives.items()))
             print(f"{c.name} collectives per device: {kinds}")
         if c.error is not None:
-            print(f"{c.name} ({c.rows} x {c.length} tokens) does not compile: {c.error}")
+            print(f"{c.name} ({c.rows} rows x {c.length} tokens) does not compile: {c.error}")
         if c.cpu_calls:
             print(f"warning: {c.name} calls CPU kernels: {', '.join(c.cpu_calls)}", file=sys.stderr)
 
@@ -336,8 +336,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument(
         "--compile",
         action="store_true",
-        help="compile the chosen replica's decode step and longest prefill chunk for --topology and print "
-        "XLA's bytes and costs per device",
+        help="compile the chosen replica's programs for --topology (decode step, longest prefill chunk, "
+        "verify step, a prefix checkpoint's copy and restore) and print XLA's bytes and costs per device",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

@@ -26,11 +26,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import abstract_model
 from serve.engine import runner as runner_mod
-from serve.engine.config import EngineShape, ProgramShape
+from serve.engine.config import EngineShape
 
 __all__ = [
     "CHIPS",
     "Chip",
+    "PROGRAMS",
     "CompiledProgram",
     "collectives",
     "roofline_s",
@@ -181,9 +182,11 @@ class ProgramArguments:
     arguments as placed shapes (ShapeDtypeStructs with NamedShardings on the mesh): nothing allocated."""
 
     run: Any
+    verify: Any
     params: Any
     kda_pools: tuple[Any, ...]
     mla_pools: tuple[Any, ...]
+    pools: tuple[Any, ...]  # every layer's, in layer order (what the prefix store's copies take)
 
 
 def program_arguments(
@@ -207,12 +210,18 @@ def program_arguments(
         cfg, mesh, slots=shape.slots, num_blocks=shape.num_blocks, block_size=shape.block_size
     )
     pools = placed(jax.eval_shape(lambda: runner_mod.empty_pools(cfg, shape)), pool_placement)
+    programs = runner_mod._programs(graphdef, cfg.layer_types, pool_placement, None, False)
     return ProgramArguments(
-        run=runner_mod._programs(graphdef, cfg.layer_types, pool_placement, None, False).run,
+        run=programs.run,
+        verify=programs.verify,
         params=params,
         kda_pools=tuple(p for kind, p in zip(cfg.layer_types, pools, strict=True) if kind == "kda"),
         mla_pools=tuple(p for kind, p in zip(cfg.layer_types, pools, strict=True) if kind != "kda"),
+        pools=pools,
     )
+
+
+PROGRAMS = ("decode", "prefill", "verify", "checkpoint", "restore")
 
 
 def compile_engine_programs(
@@ -221,36 +230,28 @@ def compile_engine_programs(
     shape: EngineShape,
     dtype: Any = jnp.bfloat16,
     packed: bool = True,
-    programs: tuple[str, ...] = ("decode", "prefill"),
+    programs: tuple[str, ...] = PROGRAMS,
 ) -> list[CompiledProgram]:
     """Compile the engine's `programs` for `shape` on `mesh` (any devices, TPU ones described by
-    `topology_devices` included): the decode step of every slot and the longest prefill chunk, both at the
-    widest block table (the full context)."""
+    `topology_devices` included): the decode step of every slot, the longest prefill chunk and the verify
+    step of every slot (a row's last token and its drafted ones), all at the widest block table (the full
+    context); and the prefix store's copies of one slot: a checkpoint taken (its states and a block's KV)
+    and restored."""
     args = program_arguments(cfg, mesh, shape, dtype, packed)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    width = shape.table_buckets[-1]
-    shapes = {
-        "decode": ProgramShape(shape.slots, 1, width),
-        "prefill": ProgramShape(1, shape.prefill_chunk, width),
-    }
+    lowerings = {name: _lowering(name, args, mesh, shape) for name in programs}
     out = []
-    for name in programs:
-        program = shapes[name]
-        rows = program.rows
-        ints = [(rows, program.length), (rows,), (rows, width), (rows,), (rows,)]
-        ints_placed = tuple(jax.ShapeDtypeStruct(s, jnp.int32, sharding=replicated) for s in ints)
+    for name, (rows, length, lower) in lowerings.items():
         start = time.perf_counter()
-        lowered = args.run.lower(args.params, args.kda_pools, args.mla_pools, *ints_placed)
+        lowered = lower()
         calls = tuple(sorted(set(re.findall(r"custom_call @(jaxhybrid_\w+)", lowered.as_text()))))
+        width = shape.table_buckets[-1] if name in ("decode", "prefill", "verify") else 0
         try:
             compiled = lowered.compile()
         except jax.errors.JaxRuntimeError as exc:  # XLA's out-of-memory refusal is a finding, not a crash
             seconds = round(time.perf_counter() - start, 2)
             error = str(exc).splitlines()[0]
             out.append(
-                CompiledProgram(
-                    name, rows, program.length, width, 0, 0, 0, 0, 0.0, 0.0, seconds, calls, error
-                )
+                CompiledProgram(name, rows, length, width, 0, 0, 0, 0, 0.0, 0.0, seconds, calls, error)
             )
             continue
         seconds = time.perf_counter() - start
@@ -261,7 +262,7 @@ def compile_engine_programs(
             CompiledProgram(
                 name=name,
                 rows=rows,
-                length=program.length,
+                length=length,
                 width=width,
                 argument_bytes=int(memory.argument_size_in_bytes),
                 output_bytes=int(memory.output_size_in_bytes),
@@ -277,6 +278,45 @@ def compile_engine_programs(
             )
         )
     return out
+
+
+def _lowering(name: str, args: ProgramArguments, mesh: Any, shape: EngineShape) -> tuple[int, int, Any]:
+    """(rows, tokens per row, a function lowering program `name` from placed shapes), as the runner has it."""
+    from serve.engine import copies
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def spec(dims: tuple[int, ...], dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(dims, dtype, sharding=replicated)
+
+    width = shape.table_buckets[-1]
+    if name in ("decode", "prefill", "verify"):
+        rows, length = {
+            "decode": (shape.slots, 1),
+            "prefill": (1, shape.prefill_chunk),
+            "verify": (shape.slots, shape.speculative_tokens + 1),
+        }[name]
+        ints = tuple(spec(d) for d in [(rows, length), (rows,), (rows, width), (rows,), (rows,)])
+        model = (args.params, args.kda_pools, args.mla_pools, *ints)
+        if name != "verify":
+            return rows, length, lambda: args.run.lower(*model)
+        n = rows * length  # each position's sampling settings and key, as `Runner.verify` passes them
+        keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), n))
+        sampling = (
+            spec((n,), jnp.float32),
+            spec((n,)),
+            spec((n,), jnp.float32),
+            spec(keys.shape, keys.dtype),
+        )
+        return rows, length, lambda: args.verify.lower(*model, *sampling)
+    slot, block = spec(()), spec(())
+    if name == "checkpoint":
+        return 1, 0, lambda: copies.take.lower(args.pools, slot, block)
+    if name == "restore":
+        states, kv = jax.eval_shape(copies.take, args.pools, slot, block)
+        states, kv = jax.tree.map(lambda a: spec(a.shape, a.dtype), (states, kv))
+        return 1, 0, lambda: copies.put.lower(args.pools, slot, states, block, kv)
+    raise ValueError(f"no engine program {name!r}: one of {', '.join(PROGRAMS)}")
 
 
 def roofline_s(mesh: Any, flops: float, read_bytes: float, collective_bytes: float) -> float | None:
