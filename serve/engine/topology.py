@@ -6,9 +6,11 @@ With libtpu installed (`pip install -e ".[tpu]"`) JAX describes a named topology
 any, and compiles for them ahead of time. Here the model is abstract (shapes only, nothing allocated), its
 parameters and the engine's pools carry the shardings `sharding.rules` gives them on the replica's mesh, and
 each program is the one the engine's runner would run there (`serve.engine.runner._programs`, with the pools'
-shardings), lowered from those shapes and compiled by XLA for the TPU. The figures are XLA's per device:
-`memory_analysis()` (argument, output, temporary and aliased bytes) and `cost_analysis()` (flops, bytes
-accessed).
+shardings), lowered from those shapes and compiled by XLA for the TPU: the decode and verify steps, the
+longest prefill chunk, and the prefix store's checkpoint copy and restore. The figures are XLA's per device:
+`memory_analysis()` (argument, output, temporary and aliased bytes), `cost_analysis()` (flops, bytes
+accessed) and the collectives in the compiled module; beside them a roofline time from the chip's published
+peaks (`CHIPS`).
 """
 
 from __future__ import annotations
@@ -195,11 +197,12 @@ def program_arguments(
     """What the engine's runner would hold on `mesh` for `shape`, as shapes: the abstract model's parameters
     in the shardings `sharding.rules` gives them (expert parallelism where the mesh has an expert axis, as
     the engine installs it), the pools in `pool_shardings`'."""
-    from sharding.placement import _maybe_install, pool_shardings
+    from sharding.placement import install_expert_parallel, pool_shardings, wants_expert_parallel
     from sharding.rules import state_shardings
 
     model = abstract_model(cfg, dtype, dequantize_experts=not packed)
-    _maybe_install(model, mesh, None)
+    if wants_expert_parallel(cfg, mesh):
+        install_expert_parallel(model, mesh)
     graphdef, state = nnx.split(model)
 
     def placed(tree: Any, shardings: Any) -> Any:
