@@ -137,11 +137,11 @@ def _default_backend() -> str:
     plugins = list(importlib.metadata.entry_points(group="jax_plugins"))
     installed = plugins or importlib.util.find_spec("jax_plugins") is not None
     # libtpu alone is no TPU: it is also installed to compile for TPU topologies on a CPU-only host
-    tpu = importlib.util.find_spec("libtpu") is not None and _tpu_devices_present()
+    tpu = importlib.util.find_spec("libtpu") is not None and tpu_devices_present()
     return "accelerator" if installed or tpu else "cpu"
 
 
-def _tpu_devices_present() -> bool:
+def tpu_devices_present() -> bool:
     """Whether this host has TPU chips: their device files (/dev/accel* on v4 and v5e hosts, /dev/vfio/N on
     later ones)."""
     import glob

@@ -23,7 +23,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    skip_absent_tpu()
     return args.func(args)
+
+
+def skip_absent_tpu() -> None:
+    """Where libtpu is installed (the `tpu` extra, to compile for TPU topologies) but this host has no TPU
+    chip and nothing else chose the platforms (JAX_PLATFORMS, another accelerator plugin), run on the CPU
+    without first trying to open a TPU: libtpu would log a screen of discovery errors at every start, then
+    fall back to the CPU anyway. `plan --topology` describes TPU devices without opening one either way."""
+    import importlib.metadata
+    import importlib.util
+    import os
+
+    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+        return
+    from serve.models import tpu_devices_present
+
+    if tpu_devices_present() or list(importlib.metadata.entry_points(group="jax_plugins")):
+        return
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
 
 
 if __name__ == "__main__":
