@@ -76,7 +76,8 @@ def test_tiny_k3_decode_compiles_for_v5e_with_no_cpu_kernel(tensor, expert):
 
 def test_plan_compiles_its_choice_for_a_topology(capsys):
     """`plan --topology NAME --compile`: the topology's device count as --chips, the chosen replica's programs
-    (decode, prefill chunk, verify with 4 drafted tokens, a checkpoint's copy and restore) compiled there,
+    (decode, prefill chunk, packed prefill, verify with 4 drafted tokens, a checkpoint's copy and restore)
+    compiled there,
     XLA's figures in the JSON."""
     args = ["plan", "--config", "tiny-k3", "--topology", "v5e:2x2", "--hbm", "0.05", "--context", "256"]
     args += [
@@ -92,9 +93,10 @@ def test_plan_compiles_its_choice_for_a_topology(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["request"]["chips"] == 4 and out["topology"] == "v5e:2x2"
     compiled = {c["name"]: c for c in out["compiled"]}
-    assert set(compiled) == {"decode", "prefill", "verify", "checkpoint", "restore"}
+    assert set(compiled) == {"decode", "prefill", "packed", "verify", "checkpoint", "restore"}
     assert compiled["decode"]["rows"] == out["chosen"]["slots"] and compiled["prefill"]["length"] == 16
     assert compiled["verify"]["rows"] == out["chosen"]["slots"] and compiled["verify"]["length"] == 4 + 1
+    assert 1 < compiled["packed"]["rows"] <= out["chosen"]["slots"]  # short chunks of several requests
     for c in compiled.values():
         assert c["error"] is None and c["cpu_calls"] == [] and c["argument_bytes"] > 0
 

@@ -337,7 +337,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--compile",
         action="store_true",
         help="compile the chosen replica's programs for --topology (decode step, longest prefill chunk, "
-        "verify step, a prefix checkpoint's copy and restore) and print XLA's bytes and costs per device",
+        "packed prefill, verify step, a prefix checkpoint's copy and restore) and print XLA's bytes and "
+        "costs per device",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

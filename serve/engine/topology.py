@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import abstract_model
 from serve.engine import runner as runner_mod
-from serve.engine.config import EngineShape
+from serve.engine.config import EngineShape, ProgramShape
 
 __all__ = [
     "CHIPS",
@@ -224,7 +224,7 @@ def program_arguments(
     )
 
 
-PROGRAMS = ("decode", "prefill", "verify", "checkpoint", "restore")
+PROGRAMS = ("decode", "prefill", "packed", "verify", "checkpoint", "restore")
 
 
 def compile_engine_programs(
@@ -238,16 +238,17 @@ def compile_engine_programs(
     """Compile the engine's `programs` for `shape` on `mesh` (any devices, TPU ones described by
     `topology_devices` included): the decode step of every slot, the longest prefill chunk and the verify
     step of every slot (a row's last token and its drafted ones), all at the widest block table (the full
-    context); and the prefix store's copies of one slot: a checkpoint taken (its states and a block's KV)
-    and restored."""
+    context); the packed prefill of short chunks, where the engine packs them; and the prefix store's copies
+    of one slot: a checkpoint taken (its states and a block's KV) and restored."""
     args = program_arguments(cfg, mesh, shape, dtype, packed)
+    if shape.prefill_rows < 2 or not shape.pack_lengths:  # this engine packs no prefill chunks
+        programs = tuple(p for p in programs if p != "packed")
     lowerings = {name: _lowering(name, args, mesh, shape) for name in programs}
     out = []
-    for name, (rows, length, lower) in lowerings.items():
+    for name, (rows, length, width, lower) in lowerings.items():
         start = time.perf_counter()
         lowered = lower()
         calls = tuple(sorted(set(re.findall(r"custom_call @(jaxhybrid_\w+)", lowered.as_text()))))
-        width = shape.table_buckets[-1] if name in ("decode", "prefill", "verify") else 0
         try:
             compiled = lowered.compile()
         except jax.errors.JaxRuntimeError as exc:  # XLA's out-of-memory refusal is a finding, not a crash
@@ -283,8 +284,9 @@ def compile_engine_programs(
     return out
 
 
-def _lowering(name: str, args: ProgramArguments, mesh: Any, shape: EngineShape) -> tuple[int, int, Any]:
-    """(rows, tokens per row, a function lowering program `name` from placed shapes), as the runner has it."""
+def _lowering(name: str, args: ProgramArguments, mesh: Any, shape: EngineShape) -> tuple[int, int, int, Any]:
+    """(rows, tokens per row, block-table width, a function lowering program `name` from placed shapes), as
+    the runner has it."""
     from serve.engine import copies
 
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -292,17 +294,22 @@ def _lowering(name: str, args: ProgramArguments, mesh: Any, shape: EngineShape) 
     def spec(dims: tuple[int, ...], dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(dims, dtype, sharding=replicated)
 
-    width = shape.table_buckets[-1]
-    if name in ("decode", "prefill", "verify"):
-        rows, length = {
-            "decode": (shape.slots, 1),
-            "prefill": (1, shape.prefill_chunk),
-            "verify": (shape.slots, shape.speculative_tokens + 1),
-        }[name]
+    widest = shape.table_buckets[-1]
+    if name in ("decode", "prefill", "packed", "verify"):
+        if name == "packed":
+            program = shape.packed(shape.pack_lengths[-1])
+        else:
+            rows, length = {
+                "decode": (shape.slots, 1),
+                "prefill": (1, shape.prefill_chunk),
+                "verify": (shape.slots, shape.speculative_tokens + 1),
+            }[name]
+            program = ProgramShape(rows, length, widest, verify=name == "verify")
+        rows, length, width = program.rows, program.length, program.width
         ints = tuple(spec(d) for d in [(rows, length), (rows,), (rows, width), (rows,), (rows,)])
         model = (args.params, args.kda_pools, args.mla_pools, *ints)
         if name != "verify":
-            return rows, length, lambda: args.run.lower(*model)
+            return rows, length, width, lambda: args.run.lower(*model)
         n = rows * length  # each position's sampling settings and key, as `Runner.verify` passes them
         keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), n))
         sampling = (
@@ -311,14 +318,14 @@ def _lowering(name: str, args: ProgramArguments, mesh: Any, shape: EngineShape) 
             spec((n,), jnp.float32),
             spec(keys.shape, keys.dtype),
         )
-        return rows, length, lambda: args.verify.lower(*model, *sampling)
+        return rows, length, width, lambda: args.verify.lower(*model, *sampling)
     slot, block = spec(()), spec(())
     if name == "checkpoint":
-        return 1, 0, lambda: copies.take.lower(args.pools, slot, block)
+        return 1, 0, 0, lambda: copies.take.lower(args.pools, slot, block)
     if name == "restore":
         states, kv = jax.eval_shape(copies.take, args.pools, slot, block)
         states, kv = jax.tree.map(lambda a: spec(a.shape, a.dtype), (states, kv))
-        return 1, 0, lambda: copies.put.lower(args.pools, slot, states, block, kv)
+        return 1, 0, 0, lambda: copies.put.lower(args.pools, slot, states, block, kv)
     raise ValueError(f"no engine program {name!r}: one of {', '.join(PROGRAMS)}")
 
 
