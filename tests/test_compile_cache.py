@@ -224,6 +224,22 @@ def test_one_row_decode_programs_compile_without_xnnpack_fusions_and_others_with
         np.testing.assert_allclose(np.asarray(got)[0], want[i], rtol=0, atol=1e-4 * np.abs(want[i]).max())
 
 
+def test_a_programs_cpu_compile_options_follow_where_its_arguments_live():
+    """XLA:CPU's options (the one-row decode step without XNNPACK fusions, the quick tier's elemental
+    emitters) only where a program's arguments live on CPUs: one for a TPU, traced on this CPU host, gets
+    none, whatever the host's default backend."""
+    optimized, quick = executables.Tier.OPTIMIZED, executables.Tier.QUICK
+    assert executables.program_options(DECODE, optimized, "cpu") == executables.DECODE_OPTIONS
+    assert executables.program_options(DECODE, optimized, "tpu") is None
+    assert executables.program_options(ProgramShape(2, 1, DECODE.width), optimized, "cpu") is None
+    assert executables.program_options(DECODE, quick, "tpu") == {"xla_backend_optimization_level": 0}
+    assert executables.program_options(DECODE, quick, "cpu") == {
+        "xla_backend_optimization_level": 0,
+        "xla_cpu_use_fusion_emitters": False,
+        **executables.DECODE_OPTIONS,
+    }
+
+
 def test_the_products_precision_is_part_of_a_programs_key(tmp_path):
     """A program traced under JAX's default precision "highest" (what the test suite sets, or a user's
     $JAX_DEFAULT_MATMUL_PRECISION) and one traced under the backend's default are different programs on an

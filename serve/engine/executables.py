@@ -48,6 +48,8 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
+from jaxhybrid.ops import placement
+
 log = logging.getLogger("jaxhybrid.compile")
 
 FORMAT = "jaxhybrid-executables-v2"
@@ -283,7 +285,8 @@ class ExecutableCache:
 
 WAIT_LOGGED_S = 0.5  # a step that waits this long for its program says so at info
 
-QUICK_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+QUICK_OPTIONS = {"xla_backend_optimization_level": 0}
+QUICK_CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}  # XLA:CPU's elemental emitters: quicker to compile
 
 
 class Tier(enum.Enum):
@@ -302,10 +305,14 @@ class Tier(enum.Enum):
 DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-def program_options(program: Any, tier: Tier) -> dict[str, Any] | None:
-    """XLA's compile options for `program` (a `ProgramShape`) at `tier`: None for XLA's defaults."""
-    options = dict(QUICK_OPTIONS) if tier is Tier.QUICK else {}
-    if getattr(program, "is_decode", False) and program.rows == 1 and jax.default_backend() == "cpu":
+def program_options(program: Any, tier: Tier, platform: str | None) -> dict[str, Any] | None:
+    """XLA's compile options for `program` (a `ProgramShape`) at `tier` on `platform` (where its arguments
+    live, `placement.platform_of`): None for XLA's defaults."""
+    cpu = platform == placement.CPU
+    options = {}
+    if tier is Tier.QUICK:
+        options |= QUICK_OPTIONS | (QUICK_CPU_OPTIONS if cpu else {})
+    if getattr(program, "is_decode", False) and program.rows == 1 and cpu:
         options |= DECODE_OPTIONS
     return options or None
 
@@ -453,17 +460,17 @@ class ModelExecutables:
         slot.best, slot.quick = (loaded[0], loaded[1]), False
         return True
 
-    def _lower(self, run: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
-        """The traced (lowered) model program, ready for XLA at any tier, and the rows' write's arguments.
-        Only the thread that calls the engine traces the model: Flax's graph merge inside a trace is not
-        safe on two threads at once."""
-        return run.lower(*args), (args[1], args[4])
+    def _lower(self, run: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...], str | None]:
+        """The traced (lowered) model program, ready for XLA at any tier, the rows' write's arguments, and
+        the platform the arguments live on. Only the thread that calls the engine traces the model: Flax's
+        graph merge inside a trace is not safe on two threads at once."""
+        return run.lower(*args), (args[1], args[4]), placement.platform_of(args)
 
-    def _install(self, slot: _Slot, lowered: tuple[Any, tuple[Any, ...]], tier: Tier) -> None:
+    def _install(self, slot: _Slot, lowered: tuple[Any, tuple[Any, ...], str | None], tier: Tier) -> None:
         """Compile `lowered` at `tier` into `slot` (the caller holds its lock), with the rows' write for the
         states as the compiled program leaves them; optimized ones XLA compiled here are kept in the cache."""
-        options = program_options(slot.program, tier)
-        run, (pools, slots) = lowered
+        run, (pools, slots), platform = lowered
+        options = program_options(slot.program, tier, platform)
         keep = self.cache.enabled and tier is Tier.OPTIMIZED
         if keep:
             options = (options or {}) | KEPT_OPTIONS
