@@ -97,7 +97,7 @@ def serving_dtype(
 ) -> DtypeChoice:
     """What `serve` / `generate` allocate: `--dtype` when given; else a checkpoint's own dtype (its embedding
     table's, as `load_pretrained(dtype=None)` loads it), but a bfloat16 / float16 one in float32 on a CPU
-    when that fits in half of the machine's memory (`backend`: JAX's default backend; `_default_backend`'s
+    when that fits in half of the machine's memory (`backend`: JAX's default backend; `guess_backend`'s
     guess, which starts no runtime, when not given); else float32 for random weights (`--config`)."""
     if requested:
         return DtypeChoice(requested, "--dtype")
@@ -106,7 +106,7 @@ def serving_dtype(
     from jaxhybrid.weights import stored_dtype
 
     stored = stored_dtype(model_dir)
-    if stored.name not in WIDENED_ON_CPU or (backend or _default_backend()) != "cpu":
+    if stored.name not in WIDENED_ON_CPU or (backend or guess_backend()) != "cpu":
         return DtypeChoice(stored.name, "the checkpoint's dtype")
     widened = checkpoint_file_bytes(model_dir) * 4 // stored.itemsize
     memory = physical_memory()
@@ -123,7 +123,7 @@ def serving_dtype(
     )
 
 
-def _default_backend() -> str:
+def guess_backend() -> str:
     """The backend JAX will run on, without starting an accelerator's runtime to ask (`info` and `memory` may
     run beside a server that holds the accelerator): JAX_PLATFORMS when set; else "cpu" unless an
     accelerator plugin (a `jax_plugins` entry point or module) is installed, or libtpu on a host with TPU

@@ -2,7 +2,6 @@
 here, not a skip of the kernel tests (which skip, as the ops fall back to XLA, only where there is no
 compiler or the kernels are turned off)."""
 
-import os
 import platform
 
 import pytest
@@ -15,7 +14,7 @@ SOURCES = [native.SOURCE, native.KDA_SOURCE, native.MLA_SOURCE]
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_each_kernel_builds_with_the_compiler_present(source, tmp_path, monkeypatch):
     cxx = native._compiler()
-    if cxx is None or os.environ.get("JAXHYBRID_NATIVE", "1") == "0":
+    if cxx is None or native.turned_off():
         pytest.skip("no C++ compiler here, or the native kernels are turned off")
     if source == native.SOURCE and platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the product kernels are x86 (AVX2 / AVX-512 intrinsics)")
@@ -33,7 +32,7 @@ def test_the_kernels_build_in_the_background_once_each(tmp_path, monkeypatch):
     import threading
     import time
 
-    if native._compiler() is None or os.environ.get("JAXHYBRID_NATIVE", "1") == "0":
+    if native._compiler() is None or native.turned_off():
         pytest.skip("no C++ compiler here, or the native kernels are turned off")
     monkeypatch.setenv("JAXHYBRID_KERNEL_DIR", str(tmp_path))
     compiled, lock = [], threading.Lock()

@@ -246,41 +246,31 @@ def mla_attention_paged(
 
     if not paged_kernel_applies(q, pool, kv_b_weight):
         return reference()
-    kernel = lambda: _paged_kernel(q, pool, block_table, end, kv_b_weight, nope_dim, v_dim, scale)  # noqa: E731
+
+    def kernel() -> jax.Array:
+        from jaxhybrid.ops.native import mla_decode_kernel
+
+        b, t, h, _ = q.shape
+        call = jax.ffi.ffi_call(
+            mla_decode_kernel(), jax.ShapeDtypeStruct((b, t, h, v_dim), jnp.float32), vmap_method="sequential"
+        )
+        if isinstance(kv_b_weight, int8.Int8):
+            w, w_scale = kv_b_weight.q, kv_b_weight.scale
+        else:
+            w, w_scale = kv_b_weight, jnp.ones(kv_b_weight.shape[:1], jnp.float32)
+        o = call(
+            q,
+            pool,
+            jnp.asarray(block_table, jnp.int32),
+            _token_ends(end, t),
+            w,
+            w_scale,
+            scale=np.float32(scale),
+            nope=np.int64(nope_dim),
+        )
+        return o.astype(q.dtype)
+
     return placement.by_platform(q, cpu=kernel, default=reference)
-
-
-def _paged_kernel(
-    q: jax.Array,
-    pool: jax.Array,
-    block_table: jax.Array,
-    end: jax.Array,
-    kv_b_weight: jax.Array | int8.Int8,
-    nope_dim: int,
-    v_dim: int,
-    scale: float,
-) -> jax.Array:
-    from jaxhybrid.ops.native import mla_decode_kernel
-
-    b, t, h, _ = q.shape
-    call = jax.ffi.ffi_call(
-        mla_decode_kernel(), jax.ShapeDtypeStruct((b, t, h, v_dim), jnp.float32), vmap_method="sequential"
-    )
-    if isinstance(kv_b_weight, int8.Int8):
-        w, w_scale = kv_b_weight.q, kv_b_weight.scale
-    else:
-        w, w_scale = kv_b_weight, jnp.ones(kv_b_weight.shape[:1], jnp.float32)
-    o = call(
-        q,
-        pool,
-        jnp.asarray(block_table, jnp.int32),
-        _token_ends(end, t),
-        w,
-        w_scale,
-        scale=np.float32(scale),
-        nope=np.int64(nope_dim),
-    )
-    return o.astype(q.dtype)
 
 
 PAGED_KERNEL_MAX_TOKENS = 8  # tokens per row up to which the CPU kernel runs (past it XLA's products win)

@@ -32,15 +32,14 @@ def skip_absent_tpu() -> None:
     chip and nothing else chose the platforms (JAX_PLATFORMS, another accelerator plugin), run on the CPU
     without first trying to open a TPU: libtpu would log a screen of discovery errors at every start, then
     fall back to the CPU anyway. `plan --topology` describes TPU devices without opening one either way."""
-    import importlib.metadata
     import importlib.util
     import os
 
     if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
         return
-    from serve.models import tpu_devices_present
+    from serve.models import guess_backend
 
-    if tpu_devices_present() or list(importlib.metadata.entry_points(group="jax_plugins")):
+    if guess_backend() != "cpu":  # a TPU chip here, or another accelerator's plugin
         return
     import jax
 

@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compile and not single:
         print("error: --compile compiles one plan: give one value per list flag", file=sys.stderr)
         return 2
-    compiled = _compile(cfg, plans[0], devices, args.dtype) if args.compile and plans[0].chosen else None
+    compiled = _compile(planner, plans[0], devices) if args.compile and plans[0].chosen else None
     if args.json:
         out = plans[0].as_dict() if single else {"config": cfg.name, "plans": [p.as_dict() for p in plans]}
         if compiled is not None:
@@ -210,31 +210,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compile(cfg: Any, plan: Any, devices: list[Any], dtype: str) -> list[Any]:
-    """The chosen replica's programs compiled for the topology's devices (`compile_engine_programs`)."""
+def _compile(planner: Any, plan: Any, devices: list[Any]) -> list[Any]:
+    """The chosen replica's programs compiled for the topology's devices (`compile_engine_programs`), at the
+    engine shape the plan sized them with."""
     import jax.numpy as jnp
 
-    from serve.engine.config import EngineShape
-    from serve.engine.engine import EngineConfig
     from serve.engine.topology import compile_engine_programs, replica_mesh
 
     req, m = plan.request, plan.chosen
-    config = EngineConfig(
-        max_slots=m.slots,
-        block_size=req.block_size,
-        prefill_chunk=req.prefill_chunk,
-        max_model_len=req.context,
-        num_blocks=m.num_blocks,
-        prefix=None,
-        scan_layers="off",
-        kv_dtype=dtype,
-    )
-    shape = EngineShape.resolve(config, cfg)
+    shape = planner.engine_shape(req, m.slots)
     mesh = replica_mesh(devices, m.tensor, m.expert)
     print(
         f"compiling for {devices[0].device_kind} (tensor={m.tensor}, expert={m.expert}) ...", file=sys.stderr
     )
-    return compile_engine_programs(cfg, mesh, shape, jnp.dtype(dtype), packed=req.packed)
+    return compile_engine_programs(planner.cfg, mesh, shape, jnp.dtype(req.dtype), packed=req.packed)
 
 
 def _print_compiled(topology: str, plan: Any, compiled: list[Any]) -> None:

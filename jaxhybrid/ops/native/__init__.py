@@ -77,6 +77,11 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+def turned_off() -> bool:
+    """Whether `JAXHYBRID_NATIVE=0` turns every kernel off."""
+    return os.environ.get("JAXHYBRID_NATIVE", "1") == "0"
+
+
 def _compiler() -> str | None:
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
@@ -120,7 +125,7 @@ def _build_unlocked(path: Path, cxx: str) -> Path:
 def _library(path: Path, fallback: str) -> ctypes.CDLL | None:
     """The kernel library built from `path`; None (with one log line saying why, and that `fallback` is
     used instead) where it cannot be built or native kernels are turned off."""
-    if os.environ.get("JAXHYBRID_NATIVE", "1") == "0":
+    if turned_off():
         return None
     cxx = _compiler()
     if cxx is None:
@@ -239,7 +244,7 @@ def build_in_background() -> list[concurrent.futures.Future]:
     found, and nothing is registered here: the kernels' functions do that when first asked (and find the
     libraries built, or being built: they wait for that build)."""
     cxx = _compiler()
-    if os.environ.get("JAXHYBRID_NATIVE", "1") == "0" or cxx is None:
+    if turned_off() or cxx is None:
         return []
 
     def build(path: Path) -> None:
