@@ -22,6 +22,7 @@ from serve.engine.config import ProgramShape
 from serve.engine.engine import Engine, EngineConfig, RequestError
 from serve.engine.sampling import SamplingParams, batch_arrays, sample, verify
 from serve.engine.speculative import (
+    Acceptance,
     AdaptiveK,
     DraftMethod,
     NgramIndex,
@@ -88,7 +89,7 @@ class FixedCosts(StepCosts):
     """A verify step costs `verify_cost` plain ones, whatever the clock says."""
 
     def __init__(self, verify_cost, retry=1000):
-        super().__init__(retry=retry)
+        super().__init__(retry=retry, margin=1.0)
         self.verify_cost = verify_cost
 
     def observe(self, verify, rows, seconds, compiled=False):
@@ -285,7 +286,7 @@ def test_adaptive_k_shrinks_pauses_and_recovers():
     assert k.limit() == 4
     k.record(4, 1)
     assert k.limit() == 2
-    for _ in range(10):  # drafts that miss: paused after a few steps (no draft, no record, while paused)
+    for _ in range(20):  # drafts that miss: paused after some steps (no draft, no record, while paused)
         k.record(k.k, 0)
         if k.paused:
             break
@@ -302,8 +303,11 @@ def test_prompt_lookup_keeps_its_k_and_pauses():
     k = AdaptiveK(4, DraftMethod.NGRAM)
     k.record(4, 1)
     assert k.limit() == 4
-    k.record(4, 0)
-    k.record(4, 0)
+    misses = 0
+    while not k.paused and misses < 10:
+        k.record(4, 0)
+        misses += 1
+        assert k.k == 4
     assert k.paused and k.limit() == 0
 
 
@@ -328,7 +332,7 @@ def test_a_row_drafts_again_after_a_window_that_missed(model):
 
 
 def test_step_costs_verify_only_what_pays():
-    costs = StepCosts(retry=5)
+    costs = StepCosts(retry=5, margin=1.0)
     assert costs.pays(1, 1.0)  # nothing measured: try drafts
     costs.observe(True, 1, 9.0)  # the first of a kind compiled: not counted
     assert costs.pays(1, 1.0)
@@ -343,7 +347,7 @@ def test_step_costs_verify_only_what_pays():
     costs.observe(False, 1, 1.0)
     assert costs.pays(1, 1.0)  # `retry` plain steps since drafts were last verified: try again
     assert StepCosts(retry=0).pays(1, 0.0)
-    drafting = StepCosts()  # a draft model's time counts toward the step it drafted for
+    drafting = StepCosts(margin=1.0)  # a draft model's time counts toward the step it drafted for
     for verified in (True, False):
         drafting.observe(verified, 2, 0.0)
     drafting.drafted(3.0)
@@ -725,3 +729,82 @@ def test_speculation_on_equals_off_with_the_store(
             assert_same_greedy_tokens(full_pass, p, r.token_ids, w)
         sequences += drafter.sequences
     assert on.speculation.drafted > 0
+
+
+# --- what drafting is expected to give, and when to try again ------------------------------------------
+
+
+def test_a_row_expects_the_tokens_a_geometric_acceptance_gives():
+    """A row's next drafts stand one after another with probability q (each window: the accepted drafts are
+    successes, a rejection one failure): q from its own windows, pulled toward the engine's prior while it has
+    few; n drafts are expected to give q + q^2 + ... + q^n accepted tokens."""
+    engine = Acceptance(prior=0.5)
+    k = AdaptiveK(4, DraftMethod.NGRAM, acceptance=Acceptance(base=engine))
+    assert k.acceptance.q() == pytest.approx(0.5)
+    assert k.expected(3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert k.expected(0) == 0.0
+    for _ in range(20):  # every window accepts 3 of 4: q -> 3 / (3 + 1), from the prior's side
+        k.record(4, 3)
+    q = k.acceptance.q()
+    assert 0.7 < q < 0.75 and 0.7 < engine.q() < 0.75
+    assert k.expected(2) == pytest.approx(q + q * q)
+    for _ in range(30):  # every draft stands: q -> 1
+        k.record(4, 4)
+    assert k.acceptance.q() > 0.95
+
+
+def test_a_new_row_expects_what_the_engine_saw_drafts_do(model):
+    """Where a verify step costs 3 plain ones and every draft misses, a second request of the same engine
+    does not verify its drafts at all: it starts from the acceptance the engine measured, not from the
+    belief that every draft stands (which cost it windows that gave one token each)."""
+    p = prompts([9], seed=8)[0]
+    want = engine(model).generate([p], greedy(40, spec=None))[0].token_ids
+    eng = priced_engine(model, Continuations([p + want], wrong=1), verify_cost=3.0)
+    assert eng.generate([p], greedy(40))[0].token_ids == want
+    first = eng.speculation.windows
+    assert first >= 1
+    assert eng.generate([p], greedy(40))[0].token_ids == want
+    assert eng.speculation.windows == first
+
+
+def test_retries_back_off_while_drafts_never_pay():
+    """Drafts that never pay (a verify step costs 3 plain ones, a window gives 1.5 tokens) are tried again
+    after `retry` plain steps, then after twice as many, and so on; a try that pays starts over."""
+    costs = StepCosts(retry=4, margin=1.0)
+    for verified in (True, True, False, False):  # the first of each kind is not counted
+        costs.observe(verified, 1, 3.0 if verified else 1.0)
+    tries = 0
+    for _ in range(300):
+        verified = costs.pays(1, 1.5)
+        tries += verified
+        costs.observe(verified, 1, 3.0 if verified else 1.0)
+    assert 4 <= tries <= 7  # 4, 8, 16, 32, 64, 128: not 300 / 4
+    assert costs.pays(1, 3.0)  # drafts that pay are verified, and the next retry comes after `retry` again
+    costs.observe(True, 1, 3.0)
+    steps = 0
+    while not costs.pays(1, 1.5):
+        costs.observe(False, 1, 1.0)
+        steps += 1
+    assert steps == 4
+
+
+def test_a_row_whose_drafts_never_stand_soon_stops_drafting(model):
+    """Every draft wrong, a verify step 1.6 plain ones: the row verifies a window or two, then drafts only
+    now and then (its pause doubling), not every few steps."""
+    p = prompts([9], seed=8)[0]
+    want = engine(model).generate([p], greedy(96, spec=None))[0].token_ids
+    eng = priced_engine(model, Continuations([p + want], wrong=1), verify_cost=1.6)
+    assert eng.generate([p], greedy(96))[0].token_ids == want
+    assert 1 <= eng.speculation.windows <= 4
+
+
+def test_drafts_must_pay_by_a_margin_and_one_slow_step_moves_no_estimate():
+    """A verify step must be expected to give `margin` times a plain step's tokens per second (breaking even
+    gains nothing, and the estimates err); each cost is the median of the recent steps, so one step slowed
+    by other work on the machine does not turn drafting on."""
+    costs = StepCosts(margin=1.2)
+    for verified, seconds in ((True, 0.0), (True, 2.0), (False, 0.0), (False, 1.0), (False, 1.0)):
+        costs.observe(verified, 1, seconds)
+    assert not costs.pays(1, 2.3) and costs.pays(1, 2.4)
+    costs.observe(False, 1, 10.0)  # one plain step 10x slower: a mean would make drafts pay at 1.5 tokens
+    assert costs.seconds(False, 1) == 1.0 and not costs.pays(1, 1.5)

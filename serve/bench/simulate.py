@@ -281,7 +281,7 @@ class SimEngine:
                 i, prompt = queue.popleft()
                 prompt = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)
                 req = Request(f"sim-{next(self._ids)}", prompt, sampling, 0, self.clock)
-                req.drafting = drafting(sampling.speculative, self.config.speculative)
+                req.drafting = drafting(sampling.speculative, self.config.speculative, self.engine.acceptance)
                 reqs[i] = req
                 self.scheduler.add(req)
             self.step()

@@ -1,47 +1,72 @@
 """`jaxhybrid bench speculative`: decode with and without speculative decoding, on the same requests in the
 same run.
 
-Workloads (Python source of this repository, which the shipped model never saw: it was trained on the
-standard library): `edit`, a function followed by a request to write it again unchanged and the function's
-first line (`jaxhybrid.train.edits.unchanged_prompt`, the phrasing of the training's edit documents: the
-completion rewrites code the prompt holds, and ends at its end-of-sequence token), and `continue`, the
-first lines of a file (free completion, `--new-tokens` each). Each row serves its workload's prompts on
-`--batch` slots (each prompt once, cycled through up to `--batch` requests: at batch 1, every prompt alone,
-one after another) greedily, first without speculation and then with prompt-lookup drafts (`ngram`), in
-one engine each (prefix store off, so both prefill the same), after a warm-up pass that compiles; it
-reports tokens/s of the decode steps, their ratio, whether the tokens are identical, drafted and accepted
-tokens, and where the time of the speculating pass went: drafting (host), the verify program (which also
-keeps the state of the last accepted token: there is no separate rollback) and plain decode steps (steps
-in which no row had drafts).
+Workloads, held out by default: the shipped model was trained on the Python standard library alone (its
+source files, edit and copy documents built from them), and was never tuned on these:
+- `edit`: eight functions of installed third-party packages whose versions the project pins (jax, flax,
+  optax, orbax-checkpoint), one from each of `HELD_OUT_FILES`, the first of its 8-30-line functions by the
+  SHA-256 of its code (so nobody picked them), each followed by a request to write it again unchanged and
+  its first line (`jaxhybrid.train.edits.unchanged_prompt`, the phrasing of the training's edit documents:
+  the completion rewrites code the prompt holds, and ends at its end-of-sequence token);
+- `continue`: the first lines of those files (free completion, `--new-tokens` each);
+- `prose`: the long descriptions (PyPI pages) of those packages, in Markdown;
+- `edit-repo`: the former `edit`, three functions of this repository, which the model's copy tuning was
+  judged on: not held out.
+Each row serves its workload's prompts on `--batch` slots (each prompt once, cycled through up to `--batch`
+requests: at batch 1, every prompt alone, one after another) greedily, first without speculation and then
+with prompt-lookup drafts (`ngram`), in one engine each (prefix store off, so both prefill the same), after a
+warm-up pass that compiles; it reports tokens/s of the decode steps, their ratio, whether the tokens are
+identical, drafted and accepted tokens, and where the time of the speculating pass went: drafting (host),
+the verify program (which also keeps the state of the last accepted token: there is no separate rollback)
+and plain decode steps (steps in which no row had drafts).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import hashlib
+import importlib.metadata
+import math
+import os.path
+import site
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from jaxhybrid.train.edits import functions, unchanged_completion, unchanged_prompt
 from serve.bench.common import add_model_args, add_out_arg, emit, environment
 from serve.report import print_table
 
 REPO = Path(__file__).resolve().parents[2]
-# (file, function) pairs of the `edit` workload and files of `continue`, all from this repository
-EDIT_SOURCES = (
+# (file, function) pairs of the `edit-repo` workload, all from this repository
+REPO_EDIT_SOURCES = (
     ("serve/engine/speculative.py", "truncate_at_stop"),
     ("serve/engine/blocks.py", None),
     ("jaxhybrid/ops/conv.py", "causal_conv1d"),
 )
-CONTINUE_SOURCES = ("serve/engine/speculative.py", "jaxhybrid/cache.py", "serve/prefix/ledger.py")
+# Files of packages pinned in pyproject.toml (so the same code everywhere), relative to site-packages: the
+# held-out workloads' sources.
+HELD_OUT_FILES = (
+    "optax/_src/transform.py",
+    "optax/_src/linesearch.py",
+    "flax/nnx/rnglib.py",
+    "jax/_src/util.py",
+    "orbax/checkpoint/_src/path/step.py",
+    "flax/linen/summary.py",
+    "optax/_src/utils.py",
+    "jax/_src/tree_util.py",
+)
+HELD_OUT_PACKAGES = ("jax", "flax", "optax")  # whose descriptions are the `prose` workload
+HELD_OUT_LINES = (8, 30)  # a held-out function's length in lines, signature to last line
+WORKLOADS = ("edit", "continue", "prose", "edit-repo")
 
 
 def _function(path: str, name: str | None) -> str:
     """The source of function `name` in `path` (the file's first function when None), docstring included."""
-    import ast
-
     text = (REPO / path).read_text()
     tree = ast.parse(text)
     for node in ast.walk(tree):
@@ -52,29 +77,54 @@ def _function(path: str, name: str | None) -> str:
     raise ValueError(f"no function {name!r} in {path}")
 
 
+def held_out_file(relative: str) -> Path:
+    """`relative` (a HELD_OUT_FILES entry) in the installed packages."""
+    for root in site.getsitepackages():
+        if (Path(root) / relative).is_file():
+            return Path(root) / relative
+    raise FileNotFoundError(f"{relative} is not in site-packages (is the package installed?)")
+
+
+def held_out_functions() -> list[str]:
+    """The `edit` workload's functions: of each HELD_OUT_FILES file, the first function of HELD_OUT_LINES
+    lines by the SHA-256 of its code."""
+    lo, hi = HELD_OUT_LINES
+    out = []
+    for relative in HELD_OUT_FILES:
+        found = [f.code for f in functions(held_out_file(relative).read_text())]
+        found = [code for code in found if lo <= len(code.splitlines()) <= hi]
+        if not found:
+            raise ValueError(f"no function of {lo}-{hi} lines in {relative}")
+        out.append(min(found, key=lambda code: hashlib.sha256(code.encode()).hexdigest()))
+    return out
+
+
+def edit_functions(workload: str) -> list[str]:
+    """The functions an edit workload asks to write again."""
+    if workload == "edit":
+        return held_out_functions()
+    return [_function(path, name) for path, name in REPO_EDIT_SOURCES]
+
+
 def prompts(workload: str, context: int) -> list[str]:
     """The prompt texts of `workload` (at most `context` characters each)."""
-    if workload == "edit":
-        from jaxhybrid.train.edits import unchanged_prompt
-
-        return [unchanged_prompt(_function(path, name))[-context:] for path, name in EDIT_SOURCES]
-    return [(REPO / path).read_text()[:context] for path in CONTINUE_SOURCES]
+    if workload in ("edit", "edit-repo"):
+        return [unchanged_prompt(code)[-context:] for code in edit_functions(workload)]
+    if workload == "prose":
+        return [importlib.metadata.metadata(p).get_payload()[:context] for p in HELD_OUT_PACKAGES]
+    return [held_out_file(relative).read_text()[:context] for relative in HELD_OUT_FILES]
 
 
 def expected(workload: str) -> list[str] | None:
-    """What a completion of each `edit` prompt should be: the function after its first line (None for
-    `continue`, which has no right answer)."""
-    if workload != "edit":
+    """What a completion of each edit prompt should be: the function after its first line (None for free
+    completion, which has no right answer)."""
+    if workload not in ("edit", "edit-repo"):
         return None
-    from jaxhybrid.train.edits import unchanged_completion
-
-    return [unchanged_completion(_function(path, name)) for path, name in EDIT_SOURCES]
+    return [unchanged_completion(code) for code in edit_functions(workload)]
 
 
 def copied(texts: list[str], wanted: list[str]) -> float:
     """The mean share of each wanted text that its completion reproduces before the first difference."""
-    import os.path
-
     shares = [len(os.path.commonprefix([t, w])) / len(w) for t, w in zip(texts, wanted, strict=True)]
     return sum(shares) / len(shares)
 
@@ -117,6 +167,7 @@ class Setup:
         from serve.engine.engine import Engine, EngineConfig, draft_source
         from serve.engine.sampling import SamplingParams
         from serve.engine.speculative import PromptLookup, Speculation
+        from serve.engine.warmup import Warmup, WarmupLevel
 
         spec = Speculation.parse(method, args.num_speculative_tokens)
         longest = max(len(p) for p in ids) + args.new_tokens + 1
@@ -130,7 +181,12 @@ class Setup:
         self.engine = Engine(model, config, drafter=self.drafter)
         self.ids = ids
         self.params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=not stop)
-        self.engine.generate(ids, self.params)  # compiles every program the timed passes meet
+        # every decode step and verify window at every batch size and table width (the server's warm-up:
+        # a timed pass may meet one the first pass did not), then the prefill chunks of a first pass
+        warmup = Warmup(self.engine, WarmupLevel.DECODE, timeout_s=math.inf)
+        while warmup.step():
+            pass
+        self.engine.generate(ids, self.params)
         self.best: dict[str, Any] | None = None
 
     def timed_pass(self) -> None:
@@ -169,7 +225,8 @@ def measure(model: Any, tokenizer: Any, args: argparse.Namespace, draft: Any = N
         texts = prompts(workload, args.prompt_chars)
         for batch in args.batch:
             ids = [tokenizer.encode(texts[i % len(texts)]) for i in range(max(batch, len(texts)))]
-            stop = workload == "edit"  # an edit ends where the rewritten code does; free completion runs on
+            # an edit ends where the rewritten code does; free completion runs on
+            stop = workload in ("edit", "edit-repo")
             setups = {m: Setup(model, ids, args, m, draft, stop, batch) for m in ["off", *methods]}
             for _ in range(args.repeats):
                 for setup in setups.values():
@@ -277,7 +334,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="weights and KV dtype (default float32: in bf16 greedy tokens depend on a program's shape)",
     )
     p.add_argument(
-        "--workloads", nargs="+", choices=["edit", "continue"], default=["edit", "continue"], help="which"
+        "--workloads",
+        nargs="+",
+        choices=WORKLOADS,
+        default=["edit", "continue", "prose"],
+        help="which (default: the held-out ones, edit continue prose)",
     )
     p.add_argument(
         "--batch",

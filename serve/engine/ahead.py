@@ -80,13 +80,16 @@ class AheadOfTime:
     def compile_helpers(
         self, sample_rows: tuple[int, ...], run_once: bool = False, slot_programs: bool = True
     ) -> None:
-        """Compile the small programs around the model program: sampling for each batch of `sample_rows`,
-        logits slicing, and with `slot_programs` a checkpoint's copy, a slot reset and a restore (the last two
-        also run on slot 0 with `run_once`, only while no request holds a slot)."""
+        """Compile the small programs around the model program: sampling for each batch of `sample_rows` (and
+        its verify window's keys where requests speculate by default), logits slicing, and with
+        `slot_programs` a checkpoint's copy, a slot reset and a restore (the last two also run on slot 0 with
+        `run_once`, only while no request holds a slot)."""
         vocab = self.model_config.vocab_size
         for rows in sample_rows:
             logits = self._run_like_logits(rows, vocab)
             self.sample(logits, [None] * rows)
+            if self.shape.speculates:  # a verify step's sampling keys: one per position of its window
+                self._greedy_arrays(rows * (self.shape.speculative_tokens + 1))
             # a prompt-end checkpoint keeps logits[0]; a full hit samples [None] of that
             jax.block_until_ready(logits[0][None])
         if not slot_programs:

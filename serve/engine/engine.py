@@ -44,6 +44,7 @@ from serve.engine.speculative import (
     Drafters,
     DraftMethod,
     DraftSource,
+    EngineAcceptance,
     PromptLookup,
     SpeculationStats,
     StepCosts,
@@ -336,6 +337,7 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
             step_costs=self.step_costs,
         )
         self.speculation = SpeculationStats()  # every request's verify steps, drafted and accepted tokens
+        self.acceptance = EngineAcceptance()  # how far its drafts stood lately: a new request's prior
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
@@ -359,7 +361,7 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**31 - 1))
         req = Request(rid, prompt, params, seed, self.clock(), cache_salt)
-        req.drafting = drafting(params.speculative, self.config.speculative)
+        req.drafting = drafting(params.speculative, self.config.speculative, self.acceptance)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid

@@ -11,9 +11,11 @@ the one written.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -124,20 +126,25 @@ class PromptLookup:
 
 
 class StepCosts:
-    """Seconds of a decode step by its rows, with and without drafts (an average weighted to recent steps),
-    and whether a step with drafts pays: its expected tokens per second against a plain step's. A verify
+    """Seconds of a decode step by its rows, with and without drafts (the median of the last `window` steps
+    of each: a step slowed by the machine's other work moves it little, a context that grows moves it), and
+    whether a step with drafts pays: its expected tokens per second at least `margin` times a plain step's
+    (a step that merely breaks even gains nothing, and the estimates err both ways). A verify
     step runs every row over the longest window, so on hardware where that costs much more than one token
     (a CPU's MoE reads more experts for more tokens) drafts that stand only now and then lose; until both
-    are measured for a row count it tries the missing one, and it tries drafts again every `retry` steps
-    (0: every step with drafts verifies them). A step that compiled (or first loaded) a program is not
-    counted, nor the first step of each kind. Drafting counts toward the step it drafted for (a draft model
-    runs programs of its own)."""
+    are measured for a row count it tries the missing one. Where drafts do not pay it tries them again
+    after `retry` plain steps, then after twice as many each time a try was all that verified (up to
+    `longest_retry`), and after `retry` again once drafts paid (0: every step with drafts verifies them). A
+    step that compiled (or first loaded) a program is not counted, nor the first step of each kind.
+    Drafting counts toward the step it drafted for (a draft model runs programs of its own)."""
 
-    def __init__(self, retry: int = 64, weight: float = 0.25):
-        self.retry, self.weight = retry, weight
-        self._seconds: dict[tuple[bool, int], float] = {}
+    def __init__(self, retry: int = 64, margin: float = 1.2, window: int = 9, longest_retry: int = 4096):
+        self.retry, self.margin, self.longest_retry = retry, margin, longest_retry
+        self.window = window
+        self._recent: dict[tuple[bool, int], collections.deque[float]] = {}
         self._seen: set[tuple[bool, int]] = set()
         self._since_verify: dict[int, int] = {}
+        self._retry_after: dict[int, int] = {}  # by row count: plain steps before drafts are tried again
         self._drafting = 0.0
         self._drafting_compiled = False
 
@@ -153,24 +160,35 @@ class StepCosts:
         seconds, self._drafting = seconds + self._drafting, 0.0
         compiled, self._drafting_compiled = compiled or self._drafting_compiled, False
         key = (verify, rows)
+        if verify:  # a try (drafts verified only because it was time to) backs off; drafts that paid reset it
+            wait = self._wait(rows)
+            tried = self.retry > 0 and self._since_verify.get(rows, 0) >= wait
+            self._retry_after[rows] = min(2 * wait, self.longest_retry) if tried else self.retry
         self._since_verify[rows] = 0 if verify else self._since_verify.get(rows, 0) + 1
         if compiled:
             return
         if key not in self._seen:
             self._seen.add(key)
             return
-        old = self._seconds.get(key)
-        self._seconds[key] = seconds if old is None else old + self.weight * (seconds - old)
+        self._recent.setdefault(key, collections.deque(maxlen=self.window)).append(seconds)
+
+    def seconds(self, verify: bool, rows: int) -> float | None:
+        """What a step of `rows` rows costs (`verify`: with drafts), None before one was counted."""
+        recent = self._recent.get((verify, rows))
+        return statistics.median(recent) if recent else None
 
     def pays(self, rows: int, expected_tokens: float) -> bool:
         """Whether a step of `rows` rows that are expected to give `expected_tokens` tokens with drafts
         should verify them (else it decodes one token a row)."""
-        verify, plain = self._seconds.get((True, rows)), self._seconds.get((False, rows))
-        if verify is None or self._since_verify.get(rows, 0) >= self.retry:
+        verify, plain = self.seconds(True, rows), self.seconds(False, rows)
+        if verify is None or self._since_verify.get(rows, 0) >= self._wait(rows):
             return True
         if plain is None:
             return False
-        return expected_tokens * plain >= rows * verify
+        return expected_tokens * plain >= self.margin * rows * verify
+
+    def _wait(self, rows: int) -> int:
+        return self._retry_after.get(rows, self.retry)
 
 
 class DraftPlanner:
@@ -201,7 +219,7 @@ class DraftPlanner:
         needs: dict[str, int] = {}
         free, expected = self.allocator.num_free, float(len(decode))
         limits = {r.id: r.drafting.limit() for r in decode if r.drafting is not None}
-        best = len(decode) + sum(r.drafting.rate * limits[r.id] for r in decode if r.id in limits)
+        best = len(decode) + sum(r.drafting.expected(limits[r.id]) for r in decode if r.id in limits)
         if not limits or not self.costs.pays(self.shape.decode_rows(len(decode)), best):
             return out  # not even every draft standing as often as before would pay: propose none
         t0, programs = self.clock(), count_programs(self.drafter)
@@ -215,7 +233,7 @@ class DraftPlanner:
             needs[req.id], free = max(need, 0), free - max(need, 0)
             out[req.id] = drafts
             budget -= len(drafts)
-            expected += req.drafting.rate * len(drafts)
+            expected += req.drafting.expected(len(drafts))
         self.costs.drafted(self.clock() - t0, compiled=count_programs(self.drafter) != programs)
         if not out or not self.costs.pays(self.shape.decode_rows(len(decode)), expected):
             return {}
@@ -237,11 +255,16 @@ class DraftPlanner:
         return drafts[: max(room, 0)]
 
 
-def drafting(params_spec: Speculation | None, default: Speculation) -> AdaptiveK | None:
-    """A new request's draft length state: from its own settings, else the engine's (None: it does not
-    speculate)."""
+def drafting(
+    params_spec: Speculation | None, default: Speculation, engine: EngineAcceptance | None = None
+) -> AdaptiveK | None:
+    """A new request's drafting state: from its own settings, else the engine's (None: it does not
+    speculate); its acceptance starts from what `engine` measured of its method's drafts."""
     spec = params_spec or default
-    return AdaptiveK(spec.num_tokens, spec.method) if spec.enabled else None
+    if not spec.enabled:
+        return None
+    base = None if engine is None else engine.of(spec.method)
+    return AdaptiveK(spec.num_tokens, spec.method, acceptance=Acceptance(base=base))
 
 
 class Drafters:
@@ -266,19 +289,63 @@ def truncate_at_stop(drafts: list[int], stop_ids: frozenset[int]) -> list[int]:
 
 
 @dataclasses.dataclass
+class Acceptance:
+    """How far drafts stand, as a geometric law: each drafted token stands with probability q once those
+    before it did, so a window of n drafts is expected to give q + q^2 + ... + q^n accepted tokens. Each
+    verified window counts its accepted drafts as successes and its rejection (if one came) as one failure,
+    both decayed by `decay` per window (recent windows count more); `weight` pseudo-trials of the prior q
+    (`base`'s current q, else `prior`) pull the estimate while the windows are few."""
+
+    base: Acceptance | None = None
+    prior: float = 1.0  # before any window: every draft stands, so that drafting gets tried at all
+    weight: float = 1.0
+    decay: float = 0.8
+    stood: float = 0.0
+    fell: float = 0.0
+
+    def q(self) -> float:
+        prior = self.prior if self.base is None else self.base.q()
+        return (self.stood + self.weight * prior) / (self.stood + self.fell + self.weight)
+
+    def expected(self, drafts: int) -> float:
+        """Accepted tokens expected of `drafts` drafted ones."""
+        q = self.q()
+        return sum(q**j for j in range(1, drafts + 1))
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.stood = self.decay * self.stood + accepted
+        self.fell = self.decay * self.fell + (accepted < drafted)
+        if self.base is not None:
+            self.base.record(drafted, accepted)
+
+
+class EngineAcceptance:
+    """An engine's acceptance by draft method (a slower `Acceptance` over all its requests' windows): the
+    prior of each new request's, so that a request starts from what drafts did lately, not from the belief
+    that every draft stands."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self.by_method: dict[DraftMethod, Acceptance] = {}
+
+    def of(self, method: DraftMethod) -> Acceptance:
+        return self.by_method.setdefault(method, Acceptance(decay=self.decay))
+
+
+@dataclasses.dataclass
 class AdaptiveK:
-    """A request's draft length from its recent acceptance. A draft model's (each drafted token one step of
-    it): after a window accepted in full, one more (up to `most`); after a rejection, one more than it
-    accepted. Prompt lookup's stays `most`: a lookup costs nothing and a verify window runs at its full
-    length whatever a row drafts, so fewer drafts would save nothing, and a row at k = 1 would give too few
-    tokens a step to pay for one again. When the mean acceptance (an average weighted to the recent windows)
-    falls below `floor` the request stops drafting for `pause` steps, a pause that doubles each time (up to
-    `longest_pause`) and resets once drafts pay again."""
+    """A request's draft length and its drafts' acceptance (`Acceptance`). A draft model's length (each
+    drafted token one step of it): after a window accepted in full, one more (up to `most`); after a
+    rejection, one more than it accepted. Prompt lookup's stays `most`: a lookup costs nothing and a verify
+    window runs at its full length whatever a row drafts, so fewer drafts would save nothing. When the
+    acceptance's q falls below `floor` the request stops drafting for `pause` steps, a pause that doubles each
+    time (up to `longest_pause`) and resets once a draft stands again. Whether a step verifies the drafts at
+    all is the step's decision (`StepCosts`), from the tokens they are expected to give."""
 
     most: int
     method: DraftMethod = DraftMethod.NGRAM
     k: int = 0
-    rate: float = 1.0
+    acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)
     paused: int = 0
     pause: int = FIRST_PAUSE
     floor: float = 0.25
@@ -294,16 +361,20 @@ class AdaptiveK:
             return 0
         return self.k
 
+    def expected(self, drafts: int) -> float:
+        """Accepted tokens expected of `drafts` drafted ones."""
+        return self.acceptance.expected(drafts)
+
     def record(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
-        self.rate = 0.5 * self.rate + 0.5 * accepted / drafted
+        self.acceptance.record(drafted, accepted)
         if self.method is DraftMethod.NGRAM:
             self.k = self.most
         else:
             self.k = min(self.k + 1, self.most) if accepted == drafted else max(1, accepted + 1)
-        if self.rate < self.floor:
-            self.paused, self.rate = self.pause, self.floor
+        if self.acceptance.q() < self.floor:
+            self.paused = self.pause
             self.pause = min(2 * self.pause, self.longest_pause)
         elif accepted:
             self.pause = FIRST_PAUSE
