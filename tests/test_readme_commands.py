@@ -1,8 +1,8 @@
 """The docs against the code: every `jaxhybrid ...` command in a fenced code block of README.md and docs/*.md
-parses with the CLI's parser; every relative link in them resolves to a file of the repository (none goes to
-shared/ or outside); and the command table of docs/cli.md matches the parsers: every flag a row names
-exists, a row shows a flag bare (outside `[...]` and `(... | ...)`) exactly when argparse requires it, and
-`(a | b)` only where one of them is required."""
+parses with the CLI's parser; docs/cli.md has a section for every command; every relative link in them
+resolves to a file of the repository (none goes to shared/ or outside); and the command table of docs/cli.md
+matches the parsers: every flag a row names exists, a row shows a flag bare (outside `[...]` and
+`(... | ...)`) exactly when argparse requires it, and `(a | b)` only where one of them is required."""
 
 import argparse
 import contextlib
@@ -76,6 +76,22 @@ def test_a_docs_command_parses(where, command):
             build_parser().parse_args(shlex.split(command)[1:])
     except SystemExit:
         pytest.fail(f"{where}: `{command}` does not parse: {err.getvalue().strip().splitlines()[-1:]}")
+
+
+def command_names() -> list[str]:
+    """`info`, ..., `bench decode`, ...: every command and bench subcommand the parser has."""
+    top = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    names = []
+    for name, parser in top.choices.items():
+        sub = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        names += [f"{name} {s}" for s in sub[0].choices] if sub else [name]
+    return names
+
+
+def test_every_command_has_a_section_in_the_cli_doc():
+    sections = set(re.findall(r"^## (.+)$", CLI_DOC.read_text(), re.MULTILINE))
+    missing = [n for n in command_names() if n not in sections]
+    assert not missing, f"docs/cli.md has no `## NAME` section for: {missing}"
 
 
 # ---- every relative link resolves inside the repository ----
