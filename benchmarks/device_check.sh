@@ -1,5 +1,5 @@
 #!/bin/bash
-# The prepared run on a lent GPU (BENCHMARKS.md, "On a GPU again"): `bench reference` against transformers
+# The prepared run on a lent GPU (docs/benchmarks.md, "On a GPU"): `bench reference` against transformers
 # on CUDA (float32 products exact?), `bench speculative` on the shipped model, and `bench throughput`'s bf16
 # decode with XLA's command buffers on and off. Run from the repository root on the device machine with the
 # missing wheels (pyzmq, platformdirs) in .whl/; OUT names the folder the logs and JSON go to. SCALE=small

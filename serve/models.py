@@ -64,7 +64,7 @@ def add_checkpoint_dtype_arg(p: argparse.ArgumentParser | argparse._ArgumentGrou
         default="float32",
         help="precision of the KDA state (and conv window) in prefix-store checkpoints, in every tier: "
         "float32 resumes exactly (default); bfloat16 halves a checkpoint's recurrent state and rounds it "
-        "once on resume (BENCHMARKS.md: 'Checkpoints in bfloat16' says what that changes)",
+        "once on resume (docs/benchmarks.md: 'Checkpoints in bfloat16' says what that changes)",
     )
 
 
@@ -86,8 +86,8 @@ def checkpoint_dir(source: str | None) -> Path | None:
 
 
 # Checkpoint dtypes served in float32 on a CPU: XLA:CPU's bfloat16 / float16 products are far slower than
-# its float32 ones (BENCHMARKS.md "Weight-only int8": 1.3 against 23 tok/s on `small`, the shipped model 1.85x
-# faster at batch 1 in float32), and float32 greedy tokens do not depend on the batch they run in.
+# its float32 ones (docs/benchmarks.md, "The shipped model: float32 against bf16 on a CPU"), and float32
+# greedy tokens do not depend on the batch they run in.
 WIDENED_ON_CPU = ("bfloat16", "float16")
 CPU_MEMORY_SHARE = 0.5  # a widened checkpoint's float32 bytes may take at most this share of the memory
 

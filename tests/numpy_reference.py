@@ -1,4 +1,4 @@
-"""A naive Kimi Linear / Kimi K3 text model in NumPy float64, written from DESIGN.md and shared/K3.md.
+"""A naive Kimi Linear / Kimi K3 text model in NumPy float64, written from the model's math (docs/design.md).
 
 Independent of the package: it reads a dict of checkpoint-named tensors (`model.layers.N.self_attn.q_proj.
 weight`, ... as the model's state names them; routed experts either stacked `experts.w1` [E, F, L] or per

@@ -1,4 +1,4 @@
-"""The layout by role keeps its arrows (DESIGN.md): `jaxhybrid` imports neither `sharding` nor `serve`;
+"""The layout by role keeps its arrows (docs/design.md): `jaxhybrid` imports neither `sharding` nor `serve`;
 `sharding` imports `jaxhybrid` only; `serve/bench` never imports `serve/cli` (cli runs the benchmarks);
 outside `serve/prefix/` only its interface modules are imported; no class in serve/ over 300 lines.
 Read from the source (every import, lazy ones inside functions too)."""

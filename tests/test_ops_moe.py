@@ -41,7 +41,7 @@ def _route_oracle(
     renormalize: bool,
     scaling: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Token-by-token float64 transcription of the routing rule in DESIGN.md."""
+    """Token-by-token float64 transcription of the routing rule in docs/design.md."""
     x = np.asarray(x, np.float64)
     w = np.asarray(w, np.float64)
     num_experts = w.shape[0]

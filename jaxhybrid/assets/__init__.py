@@ -1,5 +1,6 @@
 """Package data: `stdlib-small/`, the small model `jaxhybrid generate` and `jaxhybrid serve` use when given no
-model (stdlib-small trained on the Python standard library's source: README "The shipped model")."""
+model (stdlib-small trained on the Python standard library's source: docs/training.md, "The shipped
+model")."""
 
 from __future__ import annotations
 

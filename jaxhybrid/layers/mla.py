@@ -25,12 +25,13 @@ from jaxhybrid.ops.mla import (
 )
 from jaxhybrid.ops.placement import by_platform
 
-# Queries per block of the full pass's causal attention (2048 tokens on small: 142 ms a layer, 230 unblocked).
+# Queries per block of the full pass's causal attention: block i attends keys [0, CAUSAL_BLOCK * (i + 1))
+# only, so a long pass skips most of the masked half of the scores instead of computing and discarding it.
 CAUSAL_BLOCK = 256
 # Up to this many new tokens after a cache (a decode step, a verified window of drafted tokens) attend in the
 # latent space (absorbed), as a decode step does, so a verified position computes what decode would; longer
-# chunks expand the cached latents. On XLA:CPU the two cost the same at 16 (small, 1024 cached tokens: 66 ms
-# against 64), the absorbed form less below (38 against 45 ms at 5) and more above (177 against 150 at 64).
+# chunks expand the cached latents. The absorbed form costs less for a few new tokens and more for many; on
+# XLA:CPU the two cost about the same at 16.
 ABSORBED_MAX_TOKENS = 16
 LORA_NORM_EPS = 1e-6  # the default of ModelConfig.mla_lora_norm_eps (q_a/kv_a_layernorm), not rms_norm_eps
 

@@ -11,9 +11,10 @@ int8 products in `jaxhybrid.ops.int8`:
 On the CPU, float32 rows of a decode-sized batch (up to `int8.KERNEL_ROWS`) go through the float32 kernel
 of `jaxhybrid.ops.native`, which splits every product over the intra-op threads and reads an expert where
 it lies in its stack: XLA:CPU runs the products of a few MB (an expert, a shared expert, a low-rank
-projection) on one thread, and copies an expert out of its stack before multiplying it (BENCHMARKS.md,
-"Float32 decode products"). `matmul_pairs` takes any number of rows there (a prompt's experts: a blocked
-matrix product over each expert in place, with AVX-512). Elsewhere, and for other dtypes, the reference.
+projection) on one thread, and copies an expert out of its stack before multiplying it (measured in
+`git show 9bb8ba5:BENCHMARKS.md`, "Float32 decode products"). `matmul_pairs` takes any number of rows
+there (a prompt's experts: a blocked matrix product over each expert in place, with AVX-512). Elsewhere,
+and for other dtypes, the reference.
 The two differ only in the order of float32 sums.
 """
 

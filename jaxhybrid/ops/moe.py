@@ -354,8 +354,8 @@ def _rows_per_block(num_tokens: int, pairs: int, num_experts: int) -> int:
     """Up to 8 pairs per expert on average (decode-sized batches): one pair per block. A one-row block's
     matmuls are matrix-vector products that XLA:CPU runs on the expert's weights in place, and an expert's
     next pair re-reads them from the cache; a block of 2 or more rows copies its expert's weights out of the
-    stacked array first (16 rows over 27 of 32 experts of a small layer: 15.4 ms in blocks of all of each
-    expert's rows, 8.2 ms a pair at a time). Larger batches: about pairs / experts rows per block."""
+    stacked array first, which costs more than re-reading the weights once per pair. Larger batches: about
+    pairs / experts rows per block."""
     return 1 if pairs <= 8 * num_experts else _block_rows(pairs, num_experts)
 
 
@@ -505,9 +505,9 @@ def _skipping_forward(
 
 # Up to this many (token, expert) pairs, or this many per expert on average, int8 (and float32) experts run
 # as one kernel product per projection (each expert in use read once, no loop); past that the kernel's
-# matrix-vector body on many rows costs more than the expert loop's dequantized products (`small`'s MoE
-# layer: 64 tokens 8.8 ms against 12.8 in the loop, 128 tokens 18.3 against 14.5), unless the kernels have
-# their blocked matrix product (AVX-512), which takes every pair of a prompt (`_pairs_in_one_call`).
+# matrix-vector body on many rows costs more than the expert loop's dequantized products (on `small`'s MoE
+# layer the two cross between 64 and 128 tokens), unless the kernels have their blocked matrix product
+# (AVX-512), which takes every pair of a prompt (`_pairs_in_one_call`).
 INT8_PAIRS = 16
 INT8_PAIRS_PER_EXPERT = 8
 

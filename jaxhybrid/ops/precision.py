@@ -2,8 +2,8 @@
 and a product that accumulates in float32 with operands XLA:CPU takes.
 
 JAX leaves a product's precision to the backend by default, and a GPU then multiplies float32 operands in
-TF32 and a TPU in one bfloat16 pass (on an H200 that changed `small`'s greedy tokens against transformers':
-BENCHMARKS.md, "On a GPU"). The CPU multiplies float32 at float32 either way. Products of bfloat16 operands
+TF32 and a TPU in one bfloat16 pass (on an H200 that changed `small`'s greedy tokens against transformers').
+The CPU multiplies float32 at float32 either way. Products of bfloat16 operands
 keep the backend's default, which is what serving them in bfloat16 is for.
 """
 

@@ -4,7 +4,7 @@ or (`--scheme int8`) of `--weight-dtype int8`'s weight-only int8 linear layers a
 The model (default: the shipped one) is written with MXFP4 experts exactly as `jaxhybrid convert
 --quantize-experts mxfp4` writes it (or `--quantized DIR` names such a directory) and both are loaded with
 `load_pretrained`. On the validation split of the training corpus (`jaxhybrid.train`'s split by file and
-its next-token loss; the first `--batches` x `--batch-size` x `--seq-len` tokens, the README's table) it
+its next-token loss; the first `--batches` x `--batch-size` x `--seq-len` tokens, docs/training.md's table) it
 reports nats/token of each, the difference, how often the two models' most likely next token agrees
 and the mean KL(dense || mxfp4) per token; then greedy completions of a few prompts through the engine,
 and how many tokens each keeps before the two diverge.
@@ -23,7 +23,7 @@ from typing import Any
 from serve.bench.common import add_out_arg, emit, environment
 from serve.report import print_table
 
-# The prompts of the README's table of greedy completions.
+# The prompts of docs/training.md's table of greedy completions.
 PROMPTS = (
     "def fibonacci(n):",
     "def __init__(self",

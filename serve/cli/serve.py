@@ -375,8 +375,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--kv-events-endpoint",
         default=None,
         help="publish the prefix store's changes on this ZMQ PUB address (e.g. tcp://*:5557): KV blocks "
-        "in vLLM's KV-events format under topic 'kv', state checkpoints under topic 'state' (README: "
-        "'Prefix-store events')",
+        "in vLLM's KV-events format under topic 'kv', state checkpoints under topic 'state' "
+        "(docs/serving.md: 'Prefix-store events')",
     )
     s.add_argument(
         "--kv-events-replay-endpoint",

@@ -42,8 +42,7 @@ class AheadOfTime:
 
         With `run_once` (only while no request holds a slot) the program also runs once, on rows with no
         real token whose block tables point at the scratch block: XLA:CPU's first run of a program costs more
-        than later ones (about 0.15 s for the shipped model), and the first request should not pay that
-        either."""
+        than later ones, and the first request should not pay that either."""
         fresh = self._executables.compile(program, *self._ahead_args(program), tier)
         if fresh and run_once and not program.verify:
             rows = program.rows

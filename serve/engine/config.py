@@ -16,8 +16,8 @@ from serve.prefix.store import PrefixStoreConfig
 
 SCAN_MODES = ("auto", "off", "prefill", "all")
 AUTO_SCAN_MIN_GROUPS = 4  # "auto" scans every program of a model with at least this many repeated groups
-# Short prefill chunks of different requests run together in one call (`prefill_rows`): four 64-token prompts
-# of small in one call of 4 rows ran at 1.8x four calls of one. Such a call has one of two lengths and the
+# Short prefill chunks of different requests run together in one call (`prefill_rows`): one call over several
+# short prompts uses the matmul better than one call each. Such a call has one of two lengths and the
 # block table of PACK_MAX_CONTEXT tokens, so packing adds two programs, and it is for short prompts only: a
 # chunk packs while it fits the longer length and its sequence PACK_MAX_CONTEXT tokens. Longer chunks run
 # alone, where one row already uses the matmul well.

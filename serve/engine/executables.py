@@ -299,9 +299,9 @@ class Tier(enum.Enum):
 
 
 # A one-row decode step's products and reductions are one row each, and XLA:CPU's XNNPACK ("ynn") fusions
-# of them cost more to call than they compute (BENCHMARKS.md, "XNNPACK fusions in the decode step"). From
-# two rows on they pay: without them XLA:CPU multiplies a few rows by a weight stored [out, in] in a loop
-# that reads it at under 1 GB/s (`small`'s lm_head: 158 ms at two rows). Every other program keeps them.
+# of them cost more to call than they compute. From two rows on they pay: without them XLA:CPU multiplies a
+# few rows by a weight stored [out, in] in a loop without vectors. Every other program keeps them. (The
+# measurements: `git show 9bb8ba5:BENCHMARKS.md`, "XNNPACK fusions in the decode step".)
 DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 

@@ -299,7 +299,7 @@ class Runner(AheadOfTime, StoreCopies):
         graphdef, state = nnx.split(model)
         self.graphdef = graphdef  # the model's static structure (a subclass's programs merge it too)
         # plain nested dicts of arrays: a call flattens them in C++, where a State of nnx Variables is
-        # flattened in Python, one Variable at a time (about 1 ms a decode step for `small`'s 286 arrays)
+        # flattened in Python, one Variable at a time, which a decode step of a small model would notice
         self.params = state.to_pure_dict()
         # The scanned form (`shape.scan_layers`, resolved by `scan_mode`), built once here, never inside a
         # program: with "prefill" the prefill programs run it and decode the unrolled layers, with "all" all.

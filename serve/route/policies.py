@@ -37,7 +37,7 @@ LOAD_WEIGHT = 0.3  # a prompt token queued at a replica (`Backend.queued`) again
 # one it takes while it computes the next turn, and its share of the prefixes the chains have in common.
 # What a chain pushed out costs: its next turns compute their own part again (more than once on a store
 # past its capacity), against a new chain's own part. Both measured: `bench route --simulate --workload
-# chat,agentic --device-cache-mb 0.05..0.4 --host-cache-mb 0` (BENCHMARKS.md).
+# chat,agentic --device-cache-mb 0.05..0.4 --host-cache-mb 0` (`git show 9bb8ba5:BENCHMARKS.md`).
 CHECKPOINTS_PER_CHAIN = 2.5
 EVICT_WEIGHT = 2.0
 PENDING_BLOCK = 16  # tokens per block of the prefixes of requests routed and not yet done

@@ -2,12 +2,12 @@
 
 - `matvec.cc`: products of a few rows with int8 or float32 weights. XLA:CPU runs a product with int8 (or
   bf16) weights at under 1 GB/s (a loop without vectors), and a convert-then-multiply-then-sum formulation
-  reads int8 at the speed of float32 (measured in BENCHMARKS.md, "Weight-only int8"); the kernel reads
-  each weight byte once at full speed. Float32 matrices of a few MB XLA:CPU multiplies on one thread, and
-  an expert picked out of a stack it copies first (BENCHMARKS.md, "Float32 decode products"). With
-  AVX-512, an int8 matrix's rows of a prompt go through a blocked matrix product over the codes in place,
+  reads int8 at the speed of float32 (measured in `git show 9bb8ba5:BENCHMARKS.md`, "Weight-only int8");
+  the kernel reads each weight byte once at full speed. Float32 matrices of a few MB XLA:CPU multiplies
+  on one thread, and an expert picked out of a stack it copies first (ibid., "Float32 decode products").
+  With AVX-512, an int8 matrix's rows of a prompt go through a blocked matrix product over the codes in place,
   where XLA:CPU would first write the matrix out in float32, and so do a prompt's (token, expert) pairs
-  against float32 experts, which XLA:CPU copies out of their stack (BENCHMARKS.md, "int8 prefill").
+  against float32 experts, which XLA:CPU copies out of their stack (ibid., "int8 prefill").
 - `mla_decode.cc`: MLA attention of one new token over the paged latent pool
   (`jaxhybrid.ops.mla.mla_attention_paged`), reading the latents in place through the block table where
   XLA:CPU gathers them into a copy, transposes it and runs a dozen small products.
