@@ -171,3 +171,40 @@ def test_copied_is_the_share_reproduced_before_the_first_difference():
         assert not prompt.endswith("\n") and prompt.startswith("# Original:\n" + prompt.splitlines()[-1])
         assert prompt.split("# Original:\n")[1].startswith(prompt.splitlines()[-1] + want)
     assert expected("continue") is None
+
+
+def test_the_held_out_workloads_share_nothing_with_what_the_shipped_model_learned():
+    """The shipped model learned from the standard library alone (its files, and edit and copy documents
+    built from them): no held-out function or prose text is in any of those files, nor any of their first
+    lines, and the sources lie outside the standard library. The repository's own functions (`edit-repo`)
+    are not part of the default workloads."""
+    from jaxhybrid.assets import SHIPPED_DIR
+    from jaxhybrid.train.data import stdlib_documents, stdlib_root
+    from serve.bench.speculative import (
+        HELD_OUT_FILES,
+        held_out_file,
+        held_out_functions,
+        prompts,
+        register,
+    )
+
+    assert json.loads((SHIPPED_DIR / "training.json").read_text())["data"] == ["stdlib"]
+    functions = held_out_functions()
+    assert len(functions) == len(HELD_OUT_FILES) == len(set(functions))
+    firsts = [code.splitlines()[0] for code in functions]
+    assert all(len(line) > 12 for line in firsts)  # a line long enough to name one function
+    prose = [text[200:400] for text in prompts("prose", 4000)]
+    root = stdlib_root()
+    for relative in HELD_OUT_FILES:
+        assert not held_out_file(relative).resolve().is_relative_to(root.resolve())
+    for doc in stdlib_documents():
+        text = doc.path.read_text(errors="replace")
+        assert not [f for f in functions if f in text], doc.name
+        assert not [line for line in firsts if line in text], doc.name
+        assert not [p for p in prose if p in text], doc.name
+    import argparse
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)
+    defaults = sub.choices["speculative"].parse_args([])
+    assert "edit-repo" not in defaults.workloads and "edit" in defaults.workloads
