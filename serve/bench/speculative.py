@@ -25,7 +25,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from jaxhybrid.tokenizer import ByteTokenizer, load_tokenizer
+from jaxhybrid.train.edits import unchanged_completion, unchanged_prompt
+from jaxhybrid.weights import load_pretrained
 from serve.bench.common import add_model_args, add_out_arg, emit, environment
+from serve.engine.config import EngineShape
+from serve.engine.engine import Engine, EngineConfig, draft_source
+from serve.engine.sampling import SamplingParams
+from serve.engine.speculative import PromptLookup, Speculation
+from serve.models import load_model
 from serve.report import print_table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,8 +63,6 @@ def _function(path: str, name: str | None) -> str:
 def prompts(workload: str, context: int) -> list[str]:
     """The prompt texts of `workload` (at most `context` characters each)."""
     if workload == "edit":
-        from jaxhybrid.train.edits import unchanged_prompt
-
         return [unchanged_prompt(_function(path, name))[-context:] for path, name in EDIT_SOURCES]
     return [(REPO / path).read_text()[:context] for path in CONTINUE_SOURCES]
 
@@ -66,7 +72,6 @@ def expected(workload: str) -> list[str] | None:
     `continue`, which has no right answer)."""
     if workload != "edit":
         return None
-    from jaxhybrid.train.edits import unchanged_completion
 
     return [unchanged_completion(_function(path, name)) for path, name in EDIT_SOURCES]
 
@@ -113,11 +118,6 @@ class Setup:
         stop: bool,
         slots: int,
     ):
-        from serve.engine.config import EngineShape
-        from serve.engine.engine import Engine, EngineConfig, draft_source
-        from serve.engine.sampling import SamplingParams
-        from serve.engine.speculative import PromptLookup, Speculation
-
         spec = Speculation.parse(method, args.num_speculative_tokens)
         longest = max(len(p) for p in ids) + args.new_tokens + 1
         config = EngineConfig(
@@ -234,9 +234,6 @@ COLUMNS = [
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxhybrid.tokenizer import ByteTokenizer, load_tokenizer
-    from serve.models import load_model
-
     model = load_model(args)
     tokenizer = (
         load_tokenizer(args.model, model.config) if args.model else ByteTokenizer(model.config.vocab_size)
@@ -246,8 +243,6 @@ def run(args: argparse.Namespace) -> int:
         draft = model
     elif args.draft_model:
         import jax.numpy as jnp
-
-        from jaxhybrid.weights import load_pretrained
 
         draft = load_pretrained(args.draft_model, dtype=jnp.dtype(args.dtype), progress=None)
     rows = measure(model, tokenizer, args, draft)
