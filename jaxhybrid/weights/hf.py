@@ -22,7 +22,9 @@ The released Kimi K3 layout (shared/K3.md) differs in three ways, all handled he
 Reading (`read_params`, through `jaxhybrid.weights.slices`) puts every parameter straight into its sharding:
 a process reads only the byte ranges of the slices its own devices hold, into a page-aligned buffer of the
 parameter's dtype that `jax.make_array_from_callback` places (on the CPU it adopts the buffer without a
-copy); no whole tensor lands on one device or in host memory unless one device holds it whole.
+copy); no whole tensor lands on one device or in host memory unless one device holds it whole. The files
+themselves (headers, dtypes, which stored tensors make a parameter, shards) are
+`jaxhybrid.weights.safetensors`, which both this module and `slices` read with.
 """
 
 from __future__ import annotations

@@ -151,9 +151,8 @@ class RoutedLive:
         """`text`: prompts go as text (`CharTokenizer`, which the replicas and the router then use);
         `external`: the `sglang-router` executable to put in front of the replicas instead of ours (its
         cache_aware policy; it takes text prompts only)."""
-        from serve.http.app import (
-            create_app,
-        )  # the HTTP stack (fastapi, starlette, pydantic) loads when a server starts, not with the CLI
+        # the HTTP stack (fastapi, starlette, pydantic) loads when a server starts, not with the CLI
+        from serve.http.app import create_app
 
         self._stack = contextlib.ExitStack()
         self.text = CharTokenizer(model.config.vocab_size) if text or external is not None else None
@@ -253,9 +252,8 @@ def _serve_router(
     """The router's app over `specs` with `policy` (in a child process)."""
     import uvicorn
 
-    from serve.route.app import (
-        create_router_app,
-    )  # the HTTP stack (fastapi, starlette, pydantic) loads when a server starts, not with the CLI
+    # the HTTP stack (fastapi, starlette, pydantic) loads when a server starts, not with the CLI
+    from serve.route.app import create_router_app
 
     backends = [Backend(spec) for spec in specs]
     app = create_router_app(backends, Chooser(backends, Policy(policy), **_weight(load_weight)), tokenizer)

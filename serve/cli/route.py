@@ -36,9 +36,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = _tokenizer(args)
     import uvicorn
 
-    from serve.route.app import (
-        create_router_app,
-    )  # the HTTP stack (fastapi, starlette, pydantic) loads when a server starts, not with the CLI
+    # the HTTP stack (fastapi, starlette, pydantic) loads when a server starts, not with the CLI
+    from serve.route.app import create_router_app
 
     backends = [Backend(spec) for spec in specs]
     app = create_router_app(

@@ -232,9 +232,8 @@ def serve_http(
     compiling `warmup`'s programs in the background; (exit status, why the engine went down or None)."""
     import uvicorn
 
-    from serve.http.app import (
-        create_app,
-    )  # the HTTP stack (fastapi, starlette, pydantic) loads when a server starts, not with the CLI
+    # the HTTP stack (fastapi, starlette, pydantic) loads when a server starts, not with the CLI
+    from serve.http.app import create_app
 
     cfg = engine.config
     name = model_name(args)
