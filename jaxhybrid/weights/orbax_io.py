@@ -228,8 +228,8 @@ def _sharded_reads(
     """Our name -> array on its sharding, each process reading from the OCDBT store only the chunks of its
     own devices' slices, each distinct slice once, straight into a page-aligned buffer of the target dtype
     (tensorstore casts on the way) that `jax.make_array_from_callback` places: on the CPU its local devices'
-    replicas adopt that one buffer (`safetensors.host_buffer`), as the safetensors loader's do. Orbax's restore
-    reads a slice once too but copies it to each device from an unaligned buffer, and keeps up to
+    replicas adopt that one buffer (`safetensors.host_buffer`), as the safetensors loader's do. Orbax's
+    restore reads a slice once too but copies it to each device from an unaligned buffer, and keeps up to
     `restore_concurrent_gb` of such buffers in flight. No chunk cache: in a directory of one chunk per
     array each distinct slice reads its array's whole chunk."""
     import tensorstore as ts
