@@ -14,6 +14,7 @@ from jaxhybrid.cache import LayerCache, init_cache
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.layers.basic import Embedding, Linear, RMSNorm
 from jaxhybrid.layers.decoder import DecoderLayer, res_mix
+from jaxhybrid.layers.moe import Experts
 from jaxhybrid.ops import precision
 
 
@@ -146,8 +147,6 @@ class HybridLM(nnx.Module):
     def to_int8(self) -> None:
         """Weight-only int8 (`jaxhybrid.ops.int8`), in place, for every linear layer (lm_head included) and
         every dense expert stack; the embedding, norms, router, convolutions and MXFP4 experts stay."""
-        from jaxhybrid.layers.moe import Experts
-
         modules = [m for _, m in nnx.iter_graph(self) if isinstance(m, Linear | Experts)]
         for m in modules:
             m.to_int8()

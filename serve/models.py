@@ -10,6 +10,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jaxhybrid.assets import shipped_model_dir
+from jaxhybrid.cache import CHECKPOINT_DTYPES
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from jaxhybrid.weights import CheckpointError, checkpoint_format, load_pretrained, stored_dtype
+from sharding.mesh import mesh_from_flag
+from sharding.placement import load_pretrained_on_mesh, shard_model
+
 log = logging.getLogger("jaxhybrid.models")
 
 RANDOM_WEIGHTS_DTYPE = "float32"  # the model's own default, for --config random weights
@@ -56,8 +64,6 @@ class DtypeChoice:
 
 
 def add_checkpoint_dtype_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    from jaxhybrid.cache import CHECKPOINT_DTYPES
-
     p.add_argument(
         "--checkpoint-dtype",
         choices=CHECKPOINT_DTYPES,
@@ -76,7 +82,6 @@ def checkpoint_dir(source: str | None) -> Path | None:
     path = path.parent if path.name == "config.json" else path
     if not path.is_dir():
         return None
-    from jaxhybrid.weights import CheckpointError, checkpoint_format
 
     try:
         checkpoint_format(path)
@@ -103,7 +108,6 @@ def serving_dtype(
         return DtypeChoice(requested, "--dtype")
     if model_dir is None:
         return DtypeChoice(RANDOM_WEIGHTS_DTYPE, "random weights: the model's default")
-    from jaxhybrid.weights import stored_dtype
 
     stored = stored_dtype(model_dir)
     if stored.name not in WIDENED_ON_CPU or (backend or guess_backend()) != "cpu":
@@ -161,9 +165,6 @@ def physical_memory() -> int:
 def _resolve(args: argparse.Namespace) -> Any:
     """Set `args.model` to the shipped model when neither --model nor --config is given, and `args.dtype` to
     the `serving_dtype` (the engine's KV dtype follows it); returns the ModelConfig for --config."""
-    from jaxhybrid.assets import shipped_model_dir
-    from jaxhybrid.config import load_config
-
     if not args.model and not args.config and shipped_model_dir() is not None:
         args.model = str(shipped_model_dir())
     if args.model and args.config:
@@ -187,12 +188,8 @@ def _build(args: argparse.Namespace, cfg: Any) -> Any:
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxhybrid.model import HybridLM
-
     dq = getattr(args, "dequantize_experts", False)
     if args.model:
-        from jaxhybrid.weights import load_pretrained
-
         # a bar on a terminal, log lines otherwise, once the load takes a few seconds
         model = load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=None, dequantize_experts=dq)
     else:
@@ -207,7 +204,6 @@ def make_mesh(spec: str | None) -> Any:
     """The `--mesh` device mesh (None when unset or one device); MeshSpecError names what does not fit."""
     if spec is None or not spec.strip():
         return None
-    from sharding.mesh import mesh_from_flag
 
     mesh = mesh_from_flag(spec)
     return None if mesh.devices.size == 1 else mesh
@@ -232,8 +228,6 @@ def load_on_mesh(args: argparse.Namespace, multi: bool) -> tuple[Any, Any]:
     if args.model:
         import jax.numpy as jnp
 
-        from sharding.placement import load_pretrained_on_mesh
-
         report: dict[str, Any] = {}
         model = load_pretrained_on_mesh(
             args.model,
@@ -246,6 +240,5 @@ def load_on_mesh(args: argparse.Namespace, multi: bool) -> tuple[Any, Any]:
         if "read_bytes" in report:
             log.info("read %d checkpoint bytes: this process's shards", report["read_bytes"])
         return model, mesh
-    from sharding.placement import shard_model
 
     return shard_model(_build(args, cfg), mesh), mesh

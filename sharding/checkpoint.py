@@ -15,7 +15,6 @@ import os
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -37,6 +36,8 @@ def _restore_keys(tree: Any, like: Any) -> Any:
 
 def save_state(path: str | os.PathLike[str], state: nnx.State | nnx.Module, *, force: bool = False) -> None:
     """Save a (sharded) model or its `nnx.state` to directory `path` and wait until it is complete."""
+    import orbax.checkpoint as ocp  # Orbax (and TensorStore) load when a checkpoint is read or written
+
     if isinstance(state, nnx.Module):
         state = nnx.state(state)
     pure = _stringify(nnx.to_pure_dict(state))
@@ -56,6 +57,8 @@ def restore_state(
 ) -> nnx.State:
     """`nnx.state(abstract_model)` filled from the checkpoint at `path`, each array in its sharding on
     `mesh` (rules table as in `sharding.rules`). Shapes and dtypes must match the checkpoint."""
+    import orbax.checkpoint as ocp  # Orbax (and TensorStore) load when a checkpoint is read or written
+
     abstract_state = nnx.state(abstract_model)
     shardings = state_shardings(abstract_model, mesh, rules)
     target = jax.tree.map(

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxhybrid.cache import KDACache
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import HybridLM, TraceRngs, abstract_model, set_experts_fn
+from jaxhybrid.weights import load_pretrained
 from sharding.checkpoint import restore_state
 from sharding.expert_parallel import make_expert_parallel_fn
 from sharding.rules import LogicalRules, cache_shardings, state_shardings
@@ -155,8 +156,6 @@ def load_pretrained_on_mesh(
     device or host unless one device holds it whole; an Orbax directory restores onto the shardings but
     each process reads every array whole (one stored chunk per array). `expert_parallel`: as in
     `shard_model` (default: installed when the expert axis divides num_experts)."""
-    from jaxhybrid.weights import load_pretrained
-
     model = load_pretrained(
         path, dtype, shardings=lambda abstract: state_shardings(abstract, mesh, rules), **kw
     )

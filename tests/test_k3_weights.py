@@ -23,7 +23,7 @@ from test_weights import published_tensors, random_model
 
 from jaxhybrid.config import ConfigError, load_config
 from jaxhybrid.weights import CheckpointError, load_pretrained, save_hf
-from jaxhybrid.weights.hf import scan_checkpoint
+from jaxhybrid.weights.safetensors import scan_checkpoint
 from serve.cli import main as cli_main
 
 MXFP4_QUANT = {

@@ -12,9 +12,9 @@ from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
-from serve.prefix.checkpoints import CheckpointKind
 from serve.prefix.ledger import Chat, CheckpointPolicy, chat_checkpoints, chat_report
 from serve.prefix.store import PrefixStoreConfig
+from serve.prefix.types import CheckpointKind
 
 
 def _array_bytes(tree) -> int:

@@ -8,8 +8,8 @@ import pytest
 from jaxhybrid.cache import layout_report, memory_report, with_layout
 from jaxhybrid.config import load_config
 from serve.cli import main
-from serve.prefix.checkpoints import CheckpointKind
 from serve.prefix.ledger import Chat, CheckpointPolicy, chat_checkpoints, chat_report
+from serve.prefix.types import CheckpointKind
 
 
 def test_tiny_hand_count():

@@ -12,10 +12,10 @@ from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
-from serve.prefix.checkpoints import Checkpoint, CheckpointKind, Tier
 from serve.prefix.junctions import common_prefix
 from serve.prefix.policies import ValueAware
 from serve.prefix.store import PrefixStoreConfig
+from serve.prefix.types import Checkpoint, CheckpointKind, Tier
 
 BS = 8
 

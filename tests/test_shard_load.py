@@ -21,7 +21,8 @@ from test_weights import random_model
 
 from jaxhybrid.config import load_config
 from jaxhybrid.weights import load_pretrained, save_hf, save_orbax
-from jaxhybrid.weights.hf import named_arrays, scan_checkpoint
+from jaxhybrid.weights.hf import named_arrays
+from jaxhybrid.weights.safetensors import scan_checkpoint
 from jaxhybrid.weights.slices import slice_ranges
 from serve.models import load_on_mesh
 from sharding.mesh import make_mesh

@@ -18,7 +18,8 @@ from jaxhybrid.config import ConfigError, load_config
 from jaxhybrid.layers.basic import Buffer
 from jaxhybrid.model import HybridLM
 from jaxhybrid.weights import CheckpointError, load_pretrained, save_hf
-from jaxhybrid.weights.hf import named_arrays, scan_checkpoint
+from jaxhybrid.weights.hf import named_arrays
+from jaxhybrid.weights.safetensors import scan_checkpoint
 from serve.cli import main as cli_main
 
 # tiny: hidden 64, vocab 512, KDA H=2 d=16 conv 4, MLA 2 heads (16 nope + 8 rope, v 16, rank 32),

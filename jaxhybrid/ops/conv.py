@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import placement
+from jaxhybrid.ops import native, placement
 
 
 def _prepare(x: jax.Array, weight: jax.Array, state: jax.Array | None) -> tuple[jax.Array, int]:
@@ -82,10 +82,8 @@ def causal_conv1d_into_pool(
     `pool`: donate it, else XLA copies it first). In a program that reads the pool and scatters into it,
     XLA:CPU fuses the read into the scatter and then copies the whole pool, twice. Elsewhere, or without
     the kernel, the reference."""
-    from jaxhybrid.ops.native import kda_pool_kernels
-
     f32 = jnp.float32
-    kernels = kda_pool_kernels()
+    kernels = native.kda_pool_kernels()
     if x.shape[1] != 1 or kernels is None or not x.dtype == pool.dtype == f32:
         return causal_conv1d_into_pool_reference(x, weight, pool, rows, lengths)
     b, _, c = x.shape

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import placement, precision
+from jaxhybrid.ops import native, placement, precision
 from jaxhybrid.ops.int8 import KERNEL_ROWS
 from jaxhybrid.ops.stacks import flat_index, take_leading
 
@@ -115,9 +115,7 @@ def kernel_applies(x: jax.Array, w: jax.Array) -> bool:
 
 
 def _target() -> str | None:
-    from jaxhybrid.ops.native import f32_kernel
-
-    return f32_kernel()
+    return native.f32_kernel()
 
 
 def flatten(w: jax.Array) -> jax.Array:

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import placement
+from jaxhybrid.ops import native, placement
 from jaxhybrid.ops.stacks import flat_index, take_leading
 
 __all__ = [
@@ -159,18 +159,14 @@ def matmul_pairs_many(x: jax.Array, ws: Sequence[Int8], ids: jax.Array) -> tuple
 
 
 def _target() -> str | None:
-    from jaxhybrid.ops.native import int8_kernel
-
-    return int8_kernel()
+    return native.int8_kernel()
 
 
 def kernel_takes(rows: int) -> bool:
     """Whether the CPU kernel multiplies `rows` rows (reading the int8 weights in place): a decode-sized
     batch, or any number where it has its blocked matrix product; else `matmul` dequantizes its weights
     block by block."""
-    from jaxhybrid.ops.native import gemm_rows
-
-    return _target() is not None and (rows <= KERNEL_ROWS or gemm_rows() > 0)
+    return _target() is not None and (rows <= KERNEL_ROWS or native.gemm_rows() > 0)
 
 
 def _kernel(x: jax.Array, ws: Sequence[Int8], ids: jax.Array) -> list[jax.Array]:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.ops import placement
+from jaxhybrid.ops import native, placement
 
 _HI = jax.lax.Precision.HIGHEST  # keep matmuls in true fp32 on accelerators (no TF32/bf16 passes)
 
@@ -195,10 +195,8 @@ def kda_decode_into_pool(
     state in its slot and writes the new one over it (the result aliases `pool`: donate it, else XLA copies
     it first); no [B, H, dk, dv] states are made, no scatter runs. Elsewhere, or without the kernel, the
     reference."""
-    from jaxhybrid.ops.native import kda_pool_kernels
-
     reference = lambda: kda_decode_into_pool_reference(q, k, v, g, beta, pool, rows)  # noqa: E731
-    if q.shape[1] != 1 or kda_pool_kernels() is None or pool.dtype != jnp.float32:
+    if q.shape[1] != 1 or native.kda_pool_kernels() is None or pool.dtype != jnp.float32:
         return reference()
 
     def kernel() -> tuple[jax.Array, jax.Array]:
@@ -207,7 +205,7 @@ def kda_decode_into_pool(
         states, at = _states_and_rows(q, k, v, g, beta, pool, rows)
         f32 = lambda x: x[:, 0].astype(jnp.float32)  # noqa: E731
         out = (jax.ShapeDtypeStruct((b, h, dv), jnp.float32), jax.ShapeDtypeStruct(pool.shape, jnp.float32))
-        target = kda_pool_kernels()[0]
+        target = native.kda_pool_kernels()[0]
         call = jax.ffi.ffi_call(target, out, input_output_aliases={5: 1}, vmap_method="sequential")
         o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), states, at)
         return o[:, None].astype(v.dtype), new
@@ -219,15 +217,11 @@ def steps_into_pools(platform: str) -> bool:
     """Whether :func:`kda_decode_into_pool` and `conv.causal_conv1d_into_pool` update their pools in place in
     a program on `platform`'s devices (CPUs, with the native kernels); elsewhere they are XLA's scatters,
     which copy a pool that the same program reads."""
-    from jaxhybrid.ops.native import kda_pool_kernels
-
-    return platform == placement.CPU and kda_pool_kernels() is not None
+    return platform == placement.CPU and native.kda_pool_kernels() is not None
 
 
 def _kda_target() -> str | None:
-    from jaxhybrid.ops.native import kda_decode_kernel
-
-    return kda_decode_kernel()
+    return native.kda_decode_kernel()
 
 
 def kda_recurrent_states(
@@ -256,10 +250,8 @@ def kda_decode_states(
     """:func:`kda_recurrent_states` on the CPU through the native kernel (a verify step's few tokens per
     row: each state written once, where XLA:CPU runs a dozen ops a token); elsewhere the reference. Same
     results, and `rows` as :func:`kda_decode`'s (row b starts from the pool's `initial_state[rows[b]]`)."""
-    from jaxhybrid.ops.native import kda_states_kernel
-
     reference = lambda: kda_recurrent_states(q, k, v, g, beta, _reference_start(initial_state, rows))  # noqa: E731
-    if kda_states_kernel() is None:
+    if native.kda_states_kernel() is None:
         return reference()
 
     def kernel() -> tuple[jax.Array, jax.Array]:
@@ -271,7 +263,7 @@ def kda_decode_states(
             jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32),
             jax.ShapeDtypeStruct((b, t, h, dk, dv), jnp.float32),
         )
-        call = jax.ffi.ffi_call(kda_states_kernel(), out, vmap_method="sequential")
+        call = jax.ffi.ffi_call(native.kda_states_kernel(), out, vmap_method="sequential")
         o, states = call(f32(q), f32(k), f32(g), f32(v), f32(beta), state, at.astype(jnp.int32))
         return o.astype(v.dtype), states
 

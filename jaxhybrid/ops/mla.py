@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.ops import int8, placement, precision
+from jaxhybrid.ops import int8, native, placement, precision
 
 __all__ = [
     "causal_mask",
@@ -248,11 +248,11 @@ def mla_attention_paged(
         return reference()
 
     def kernel() -> jax.Array:
-        from jaxhybrid.ops.native import mla_decode_kernel
-
         b, t, h, _ = q.shape
         call = jax.ffi.ffi_call(
-            mla_decode_kernel(), jax.ShapeDtypeStruct((b, t, h, v_dim), jnp.float32), vmap_method="sequential"
+            native.mla_decode_kernel(),
+            jax.ShapeDtypeStruct((b, t, h, v_dim), jnp.float32),
+            vmap_method="sequential",
         )
         if isinstance(kv_b_weight, int8.Int8):
             w, w_scale = kv_b_weight.q, kv_b_weight.scale
@@ -290,6 +290,5 @@ def paged_kernel_applies(q: jax.Array, pool: jax.Array, kv_b_weight: jax.Array |
     weight_ok = isinstance(kv_b_weight, int8.Int8) or kv_b_weight.dtype == jnp.float32
     if q.dtype != jnp.float32 or pool.dtype != jnp.float32 or not weight_ok:
         return False
-    from jaxhybrid.ops.native import mla_decode_kernel
 
-    return mla_decode_kernel() is not None
+    return native.mla_decode_kernel() is not None

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import dense, int8, mxfp4, placement, precision
+from jaxhybrid.ops import dense, int8, mxfp4, native, placement, precision
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 from jaxhybrid.ops.int8 import Int8
 from jaxhybrid.ops.mxfp4 import ExpertWeight, as_dense, expert_slice, is_packed
@@ -516,12 +516,10 @@ def _pairs_in_one_call(x: jax.Array, w1: ExpertWeight, pairs: int, num_experts: 
     """Whether `pairs` (token, expert) pairs run as one kernel product per projection: decode-sized ones,
     and a prompt's where the kernels have their blocked matrix product (AVX-512), which reads each expert
     in place for all its rows (int8 or float32 experts)."""
-    from jaxhybrid.ops.native import gemm_rows
-
     if placement.platform_of(x) not in (placement.CPU, None):  # unknown: the kernels' ops choose again
         return False
     small = pairs <= max(INT8_PAIRS, INT8_PAIRS_PER_EXPERT * num_experts)
-    blocked = gemm_rows() > 0
+    blocked = native.gemm_rows() > 0
     if isinstance(w1, Int8):
         return small or blocked
     return (small or blocked) and not is_packed(w1) and dense.kernel_applies(x, w1)

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import placement
+from jaxhybrid.ops import native, placement
 
 
 def take_leading(x: jax.Array, index: Any) -> jax.Array:
@@ -44,14 +44,14 @@ def set_rows(pool: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
     """:func:`set_rows_reference` written in place by the native kernel in a program on CPUs, for a float32
     pool (the result aliases `pool`: donate it), where XLA's scatter copies a pool that its program also
     reads; elsewhere the reference."""
-    from jaxhybrid.ops.native import set_rows_kernel
-
-    if pool.dtype != jnp.float32 or set_rows_kernel() is None:
+    if pool.dtype != jnp.float32 or native.set_rows_kernel() is None:
         return set_rows_reference(pool, rows, values)
     if rows.ndim != 1 or values.shape != (rows.shape[0], *pool.shape[1:]):
         raise ValueError(f"rows [B] and values [B, {pool.shape[1:]}] expected: {rows.shape}, {values.shape}")
     out = jax.ShapeDtypeStruct(pool.shape, pool.dtype)
-    call = jax.ffi.ffi_call(set_rows_kernel(), out, input_output_aliases={0: 0}, vmap_method="sequential")
+    call = jax.ffi.ffi_call(
+        native.set_rows_kernel(), out, input_output_aliases={0: 0}, vmap_method="sequential"
+    )
     return placement.by_platform(
         pool,
         cpu=lambda: call(pool, rows.astype(jnp.int32), values.astype(jnp.float32)),

@@ -23,11 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from jaxhybrid.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from jaxhybrid.train import copies as C
 from jaxhybrid.train import data as D
 from jaxhybrid.train import edits as E
+from jaxhybrid.train.bpe import encode_batch, train_bpe
 from jaxhybrid.train.schedule import lr_schedule, make_optimizer
 from jaxhybrid.train.step import make_steps, split_model
+from jaxhybrid.weights import load_pretrained, read_model_config, save_orbax
 
 CHECKPOINT_DIR = "checkpoints"
 TOKENIZER_DIR = "tokenizer"
@@ -132,9 +137,6 @@ def _check(cfg: TrainConfig) -> None:
 def _tokenizer(cfg: TrainConfig, vocab_size: int, train_texts: list[str], out: Path) -> Any:
     """The run's tokenizer: a BPE trained on the train split (reused from `out/tokenizer` when resuming),
     or the byte-level one."""
-    from jaxhybrid.tokenizer import ByteTokenizer, HFTokenizer
-    from jaxhybrid.train.bpe import train_bpe
-
     if cfg.tokenizer == "byte":
         if vocab_size < 259:
             raise TrainError(f"the byte-level tokenizer needs vocab_size >= 259, the config has {vocab_size}")
@@ -151,8 +153,6 @@ def _tokenizer(cfg: TrainConfig, vocab_size: int, train_texts: list[str], out: P
 
 
 def _encode(tok: Any, texts: list[str]) -> list[list[int]]:
-    from jaxhybrid.train.bpe import encode_batch
-
     if hasattr(tok, "tokenizer"):
         return encode_batch(tok, texts)
     return [tok.encode(t) for t in texts]
@@ -243,8 +243,6 @@ def export_model(
     model: Any, graphdef: Any, params: Any, rest: Any, out: Path, dtype: str, tok_dir: Path | None
 ) -> Path:
     """The trained model as our Orbax checkpoint directory (`out/model`), parameters in `dtype`."""
-    from jaxhybrid.weights import save_orbax
-
     cast = jax.tree.map(lambda p: p.astype(dtype) if p.dtype == jnp.float32 and p.ndim >= 2 else p, params)
     return save_orbax(nnx.merge(graphdef, cast, rest), out / MODEL_DIR, tokenizer_dir=tok_dir, overwrite=True)
 
@@ -261,18 +259,11 @@ class Start:
 
 def _model_config(cfg: TrainConfig) -> Any:
     """The run's model config: `cfg.config`'s (ConfigError for a bad name), or `cfg.init`'s."""
-    from jaxhybrid.config import load_config
-    from jaxhybrid.weights import read_model_config
-
     return load_config(cfg.config) if cfg.init is None else read_model_config(cfg.init)
 
 
 def _start(cfg: TrainConfig, model_cfg: Any, train_texts: list[str], out: Path) -> Start:
     """A fresh model of `model_cfg` with the run's tokenizer, or `cfg.init`'s model and tokenizer."""
-    from jaxhybrid.model import HybridLM
-    from jaxhybrid.tokenizer import load_tokenizer
-    from jaxhybrid.weights import load_pretrained
-
     if cfg.init is None:
         tok = _tokenizer(cfg, model_cfg.vocab_size, train_texts, out)
         model = HybridLM(model_cfg, rngs=nnx.Rngs(cfg.seed))

@@ -26,8 +26,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.weights.hf import MODEL_TYPE, CheckpointError, path_name, save_hf
+from jaxhybrid.config import ConfigError, load_config
+from jaxhybrid.layers.basic import Buffer
+from jaxhybrid.model import abstract_model, path_name
+from jaxhybrid.ops.mxfp4 import dequantize
+from jaxhybrid.weights import hf, orbax_io
+from jaxhybrid.weights.hf import MODEL_TYPE, save_hf
 from jaxhybrid.weights.orbax_io import is_orbax_dir, save_orbax
+from jaxhybrid.weights.progress import load_progress
+from jaxhybrid.weights.safetensors import CheckpointError, scan_checkpoint
+from jaxhybrid.weights.slices import SliceReader
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +52,6 @@ __all__ = [
 
 def read_raw_config(directory: str | Path) -> dict[str, Any]:
     """The config.json of a checkpoint directory as a dict."""
-    from jaxhybrid.config import ConfigError
-
     directory = Path(directory)
     path = directory / "config.json"
     if not directory.is_dir():
@@ -73,8 +79,6 @@ def is_kimi_linear_family(raw: dict[str, Any]) -> bool:
 def read_model_config(directory: str | Path) -> Any:
     """The ModelConfig of a checkpoint directory; only Kimi Linear family models are accepted
     (`is_kimi_linear_family`)."""
-    from jaxhybrid.config import ConfigError, load_config
-
     directory = Path(directory)
     raw = read_raw_config(directory)
     if not is_kimi_linear_family(raw):
@@ -112,11 +116,9 @@ def checkpoint_format(directory: str | Path) -> str:
 def stored_dtype(directory: str | Path) -> np.dtype:
     """The dtype a checkpoint directory stores its embedding table in: the model dtype `load_pretrained`
     gives when none is asked for (headers / metadata only)."""
-    from jaxhybrid.weights import hf, orbax_io
-
     directory = Path(directory)
     if checkpoint_format(directory) == "hf":
-        return hf.checkpoint_dtype(hf.text_model_tensors(hf.scan_checkpoint(directory))[0])
+        return hf.checkpoint_dtype(hf.text_model_tensors(scan_checkpoint(directory))[0])
     arrays = orbax_io.stored_arrays(directory)
     if "model.embed_tokens.weight" not in arrays:
         raise CheckpointError(f"{directory}: array 'model.embed_tokens.weight' is missing")
@@ -144,8 +146,6 @@ def _packed_targets(cfg: Any, dtype: Any, targets: dict[str, Any], shardings: An
     Orbax directory of packed experts before `_dequantized`."""
     from flax import nnx
 
-    from jaxhybrid.model import abstract_model
-
     packed = abstract_model(cfg, dtype)
     names = [n for n in (path_name(p) for p, _ in nnx.to_flat_state(nnx.state(packed))) if n not in targets]
     placement = _shardings(packed, names, shardings)
@@ -157,8 +157,6 @@ def _packed_targets(cfg: Any, dtype: Any, targets: dict[str, Any], shardings: An
 def _dequantized(restored: dict[str, Any], targets: dict[str, Any]) -> dict[str, Any]:
     """`restored` with each `wK_packed` / `wK_scale` pair dequantized (`jaxhybrid.ops.mxfp4`, exact) into the
     target `wK`'s dtype and sharding, one array at a time."""
-    from jaxhybrid.ops.mxfp4 import dequantize
-
     out = {n: a for n, a in restored.items() if not n.endswith(("_packed", "_scale"))}
     for name in set(targets) - set(out):
         sds, sharding = targets[name]
@@ -195,10 +193,6 @@ def load_pretrained(
     """
     from flax import nnx
 
-    from jaxhybrid.layers.basic import Buffer
-    from jaxhybrid.model import abstract_model
-    from jaxhybrid.weights import hf, orbax_io
-
     directory = Path(path)
     cfg = read_model_config(directory)
     fmt = checkpoint_format(directory)
@@ -207,7 +201,7 @@ def load_pretrained(
     skipped: list[str] = []
     expert_quant = getattr(cfg, "expert_quant", None)  # from config.json's quantization_config
     if fmt == "hf":
-        all_tensors = hf.scan_checkpoint(directory)
+        all_tensors = scan_checkpoint(directory)
         tensors, skipped = hf.text_model_tensors(all_tensors)
         stored = hf.checkpoint_dtype(tensors)
         stored_dtypes = {n: np.dtype(np.float32) for n, t in tensors.items() if t.dtype == "F32"}
@@ -264,8 +258,6 @@ def load_pretrained(
         )
 
     if fmt == "hf":
-        from jaxhybrid.weights.slices import SliceReader
-
         with SliceReader() as reader:
             for name, arr in hf.read_params(
                 directory,
@@ -280,8 +272,6 @@ def load_pretrained(
         if report is not None:
             report.update(read_bytes=reader.total, read_bytes_by_tensor=dict(reader.bytes_read))
     else:
-        from jaxhybrid.weights.progress import load_progress
-
         total = sum(int(np.prod(sds.shape)) * np.dtype(sds.dtype).itemsize for sds, _ in targets.values())
         with load_progress(total, f"loading {directory.name}", progress, stepwise=False) as bar:
             restored = orbax_io.restore(

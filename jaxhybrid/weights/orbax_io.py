@@ -19,7 +19,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxhybrid.weights.hf import CheckpointError, copy_tokenizer_files, named_arrays, write_config
+from jaxhybrid.layers.basic import Buffer
+from jaxhybrid.model import path_name
+from jaxhybrid.weights.hf import copy_tokenizer_files, named_arrays, write_config
+from jaxhybrid.weights.safetensors import CheckpointError, host_buffer
 
 PARAMS_DIR = "params"
 RESTORE_CONCURRENT_GB = 1
@@ -118,9 +121,6 @@ def save_args(model: Any, chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
     of any model worth sharding."""
     import orbax.checkpoint as ocp
     from flax import nnx
-
-    from jaxhybrid.layers.basic import Buffer
-    from jaxhybrid.weights.hf import path_name
 
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, Buffer))):
@@ -228,8 +228,8 @@ def _sharded_reads(
     """Our name -> array on its sharding, each process reading from the OCDBT store only the chunks of its
     own devices' slices, each distinct slice once, straight into a page-aligned buffer of the target dtype
     (tensorstore casts on the way) that `jax.make_array_from_callback` places: on the CPU its local devices'
-    replicas adopt that one buffer (`hf.host_buffer`), as the safetensors loader's do. Orbax's restore
-    reads a slice once too but copies it to each device from an unaligned buffer, and keeps up to
+    replicas adopt that one buffer (`safetensors.host_buffer`), as the safetensors loader's do. Orbax's
+    restore reads a slice once too but copies it to each device from an unaligned buffer, and keeps up to
     `restore_concurrent_gb` of such buffers in flight. No chunk cache: in a directory of one chunk per
     array each distinct slice reads its array's whole chunk."""
     import tensorstore as ts
@@ -251,8 +251,6 @@ def _sharded_reads(
 def _slice_reader(source: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     """The callback of `jax.make_array_from_callback`: index -> the slice of `source`, read once."""
     import tensorstore as ts
-
-    from jaxhybrid.weights.hf import host_buffer
 
     seen: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 

@@ -21,7 +21,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxhybrid.weights.hf import CHUNK_BYTES, CheckpointError, TensorInfo, TensorSpec, host_buffer, np_dtype
+from jaxhybrid.weights.mxfp4 import GROUP, SCALE_NAN, dequantize_mxfp4
+from jaxhybrid.weights.safetensors import (
+    CHUNK_BYTES,
+    CheckpointError,
+    TensorInfo,
+    TensorSpec,
+    host_buffer,
+    np_dtype,
+)
 
 Index = tuple[slice, ...]
 
@@ -170,8 +178,6 @@ def _read_mxfp4_slice(
     """MXFP4 experts of the slice, dequantized exactly (the dequantize-at-load path, the oracle of packed
     serving): per expert, the slice's rows of `weight_packed` and `weight_scale`, their columns widened to
     whole scale groups of 32 (two codes a byte, one scale a group), then cut to the slice's columns."""
-    from jaxhybrid.weights.mxfp4 import GROUP, SCALE_NAN, dequantize_mxfp4
-
     (a, b), rows, (c, d) = bounds
     c0, d0 = c - c % GROUP, -(-d // GROUP) * GROUP
     packed = np.empty((rows[1] - rows[0], (d0 - c0) // 2), np.uint8)

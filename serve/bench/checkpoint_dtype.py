@@ -24,8 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxhybrid.cache import CHECKPOINT_DTYPES, KDACache, narrowed
+from jaxhybrid.tokenizer import load_tokenizer
 from serve.bench.common import add_model_args, add_out_arg, emit, environment
 from serve.bench.quant import agreed_prefix
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
+from serve.models import load_model
+from serve.prefix.store import PrefixStoreConfig
 from serve.report import print_table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,8 +49,6 @@ def windows(model: Any, args: argparse.Namespace) -> Any:
 
     length = args.resume + args.continuation + 1
     if args.model:
-        from jaxhybrid.tokenizer import load_tokenizer
-
         tok = load_tokenizer(args.model, model.config)
         ids = np.concatenate([tok.encode((REPO / p).read_text()) for p in TEXT_SOURCES]).astype(np.int32)
         if len(ids) < args.windows * length:
@@ -58,8 +62,6 @@ def windows(model: Any, args: argparse.Namespace) -> Any:
 
 def rounded(cache: Any, dtype: str) -> Any:
     """`cache` with each KDA layer's states rounded to `dtype` and back (a checkpoint's copy, restored)."""
-    from jaxhybrid.cache import KDACache, narrowed
-
     back = lambda x: x.astype(narrowed(x.dtype, dtype)).astype(x.dtype)  # noqa: E731
     return tuple(KDACache(back(c.conv), back(c.state)) if isinstance(c, KDACache) else c for c in cache)
 
@@ -115,10 +117,6 @@ def greedy_resumed(
     model: Any, prompts: list[list[int]], dtype: str, n: int
 ) -> list[tuple[list[int], list[int]]]:
     """(computed from scratch, resumed from its prompt-end checkpoint in `dtype`) completions per prompt."""
-    from serve.engine.engine import Engine, EngineConfig
-    from serve.engine.sampling import SamplingParams
-    from serve.prefix.store import PrefixStoreConfig
-
     prefix = PrefixStoreConfig(checkpoint_dtype=dtype, sequence_end_checkpoints=False)
     length = max(len(p) for p in prompts) + n
     engine = Engine(
@@ -133,8 +131,6 @@ def greedy_resumed(
 
 
 def run(args: argparse.Namespace) -> int:
-    from serve.models import load_model
-
     model = load_model(args)
     tokens = windows(model, args)
     t0 = time.perf_counter()
@@ -203,8 +199,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from jaxhybrid.cache import CHECKPOINT_DTYPES
-
     p = sub.add_parser(
         "checkpoint-dtype",
         help="logprob drift and greedy agreement after resuming from a checkpoint in a narrower dtype",

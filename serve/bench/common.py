@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from serve.models import add_dequantize_experts_arg, add_weight_dtype_arg
+
 
 def environment() -> dict[str, Any]:
     import jax
@@ -95,8 +97,6 @@ def emit(result: dict[str, Any], args: argparse.Namespace) -> None:
 def add_model_args(p: argparse.ArgumentParser, default_config: str = "small") -> None:
     """--config NAME (random weights from --seed) or --model DIR: the model a bench runs
     (--dequantize-experts: MXFP4 experts held dense)."""
-    from serve.models import add_dequantize_experts_arg, add_weight_dtype_arg
-
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", help=f"config name or path (default {default_config})")
     src.add_argument("--model", help="a checkpoint directory: Hugging Face safetensors or converted Orbax")

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from serve.report import print_table
+
 
 class CompareError(ValueError):
     """A result file that cannot be compared; printed as `error: ...` with exit status 2."""
@@ -399,7 +401,6 @@ def run(args: argparse.Namespace) -> int:
     except CompareError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from serve.report import print_table
 
     labels = labels_for(args.files, results)
     print(f"bench {kind}: {len(results)} result(s)")

@@ -18,7 +18,12 @@ import sys
 
 import numpy as np
 
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM, held_bytes
 from serve.bench.common import add_out_arg, decode_step, emit, environment
+from serve.bench.throughput import decode_bytes, param_bytes
+from serve.engine.config import engine_default
+from serve.engine.engine import Engine, EngineConfig
 from serve.report import fmt_bytes, print_table
 
 
@@ -43,10 +48,6 @@ def measure(
 ) -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
-
-    from jaxhybrid.model import HybridLM, held_bytes
-    from serve.bench.throughput import decode_bytes, param_bytes
-    from serve.engine.engine import Engine, EngineConfig
 
     longest = max(contexts)
     model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(dtype), dequantize_experts=dequantize_experts)
@@ -104,8 +105,6 @@ def variants(cfg, compare_dequantized: bool) -> list[tuple[object, bool, str]]:
 
 def run(args: argparse.Namespace) -> int:
     """Per-step decode time at each context for the config and for its KDA-only variant."""
-    from jaxhybrid.config import load_config
-
     cfg = load_config(args.config)
     contexts = sorted({int(c) for c in args.contexts.split(",")})
     try:
@@ -163,8 +162,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from serve.engine.config import engine_default
-
     p = sub.add_parser(
         "decode", help="decode step time vs context, config vs its KDA-only variant", description=__doc__
     )

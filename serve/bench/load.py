@@ -20,8 +20,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from jaxhybrid.weights import checkpoint_format, load_pretrained, save_hf, save_orbax
 from serve.bench.common import add_out_arg, emit, environment
 from serve.report import DTYPES, fmt_bytes, print_table
+from sharding import multihost
+from sharding.mesh import mesh_from_flag
+from sharding.placement import load_pretrained_on_mesh
 
 SLACK_BYTES = 300 * 2**20
 FACTOR = 1.25
@@ -29,8 +35,6 @@ FACTOR = 1.25
 
 def dir_bytes(directory: Path) -> int:
     """Bytes of the checkpoint data: the safetensors files, or everything under an Orbax params/."""
-    from jaxhybrid.weights import checkpoint_format
-
     if checkpoint_format(directory) == "hf":
         files = list(directory.glob("*.safetensors"))
     else:
@@ -68,14 +72,9 @@ def child_load(directory: str, dtype: str, mesh_spec: str | None = None) -> dict
     import numpy as np
     from flax import nnx
 
-    from jaxhybrid.weights import checkpoint_format, load_pretrained
-
     jax.devices()
     mesh = None
     if mesh_spec:
-        from sharding.mesh import mesh_from_flag
-        from sharding.placement import load_pretrained_on_mesh
-
         mesh = mesh_from_flag(mesh_spec)
     baseline = _status_bytes("VmRSS")
     rchar = _io_read_bytes()
@@ -110,10 +109,6 @@ def child_load(directory: str, dtype: str, mesh_spec: str | None = None) -> dict
 def child_make(config: str, directory: str, dtype: str, shard_mb: float, seed: int) -> dict:
     import jax.numpy as jnp
     from flax import nnx
-
-    from jaxhybrid.config import load_config
-    from jaxhybrid.model import HybridLM
-    from jaxhybrid.weights import save_hf
 
     model = HybridLM(load_config(config), rngs=nnx.Rngs(seed), dtype=jnp.dtype(dtype))
     files = save_hf(model, directory, max_shard_bytes=int(shard_mb * 2**20))
@@ -216,8 +211,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     dirs = [model_dir]
     if args.orbax_dir:
-        from jaxhybrid.weights import load_pretrained, save_orbax
-
         orbax_dir = Path(args.orbax_dir)
         if not (orbax_dir / "config.json").exists():  # what `jaxhybrid convert` does
             save_orbax(load_pretrained(model_dir, progress=False), orbax_dir, tokenizer_dir=model_dir)
@@ -302,8 +295,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "--child-load":
         out = child_load(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "--child-load-mesh":  # DIR DTYPE MESH COORDINATOR NUM_PROCESSES PROCESS_ID
-        from sharding import multihost
-
         multihost.initialize(sys.argv[5], int(sys.argv[6]), int(sys.argv[7]))
         out = child_load(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "--child-make":

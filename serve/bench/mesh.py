@@ -13,8 +13,13 @@ import sys
 
 import numpy as np
 
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
 from serve.bench.common import add_out_arg, decode_step, emit, environment
+from serve.engine.engine import Engine, EngineConfig
 from serve.report import print_table
+from sharding.mesh import describe, mesh_from_flag
+from sharding.placement import shard_model
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,12 +27,6 @@ def run(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
     from flax import nnx
-
-    from jaxhybrid.config import load_config
-    from jaxhybrid.model import HybridLM
-    from serve.engine.engine import Engine, EngineConfig
-    from sharding.mesh import describe, mesh_from_flag
-    from sharding.placement import shard_model
 
     cfg = load_config(args.config)
     specs = [s.strip() for s in args.meshes.split(";") if s.strip()]

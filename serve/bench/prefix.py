@@ -46,9 +46,19 @@ import dataclasses
 import sys
 from typing import Any
 
+from jaxhybrid.cache import mla_kv_bytes
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
 from serve.bench.common import RoundProgress, add_out_arg, compile_watch, emit, environment
-from serve.bench.workloads import FAMILIES, Replay, Workload, WorkloadError, replay
+from serve.bench.prefix_plot import write_plot
+from serve.bench.simulate import CostModel, SimEngine, random_answers
+from serve.bench.workloads import FAMILIES, Replay, Workload, WorkloadError, overlap_depths, replay
+from serve.engine.config import EngineShape, engine_default
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.speculative import Speculation
 from serve.models import add_checkpoint_dtype_arg
+from serve.prefix.placement import digest, place
+from serve.prefix.store import CHECKPOINT_POLICIES, PrefixStoreConfig
 from serve.report import fmt_bytes, print_table
 
 HOST_CACHE_MB = 4096.0  # --host-cache-mb without --budgets (with them: 0, the budget is all there is)
@@ -111,8 +121,6 @@ def settings(args: argparse.Namespace) -> list[Setting]:
     and prompt/sequence-end checkpoints beside each --prompt-end-interval, once per --eviction policy; for
     `adaptive` the adaptive policy at the smallest interval (its own eviction policy); for `dp` the offline
     placement (`serve.prefix.placement`), checkpoints there only."""
-    from serve.prefix.store import CHECKPOINT_POLICIES, PrefixStoreConfig
-
     intervals = sorted(set(_csv(args.intervals, "--intervals")), reverse=True)
     ends = sorted(
         set(_csv(args.prompt_end_interval or str(intervals[-1]), "--prompt-end-interval")), reverse=True
@@ -154,9 +162,6 @@ def settings(args: argparse.Namespace) -> list[Setting]:
 def _dp(setting: Setting, off: Replay, shape: Any) -> Setting:
     """The offline-dp setting given its placement: the dynamic program over the overlap depths of `off`
     (the replay without a store: every prompt and answer) within the setting's device and host bytes."""
-    from serve.bench.workloads import overlap_depths
-    from serve.prefix.placement import place
-
     cfg = setting.prefix
     queries = [(s.prompt, d) for s, d in zip(off.served, overlap_depths(off.served), strict=True)]
     budget = cfg.device_bytes + cfg.host_bytes
@@ -167,9 +172,6 @@ def _dp(setting: Setting, off: Replay, shape: Any) -> Setting:
 
 
 def engine_config(args: argparse.Namespace, prefix: Any, kv_memory_bytes: int | None = None) -> Any:
-    from serve.engine.engine import EngineConfig
-    from serve.engine.speculative import Speculation
-
     return EngineConfig(
         max_slots=args.slots,
         block_size=args.block_size,
@@ -187,8 +189,6 @@ def engine_config(args: argparse.Namespace, prefix: Any, kv_memory_bytes: int | 
 
 def run(args: argparse.Namespace) -> int:
     """Reuse, recompute, the lower bound, TTFT and checkpoint bytes for each setting on each workload."""
-    from jaxhybrid.config import load_config
-
     if args.hbm is not None and not args.simulate:
         raise SystemExit("error: --hbm needs --simulate")
     if args.hbm is not None and args.kv_blocks is not None:
@@ -237,8 +237,6 @@ def run(args: argparse.Namespace) -> int:
     }
     print_tables(rows, [w.name for w in workloads], args.simulate)
     if args.plot:
-        from serve.bench.prefix_plot import write_plot
-
         write_plot(rows, [w.name for w in workloads], args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     emit(result, args)
@@ -305,17 +303,12 @@ def _model(cfg: Any, args: argparse.Namespace) -> Any:
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxhybrid.model import HybridLM
-
     return HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))
 
 
 def _engine_rows(
     model: Any, cfg: Any, args: argparse.Namespace, workload: Workload, compared: list[Setting]
 ) -> list[dict[str, Any]]:
-    from serve.engine.config import EngineShape
-    from serve.engine.engine import Engine
-
     if any(s.policy == "dp" for s in compared):  # the offline placement knows every prompt and answer
         off = replay(Engine(model, engine_config(args, None)), workload, cfg.vocab_size)
         shape = EngineShape.resolve(engine_config(args, None), cfg)
@@ -345,8 +338,6 @@ def pool_budget_bytes(args: argparse.Namespace) -> int:
 def simulated_kv_bytes(cfg: Any, args: argparse.Namespace) -> int | None:
     """The KV pool of a simulation: with --hbm, one device's memory less the weights, the live states of every
     slot and the checkpoints' device budget; else the engine's default (every slot at --max-model-len)."""
-    from serve.engine.config import EngineShape
-
     if args.hbm is None:
         return None
     state = EngineShape.resolve(engine_config(args, None), cfg).state_bytes
@@ -363,8 +354,6 @@ def _simulated_rows(
     cfg: Any, args: argparse.Namespace, workload: Workload, compared: list[Setting]
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     import time
-
-    from serve.bench.simulate import CostModel, SimEngine, random_answers
 
     cost = CostModel.of(cfg, args.flops_per_s)
     kv_bytes = simulated_kv_bytes(cfg, args)
@@ -407,8 +396,6 @@ def _simulated_rows(
 def known_answers(rep: Replay, otherwise: Any) -> Any:
     """The answers `rep` got, by prompt (a simulation's are drawn in the order requests need them, which
     the store's settings change), `otherwise` for a prompt it did not see."""
-    from serve.prefix.placement import digest
-
     known = {digest(s.prompt): s.generated.tolist() for s in rep.served}
     return lambda prompt, n: known.get(digest(prompt)) or otherwise(prompt, n)
 
@@ -434,8 +421,6 @@ def _simulated_row(rep: Replay, sim: Any, args: argparse.Namespace) -> dict[str,
             drafted_tokens=spec["drafted"], accepted_tokens=spec["accepted"], verify_windows=spec["windows"]
         )
     if args.hbm is not None:
-        from jaxhybrid.cache import mla_kv_bytes
-
         final_round = rep.served[-1].round
         final = [s for s, r in zip(rep.stats, rep.served, strict=True) if r.round == final_round]
         context = sum(s["prompt_tokens"] + s["generated_tokens"] for s in final) / len(final)
@@ -462,8 +447,6 @@ def _defaults(field: str) -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from serve.prefix.store import PrefixStoreConfig
-
     store_default = PrefixStoreConfig()
     p = sub.add_parser(
         "prefix", help="seeded workload replays over prefix-store settings and budgets", description=__doc__
@@ -593,8 +576,6 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def add_engine_shape_args(p: argparse.ArgumentParser) -> None:
     """The engine's shape as `engine_config` reads it (slots, blocks, chunk, context, dtype, speculation)."""
-    from serve.engine.config import engine_default
-
     p.add_argument(
         "--kv-blocks",
         type=int,

@@ -20,7 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxhybrid.assets import shipped_model_dir
+from jaxhybrid.tokenizer import load_tokenizer
+from jaxhybrid.train import data as D
+from jaxhybrid.train.loop import encode_stream, load_corpus
+from jaxhybrid.train.step import next_token_loss
+from jaxhybrid.weights import load_pretrained, save_hf
 from serve.bench.common import add_out_arg, emit, environment
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
 from serve.report import print_table
 
 # The prompts of docs/training.md's table of greedy completions.
@@ -36,10 +44,6 @@ PROMPTS = (
 
 def validation_batches(model_dir: Path, cfg: Any, args: argparse.Namespace) -> list[Any]:
     """The validation windows `jaxhybrid train` evaluates on: same corpus split, tokenizer, batches."""
-    from jaxhybrid.tokenizer import load_tokenizer
-    from jaxhybrid.train import data as D
-    from jaxhybrid.train.loop import encode_stream, load_corpus
-
     corpus = load_corpus(args.data, args.val_fraction)
     stream = encode_stream(load_tokenizer(model_dir, cfg), corpus.val_texts, cfg)
     return list(D.val_batches(stream, args.batch_size, args.seq_len, args.batches))
@@ -51,8 +55,6 @@ def _sums() -> Any:
     import jax
     import jax.numpy as jnp
     from flax import nnx
-
-    from jaxhybrid.train.step import next_token_loss
 
     @nnx.jit
     def sums(dense: Any, quant: Any, batch: jax.Array) -> dict[str, jax.Array]:
@@ -86,9 +88,6 @@ def compare_on(dense: Any, quant: Any, batches: list[Any], scheme: str = "mxfp4"
 
 
 def greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from serve.engine.engine import Engine, EngineConfig
-    from serve.engine.sampling import SamplingParams
-
     engine = Engine(model, EngineConfig(max_slots=len(prompts), block_size=16))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [list(out.token_ids) for out in engine.generate(prompts, params)]
@@ -106,10 +105,6 @@ def agreed_prefix(a: list[int], b: list[int]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
-
-    from jaxhybrid.assets import shipped_model_dir
-    from jaxhybrid.tokenizer import load_tokenizer
-    from jaxhybrid.weights import load_pretrained, save_hf
 
     model_dir = Path(args.model) if args.model else shipped_model_dir()
     if model_dir is None:

@@ -38,10 +38,18 @@ from typing import Any
 
 import numpy as np
 
+from jaxhybrid.config import ConfigError, load_config
+from jaxhybrid.model import pure_fn
 from jaxhybrid.tokenizer import ByteTokenizer
+from jaxhybrid.weights import load_pretrained
+from jaxhybrid.weights.pages import move_to_huge_pages
+from jaxhybrid.weights.safetensors import CheckpointError
 from serve.bench.common import add_out_arg, emit, environment
 from serve.bench.llamacpp import WEIGHT_TYPES as LLAMA_TYPES
 from serve.bench.llamacpp import LlamaCppError, LlamaRuns, build, describe, locate
+from serve.bench.throughput import active_params, decode_bytes, machine_rates, param_bytes, prefill_flops
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
 from serve.report import positive_ints, print_table
 
 MISSING = (
@@ -79,8 +87,6 @@ NOT_IN_TRANSFORMERS = {
 
 def make_small(directory: str, config: str, seed: int) -> Path:
     """Write transformers' KimiLinearForCausalLM for `config` (its own seeded init, fp32) to `directory`."""
-    from jaxhybrid.config import load_config
-
     cfg = load_config(config)
     unsupported = [f"{k}={getattr(cfg, k)!r}" for k, v in NOT_IN_TRANSFORMERS.items() if getattr(cfg, k) != v]
     if unsupported:
@@ -147,10 +153,6 @@ class OurModel:
     def __init__(self, directory: str, max_len: int, int8: bool = False):
         import jax.numpy as jnp
 
-        from jaxhybrid.model import pure_fn
-        from jaxhybrid.weights import load_pretrained
-        from jaxhybrid.weights.pages import move_to_huge_pages
-
         self.model = load_pretrained(directory, dtype=jnp.float32, progress=False)
         if int8:  # as `--weight-dtype int8` serves it
             self.model.to_int8()
@@ -168,23 +170,17 @@ class OurModel:
         return np.asarray(out[0], np.float64), elapsed
 
     def engine(self, slots: int | None) -> Any:
-        from serve.engine.engine import Engine, EngineConfig
-
         shape = {} if slots is None else {"max_slots": slots}
         return Engine(self.model, EngineConfig(max_model_len=self.max_len, prefix=None, **shape))
 
     def first_token(self, engine: Any, prompt: np.ndarray) -> float:
         """Seconds from adding `prompt` to its first token (prefill and one sample)."""
-        from serve.engine.sampling import SamplingParams
-
         t0 = time.perf_counter()
         engine.generate([prompt.tolist()], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         return time.perf_counter() - t0
 
     def decode(self, engine: Any, prompt: np.ndarray, steps: int) -> tuple[list[int], float]:
         """(greedy tokens, seconds of the `steps` engine steps after the first token)."""
-        from serve.engine.sampling import SamplingParams
-
         params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
         rid = engine.add_request(prompt.tolist(), params)
         while not engine.result(rid).token_ids:
@@ -302,8 +298,6 @@ def rows(med: dict[str, float], args: argparse.Namespace, fractions: dict[str, f
 
 def _fractions(ours: OurModel, med: dict[str, float], args: argparse.Namespace, rates: dict) -> dict:
     """Our share of the matmul rate (prefill) or of the read bandwidth (decode), counted as in throughput."""
-    from serve.bench.throughput import active_params, decode_bytes, param_bytes, prefill_flops
-
     cfg = ours.model.config
     params = param_bytes(ours.model)
     _, matmul = active_params(cfg, params)
@@ -319,9 +313,6 @@ def _fractions(ours: OurModel, med: dict[str, float], args: argparse.Namespace, 
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxhybrid.config import ConfigError
-    from jaxhybrid.weights.hf import CheckpointError
-
     try:
         if args.make_small:
             out = make_small(args.make_small, args.config, args.seed)
@@ -340,7 +331,6 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, ConfigError, CheckpointError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from serve.bench.throughput import machine_rates
 
     env = environment()
     rates = machine_rates("float32", 5, 2048 if env["platform"] == "cpu" else 8192, 256)

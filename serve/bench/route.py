@@ -24,12 +24,21 @@ from typing import Any
 
 import numpy as np
 
-from jaxhybrid.tokenizer import Tokenizer, TokenizerError
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from jaxhybrid.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
 from serve.bench.common import RoundProgress, add_out_arg, compile_watch, emit, environment
+from serve.bench.prefix import add_engine_shape_args, add_workload_args, engine_config, simulated_kv_bytes
+from serve.bench.simulate import CostModel, SimEngine, prompt_answers
 from serve.bench.workloads import FAMILIES, Replay, WorkloadError, replay
+from serve.engine.engine import Engine
 from serve.engine.requests import RequestError
-from serve.http.threaded import serving
+from serve.http.kv_events import EventPublisher
+from serve.http.threaded import free_port, serving
+from serve.prefix.store import PrefixStoreConfig
 from serve.report import print_table
+from serve.route.backends import Backend, BackendSpec
+from serve.route.policies import Chooser, Policy
 
 POLICIES = ("state-aware", "kv-only", "round-robin")
 SGLANG = "sglang cache_aware"  # `--sglang-router`: that router in front of the same replicas
@@ -84,9 +93,6 @@ class RoutedSim:
     """N simulated replicas behind the router's policy (a `bench prefix` Server); see the module doc."""
 
     def __init__(self, sims: list[Any], policy: str, seed: int = 0, load_weight: float | None = None):
-        from serve.route.backends import Backend, BackendSpec
-        from serve.route.policies import Chooser, Policy
-
         self.sims = sims
         self.backends = [Backend(BackendSpec(f"sim://{i}")) for i in range(len(sims))]
         for sim, backend in zip(sims, self.backends, strict=True):
@@ -145,10 +151,8 @@ class RoutedLive:
         """`text`: prompts go as text (`CharTokenizer`, which the replicas and the router then use);
         `external`: the `sglang-router` executable to put in front of the replicas instead of ours (its
         cache_aware policy; it takes text prompts only)."""
-        from serve.engine.engine import Engine
+        # the HTTP stack (fastapi, starlette, pydantic) loads when a server starts, not with the CLI
         from serve.http.app import create_app
-        from serve.http.kv_events import EventPublisher
-        from serve.route.backends import BackendSpec
 
         self._stack = contextlib.ExitStack()
         self.text = CharTokenizer(model.config.vocab_size) if text or external is not None else None
@@ -248,9 +252,8 @@ def _serve_router(
     """The router's app over `specs` with `policy` (in a child process)."""
     import uvicorn
 
+    # the HTTP stack (fastapi, starlette, pydantic) loads when a server starts, not with the CLI
     from serve.route.app import create_router_app
-    from serve.route.backends import Backend
-    from serve.route.policies import Chooser, Policy
 
     backends = [Backend(spec) for spec in specs]
     app = create_router_app(backends, Chooser(backends, Policy(policy), **_weight(load_weight)), tokenizer)
@@ -261,8 +264,6 @@ def _serve_router(
 def _router_process(specs: list[Any], policy: str, load_weight: float | None, tokenizer: Any):
     """Our router in a spawned process until the block ends; its URL once healthy."""
     import multiprocessing
-
-    from serve.http.threaded import free_port
 
     port = free_port()
     proc = multiprocessing.get_context("spawn").Process(
@@ -297,8 +298,6 @@ def _wait_healthy(url: str, exited: Any, name: str, timeout: float = 120.0) -> N
 def _external_router(executable: str, urls: list[str]):
     """`sglang-router launch` in front of `urls` (cache_aware policy), until the block ends; its URL."""
     import subprocess
-
-    from serve.http.threaded import free_port
 
     port = free_port()
     cmd = [executable, "launch", "--worker-urls", *urls, "--policy", "cache_aware", "--host", "127.0.0.1"]
@@ -404,8 +403,6 @@ def measure(model: Any, config: Any, tokenizer: Any, cfg: Any, workload: Any, po
     for attempt in range(1, MEASURE_TRIES + 1):
         t0 = time.perf_counter()
         if args.simulate:
-            from serve.bench.simulate import CostModel, SimEngine, prompt_answers
-
             answers, cost = prompt_answers(cfg.vocab_size, args.seed), CostModel.of(cfg, args.flops_per_s)
             sims = [SimEngine(cfg, config, answers, cost) for _ in range(args.replicas)]
             server: Any = RoutedSim(sims, policy, args.seed, args.load_weight)
@@ -432,9 +429,6 @@ def measure(model: Any, config: Any, tokenizer: Any, cfg: Any, workload: Any, po
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxhybrid.config import load_config
-    from serve.bench.prefix import engine_config, simulated_kv_bytes
-
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or any(p not in POLICIES for p in policies):
         print(f"error: --policies takes {', '.join(POLICIES)}", file=sys.stderr)
@@ -457,7 +451,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cfg = load_config(args.config)
     workloads = [FAMILIES[n].from_args(args) for n in names]
-    from serve.prefix.store import PrefixStoreConfig
 
     prefix = PrefixStoreConfig(
         checkpoint_policy=args.checkpoint_policy,
@@ -471,9 +464,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.simulate:
         import jax.numpy as jnp
         from flax import nnx
-
-        from jaxhybrid.model import HybridLM
-        from jaxhybrid.tokenizer import ByteTokenizer
 
         model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))
         tokenizer = ByteTokenizer(cfg.vocab_size) if cfg.vocab_size >= 259 else None
@@ -548,8 +538,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from serve.bench.prefix import add_engine_shape_args, add_workload_args
-
     p = sub.add_parser(
         "route",
         help="a workload through a router over N replicas, per routing policy",

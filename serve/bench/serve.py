@@ -26,9 +26,18 @@ import time
 import uuid
 from typing import Any
 
+from serve.bench.client import ServerError, completion_body, probe, server_counters, stream_completion
 from serve.bench.common import emit
 from serve.bench.latency import summarize
-from serve.bench.workload import Arrivals, BenchRequest, WorkloadError, arrival_times, parse_rates
+from serve.bench.workload import (
+    Arrivals,
+    BenchRequest,
+    WorkloadError,
+    arrival_times,
+    parse_rates,
+    read_dataset,
+    synthetic,
+)
 from serve.report import print_table
 
 DEFAULT_VOCAB = 256  # synthetic ids stay below this when the server does not report its vocabulary
@@ -52,8 +61,6 @@ def rate_label(rate: float) -> float | str:
 
 async def run_pass(client: Any, model: str, requests: list[BenchRequest], s: PassSettings, progress: Any):
     """Send every request at its arrival time; (results in request order, wall seconds of the pass)."""
-    from serve.bench.client import completion_body, stream_completion
-
     times = arrival_times(len(requests), s.rate, s.arrivals, s.seed)
     gate = asyncio.Semaphore(s.max_concurrency) if s.max_concurrency else None
     t0 = time.perf_counter()
@@ -109,8 +116,6 @@ def summary_row(rate: float, arrivals: Arrivals, results: list, duration: float,
 
 
 def build_requests(args: argparse.Namespace, info: Any) -> list[BenchRequest]:
-    from serve.bench.workload import read_dataset, synthetic
-
     if args.dataset:
         reqs = read_dataset(args.dataset, args.num_prompts, args.output_len)
     else:
@@ -132,8 +137,6 @@ def build_requests(args: argparse.Namespace, info: Any) -> list[BenchRequest]:
 async def bench(args: argparse.Namespace, rates: list[float]) -> dict[str, Any]:
     import httpx
     from tqdm import tqdm
-
-    from serve.bench.client import ServerError, completion_body, probe, server_counters, stream_completion
 
     quiet = args.quiet or not sys.stderr.isatty()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -239,8 +242,6 @@ def print_rows(rows: list[dict[str, Any]], label: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from serve.bench.client import ServerError
-
     try:
         rates = parse_rates(args.request_rate)
         if args.max_concurrency is not None and args.max_concurrency < 1:

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from jaxhybrid.config import ModelConfig
+from jaxhybrid.counting import count_params
 from serve.bench.throughput import prefill_flops
 from serve.engine.blocks import BlockAllocator
 from serve.engine.config import EngineConfig, EngineShape
@@ -115,8 +116,6 @@ class CostModel:
 
     @classmethod
     def of(cls, cfg: ModelConfig, flops_per_s: float) -> CostModel:
-        from jaxhybrid.counting import count_params
-
         return cls(cfg, float(count_params(cfg)["active_params_without_embedding"]), flops_per_s)
 
     def flops(self, start: int, tokens: int) -> float:

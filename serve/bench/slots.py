@@ -13,7 +13,11 @@ import argparse
 import sys
 import time
 
+from jaxhybrid.config import ConfigError
 from serve.bench.common import add_model_args, add_out_arg, emit, environment
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
+from serve.models import UsageError, load_model
 from serve.report import print_table
 
 
@@ -35,9 +39,6 @@ def _points(text: str) -> list[tuple[int, int]]:
 def measure_point(model, slots: int, running: int, prompt_len: int, new_tokens: int) -> dict:
     """Decode tokens/s of `running` greedy requests on an engine of `slots` slots (store off)."""
     import numpy as np
-
-    from serve.engine.engine import Engine, EngineConfig
-    from serve.engine.sampling import SamplingParams
 
     engine = Engine(
         model, EngineConfig(max_slots=slots, max_model_len=prompt_len + new_tokens + 16, prefix=None)
@@ -68,9 +69,6 @@ def measure_point(model, slots: int, running: int, prompt_len: int, new_tokens: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxhybrid.config import ConfigError
-    from serve.models import UsageError, load_model
-
     try:
         points = _points(args.points)
         if args.new_tokens < 2 or args.prompt_len < 1:

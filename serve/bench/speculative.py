@@ -37,8 +37,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from jaxhybrid.tokenizer import ByteTokenizer, load_tokenizer
 from jaxhybrid.train.edits import functions, unchanged_completion, unchanged_prompt
+from jaxhybrid.weights import load_pretrained
 from serve.bench.common import add_model_args, add_out_arg, emit, environment
+from serve.engine.config import EngineShape
+from serve.engine.engine import Engine, EngineConfig, draft_source
+from serve.engine.sampling import SamplingParams
+from serve.engine.speculative import PromptLookup, Speculation
+from serve.engine.warmup import Warmup, WarmupLevel
+from serve.models import load_model
 from serve.report import print_table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,12 +171,6 @@ class Setup:
         stop: bool,
         slots: int,
     ):
-        from serve.engine.config import EngineShape
-        from serve.engine.engine import Engine, EngineConfig, draft_source
-        from serve.engine.sampling import SamplingParams
-        from serve.engine.speculative import PromptLookup, Speculation
-        from serve.engine.warmup import Warmup, WarmupLevel
-
         spec = Speculation.parse(method, args.num_speculative_tokens)
         longest = max(len(p) for p in ids) + args.new_tokens + 1
         config = EngineConfig(
@@ -291,9 +293,6 @@ COLUMNS = [
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxhybrid.tokenizer import ByteTokenizer, load_tokenizer
-    from serve.models import load_model
-
     model = load_model(args)
     tokenizer = (
         load_tokenizer(args.model, model.config) if args.model else ByteTokenizer(model.config.vocab_size)
@@ -303,8 +302,6 @@ def run(args: argparse.Namespace) -> int:
         draft = model
     elif args.draft_model:
         import jax.numpy as jnp
-
-        from jaxhybrid.weights import load_pretrained
 
         draft = load_pretrained(args.draft_model, dtype=jnp.dtype(args.dtype), progress=None)
     rows = measure(model, tokenizer, args, draft)

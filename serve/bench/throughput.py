@@ -22,7 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from jaxhybrid.cache import kda_state_bytes, mla_kv_bytes
+from jaxhybrid.config import ConfigError
 from serve.bench.common import add_model_args, add_out_arg, compile_watch, decode_step, emit, environment
+from serve.engine.config import engine_default
+from serve.engine.engine import Engine, EngineConfig
+from serve.models import UsageError, load_model
 from serve.report import positive_ints, print_table
 
 COUNTING = {
@@ -153,8 +158,6 @@ def prefill_flops(cfg: Any, matmul_params: float, tokens: int, start: int = 0) -
 
 def decode_bytes(cfg: Any, params: dict[str, int], batch: int, context: int, dtype: str) -> dict[str, float]:
     """Bytes one decode step reads for `batch` rows at `context` tokens (see COUNTING)."""
-    from jaxhybrid.cache import kda_state_bytes, mla_kv_bytes
-
     k, e = cfg.num_experts_per_token, max(cfg.num_experts, 1)
     touched = 1.0 - (1.0 - k / e) ** batch if params["routed"] else 0.0
     weights = (
@@ -180,8 +183,6 @@ def measure(
 ) -> tuple[list[dict], list[dict], dict[str, Any]]:
     """Prefill and decode rows for `model` on one engine sized for the largest batch and context."""
     import jax
-
-    from serve.engine.engine import Engine, EngineConfig
 
     cfg = model.config
     params = param_bytes(model)
@@ -260,9 +261,6 @@ def measure(
 
 def run(args: argparse.Namespace) -> int:
     """Prefill and decode tokens/s with the achieved fraction of the measured matmul rate and bandwidth."""
-    from jaxhybrid.config import ConfigError
-    from serve.models import UsageError, load_model
-
     try:
         prompt_lengths = positive_ints(args.prompt_lengths, "--prompt-lengths")
         batches = positive_ints(args.batch_sizes, "--batch-sizes")
@@ -338,8 +336,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from serve.engine.config import engine_default
-
     p = sub.add_parser(
         "throughput",
         help="prefill / decode tokens/s vs the measured matmul rate and memory bandwidth",

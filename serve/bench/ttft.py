@@ -14,7 +14,12 @@ import sys
 
 import numpy as np
 
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
 from serve.bench.common import add_out_arg, emit, environment
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
+from serve.prefix.store import PrefixStoreConfig
 from serve.report import print_table
 
 
@@ -22,12 +27,6 @@ def run(args: argparse.Namespace) -> int:
     """TTFT of a follow-up prompt: cold, interval hit, prompt-end hit."""
     import jax.numpy as jnp
     from flax import nnx
-
-    from jaxhybrid.config import load_config
-    from jaxhybrid.model import HybridLM
-    from serve.engine.engine import Engine, EngineConfig
-    from serve.engine.sampling import SamplingParams
-    from serve.prefix.store import PrefixStoreConfig
 
     cfg = load_config(args.config)
     model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))

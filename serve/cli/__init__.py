@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from serve.cli import bench, convert, generate, info, memory, plan, route, serve, train
+from serve.models import guess_backend
 
 COMMANDS = (info, generate, bench, convert, memory, plan, serve, route, train)
 
@@ -37,7 +38,6 @@ def skip_absent_tpu() -> None:
 
     if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
         return
-    from serve.models import guess_backend
 
     if guess_backend() != "cpu":  # a TPU chip here, or another accelerator's plugin
         return

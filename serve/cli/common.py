@@ -9,6 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from jaxhybrid.ops import native
+from jaxhybrid.weights import load_pretrained
+from serve.engine.config import engine_default
+from serve.engine.speculative import MAX_SPECULATIVE_TOKENS, DraftMethod, Speculation, SpeculationError
+from serve.models import UsageError, add_checkpoint_dtype_arg
+from serve.prefix.store import PrefixStoreConfig
+
 log = logging.getLogger("jaxhybrid.cli")
 
 
@@ -24,9 +31,6 @@ def add_config_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
 def add_prefix_args(p: argparse.ArgumentParser) -> None:
     """Prefix-store flags shared by `generate` and `serve` (the prefix cache is on by default); defaults are
     PrefixStoreConfig's."""
-    from serve.models import add_checkpoint_dtype_arg
-    from serve.prefix.store import PrefixStoreConfig
-
     default = PrefixStoreConfig()
     g = p.add_argument_group("prefix cache")
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix store off")
@@ -91,9 +95,7 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def prefix_config(args: argparse.Namespace):  # -> PrefixStoreConfig | None
-    from serve.prefix.store import PrefixStoreConfig
-
+def prefix_config(args: argparse.Namespace) -> PrefixStoreConfig | None:
     if args.no_prefix_cache:
         if args.store_dir:
             raise ValueError("--store-dir needs the prefix cache (drop --no-prefix-cache)")
@@ -116,8 +118,6 @@ def prefix_config(args: argparse.Namespace):  # -> PrefixStoreConfig | None
 def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Engine-shape flags shared by `generate` and `serve` (defaults: EngineConfig's); returns the group for
     command-specific extras."""
-    from serve.engine.config import engine_default
-
     names = ("max_slots", "block_size", "prefill_chunk", "prefill_rows")
     slots, block, chunk, rows = map(engine_default, names)
     e = p.add_argument_group("engine")
@@ -145,7 +145,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument(
         "--max-model-len", type=int, default=None, help="context limit (default min(config, 4096))"
     )
-    from serve.engine.speculative import MAX_SPECULATIVE_TOKENS
 
     spec = engine_default("speculative")
     e.add_argument(
@@ -170,9 +169,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 def speculation(args: argparse.Namespace) -> Any:
     """The engine's `Speculation` from --speculative / --num-speculative-tokens (UsageError when invalid)."""
-    from serve.engine.speculative import DraftMethod, Speculation, SpeculationError
-    from serve.models import UsageError
-
     method = args.speculative.split(":", 1)[0] if args.speculative.startswith("draft:") else args.speculative
     if method == DraftMethod.DRAFT.value and args.speculative == method:
         raise UsageError("--speculative draft needs the draft model's directory: draft:DIR")
@@ -184,15 +180,11 @@ def speculation(args: argparse.Namespace) -> Any:
 
 def load_draft_model(args: argparse.Namespace, multi: bool = False) -> Any:
     """The draft model `--speculative draft:DIR` names (in the model's dtype), or None."""
-    from serve.models import UsageError
-
     if not args.speculative.startswith("draft:"):
         return None
     if multi or getattr(args, "mesh", None):
         raise UsageError("--speculative draft:DIR runs on one device (not with --mesh or several processes)")
     import jax.numpy as jnp
-
-    from jaxhybrid.weights import load_pretrained
 
     directory = args.speculative.split(":", 1)[1]
     if not Path(directory).is_dir():
@@ -281,6 +273,4 @@ def build_kernels_meanwhile() -> None:
     import jax
 
     if jax.default_backend() == "cpu":
-        from jaxhybrid.ops import native
-
         native.build_in_background()

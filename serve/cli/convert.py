@@ -16,6 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+from jaxhybrid.assets import shipped_model_dir
+from jaxhybrid.config import ConfigError
+from jaxhybrid.weights import CheckpointError, load_pretrained, save_hf, save_orbax
+from jaxhybrid.weights.hf import named_arrays
+from jaxhybrid.weights.orbax_io import PARAMS_DIR
+from jaxhybrid.weights.safetensors import INDEX_FILE
 from serve.models import add_dequantize_experts_arg
 from serve.report import DTYPES, fmt_bytes
 
@@ -30,8 +36,6 @@ def _clear_output(out: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         raise FileExistsError(f"{out} exists and is not empty (pass --overwrite to replace it)")
-    from jaxhybrid.weights.hf import INDEX_FILE
-    from jaxhybrid.weights.orbax_io import PARAMS_DIR
 
     shutil.rmtree(out / PARAMS_DIR, ignore_errors=True)
     for path in [*out.glob("*.safetensors"), out / INDEX_FILE]:
@@ -41,8 +45,6 @@ def _clear_output(out: Path, overwrite: bool) -> None:
 def _write_mxfp4(model: object, src: Path, out: Path, args: argparse.Namespace) -> None:
     """The model as a Hugging Face directory with MXFP4 routed experts; the expert widths are checked (a
     ConfigError naming the width) before anything is written."""
-    from jaxhybrid.weights import save_hf
-
     model.config.replace(expert_quant=args.quantize_experts)  # type: ignore[attr-defined]
     if src.resolve() == out.resolve():
         raise FileExistsError(f"{out}: the output directory must differ from the source")
@@ -56,11 +58,6 @@ def run(args: argparse.Namespace) -> int:
     checkpoint whose routed experts are MXFP4."""
     import jax
     import numpy as np
-
-    from jaxhybrid.assets import shipped_model_dir
-    from jaxhybrid.config import ConfigError
-    from jaxhybrid.weights import CheckpointError, load_pretrained, save_orbax
-    from jaxhybrid.weights.hf import named_arrays
 
     src = args.src if args.src is not None else shipped_model_dir()
     if src is None:

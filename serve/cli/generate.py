@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from jaxhybrid.config import ConfigError
+from jaxhybrid.tokenizer import load_tokenizer
 from serve.cli.common import (
     add_compile_cache_arg,
     add_config_arg,
@@ -22,6 +24,9 @@ from serve.cli.common import (
     setup_compile_cache,
     speculation,
 )
+from serve.engine.engine import Engine, EngineConfig, RequestError
+from serve.engine.replicated import ReplicatedEngine, check_engine_config
+from serve.engine.sampling import SamplingError, SamplingParams
 from serve.models import (
     DTYPE_HELP,
     UsageError,
@@ -30,6 +35,8 @@ from serve.models import (
     load_on_mesh,
 )
 from serve.report import DTYPES
+from sharding import multihost
+from sharding.mesh import add_mesh_argument
 
 REQUEST_FIELDS = ("prompt_ids", "cache_salt")
 SAMPLING_FIELDS = (
@@ -70,9 +77,6 @@ def run_replicated(args: argparse.Namespace, model: Any, mesh: Any, tokenizer: A
     """Several processes (`--coordinator/--num-processes/--process-id`): every process runs the engine on
     the same requests in lockstep (`serve.engine.replicated`); process 0 reads the prompts and gets the
     results, the others follow, print one summary line to stderr and return None."""
-    from serve.engine.engine import Engine
-    from serve.engine.replicated import ReplicatedEngine, check_engine_config
-
     load_draft_model(args, multi=True)  # refused: one device only
     rep = ReplicatedEngine(Engine(model, check_engine_config(engine_config(args)), mesh=mesh))
     if not rep.is_leader:
@@ -96,8 +100,6 @@ def run_replicated(args: argparse.Namespace, model: Any, mesh: Any, tokenizer: A
 
 
 def engine_config(args: argparse.Namespace) -> Any:
-    from serve.engine.engine import EngineConfig
-
     return EngineConfig(
         max_slots=args.slots,
         block_size=args.block_size,
@@ -114,8 +116,6 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 
 def sampling_from(args: argparse.Namespace, overrides: dict[str, Any], where: str) -> Any:
-    from serve.engine.sampling import SamplingParams
-
     unknown = sorted(set(overrides) - set(SAMPLING_FIELDS))
     if unknown:
         raise UsageError(
@@ -174,12 +174,6 @@ def collect_requests(args: argparse.Namespace, tokenizer: Any) -> list[tuple[lis
 def run(args: argparse.Namespace) -> int:
     """Generate from token ids, text (byte-level tokenizer for random-weight configs) or a JSON-lines file."""
     import jax
-
-    from jaxhybrid.config import ConfigError
-    from jaxhybrid.tokenizer import load_tokenizer
-    from serve.engine.engine import Engine, RequestError
-    from serve.engine.sampling import SamplingError
-    from sharding import multihost
 
     setup_compile_cache(args.compile_cache)
     multi = False
@@ -262,8 +256,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--stop-ids", help="comma-separated token ids that end a sequence")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     s.add_argument("--logprobs", action="store_true", help="report the log-probability of each chosen token")
-    from sharding import multihost
-    from sharding.mesh import add_mesh_argument
 
     add_mesh_argument(add_engine_args(p))
     s.add_argument(

@@ -11,8 +11,14 @@ import json
 import sys
 from typing import Any
 
+from jaxhybrid.cache import cache_bytes_per_sequence
+from jaxhybrid.config import ConfigError, load_config
+from jaxhybrid.counting import count_params
+from jaxhybrid.model import held_bytes
+from jaxhybrid.weights import CheckpointError, load_pretrained
+from jaxhybrid.weights.mxfp4 import GROUP
 from serve.cli.common import add_config_arg
-from serve.models import add_dequantize_experts_arg
+from serve.models import add_dequantize_experts_arg, checkpoint_dir, serving_dtype
 from serve.report import DTYPES, fmt_bytes, fmt_count
 
 BUFFER_ITEMSIZE = 4  # the model's buffers (the router's score-correction bias) are fp32
@@ -22,8 +28,6 @@ def checkpoint_bytes(cfg: Any, counts: dict[str, Any], itemsize: int) -> dict[st
     """Bytes a checkpoint of `cfg` stores: routed experts at `itemsize` bytes per weight, or at 4.25 bits
     when `cfg.expert_quant == "mxfp4"`; every other parameter at its dtype (`counts["param_bytes"]`
     less the routed experts at `itemsize`); buffers fp32."""
-    from jaxhybrid.weights.mxfp4 import GROUP
-
     quant = getattr(cfg, "expert_quant", None)
     routed = counts["routed_expert_params"]
     other = counts["param_bytes"] - routed * itemsize
@@ -47,10 +51,6 @@ def model_report(args: argparse.Namespace, dtype: str) -> tuple[Any, dict[str, A
     --dequantize-experts), loaded in `dtype` as `serve` loads it, against the analytic count of its config at
     that dtype."""
     import jax.numpy as jnp
-
-    from jaxhybrid.counting import count_params
-    from jaxhybrid.model import held_bytes
-    from jaxhybrid.weights import load_pretrained
 
     model = load_pretrained(
         args.model,
@@ -77,12 +77,6 @@ def run(args: argparse.Namespace) -> int:
     """Parameter counts and per-sequence cache bytes of a config, from shapes only; with --model, also the
     bytes the loaded model holds."""
     import jax.numpy as jnp
-
-    from jaxhybrid.cache import cache_bytes_per_sequence
-    from jaxhybrid.config import ConfigError, load_config
-    from jaxhybrid.counting import count_params
-    from jaxhybrid.weights import CheckpointError
-    from serve.models import checkpoint_dir, serving_dtype
 
     loaded = None
     try:

@@ -6,9 +6,13 @@ import argparse
 import json
 import sys
 
+from jaxhybrid.cache import layout_report, memory_report
+from jaxhybrid.config import ConfigError, load_config
+from jaxhybrid.weights import CheckpointError
 from serve.cli.common import add_config_arg
-from serve.models import add_checkpoint_dtype_arg
-from serve.report import DTYPES, fmt_bytes
+from serve.models import add_checkpoint_dtype_arg, checkpoint_dir, serving_dtype
+from serve.prefix.ledger import Chat, CheckpointPolicy, chat_report
+from serve.report import DTYPES, fmt_bytes, positive_ints, print_table
 
 # the --turns rows: ledger kind, name, what follows the count ({every}: the interval)
 CHAT_KINDS = (
@@ -25,11 +29,6 @@ def run(args: argparse.Namespace) -> int:
     chat of N turns of T tokens (context N*T), with every checkpoint the engine's prefix store keeps for it
     (interval, prompt end, sequence end; a partial last block's KV in those off a block boundary)."""
     import jax.numpy as jnp
-
-    from jaxhybrid.cache import memory_report
-    from jaxhybrid.config import ConfigError, load_config
-    from jaxhybrid.weights import CheckpointError
-    from serve.models import checkpoint_dir, serving_dtype
 
     try:
         cfg = load_config(args.config)
@@ -112,8 +111,6 @@ def _chat_report(cfg, args: argparse.Namespace, hbm: int | None) -> dict:
     """The ledger at the end of the --turns chat, checkpoints by kind."""
     import jax.numpy as jnp
 
-    from serve.prefix.ledger import Chat, CheckpointPolicy, chat_report
-
     if args.turn_tokens is None:
         raise ValueError("--turns needs --turn-tokens")
     reply = args.reply_tokens if args.reply_tokens is not None else max(1, args.turn_tokens // 4)
@@ -134,9 +131,6 @@ def _chat_report(cfg, args: argparse.Namespace, hbm: int | None) -> dict:
 def _ratios(cfg, args: argparse.Namespace, hbm: int | None) -> int:
     """The layout what-if: per-sequence bytes (and sequences that fit in --hbm) for every KDA:MLA mix."""
     import jax.numpy as jnp
-
-    from jaxhybrid.cache import layout_report
-    from serve.report import positive_ints, print_table
 
     contexts = positive_ints(args.contexts, "--contexts")
     if args.context is not None:

@@ -10,10 +10,14 @@ import json
 import sys
 from typing import Any
 
+from jaxhybrid.config import load_config
 from serve.cli.common import add_config_arg
 from serve.engine.config import engine_default
+from serve.engine.topology import compile_engine_programs, replica_mesh, topology_devices
 from serve.models import add_checkpoint_dtype_arg
+from serve.plan import PlanError, Planner, PlanRequest, sweep
 from serve.report import DTYPES, print_table
+from sharding.mesh import MeshSpecError, parse_mesh_spec
 
 EXPERTS = ("packed", "dequantized")
 # by-kind columns of the tables: (DeviceBytes field, column)
@@ -52,8 +56,6 @@ def _experts(text: str) -> list[bool]:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from jaxhybrid.config import load_config
-
     if bool(args.model) == bool(args.config):
         raise ValueError("give exactly one of --config NAME and --model DIR")
     return load_config(args.model or args.config)
@@ -139,17 +141,12 @@ def run(args: argparse.Namespace) -> int:
     """Which mesh, and how many sequences of --context tokens fit on --chips chips of --hbm GB each: the
     replica mesh (tensor x expert; data = replicas) and the bytes per device by kind, counted from the
     engine's own sharding rules and pool sizing (activations estimated). Exit status 1 when nothing fits."""
-    from serve.plan import PlanError, Planner, PlanRequest, sweep
-    from sharding.mesh import MeshSpecError, parse_mesh_spec
-
     devices = None
     try:
         cfg = _config(args)
         if args.compile and not args.topology:
             raise ValueError("--compile needs --topology (the TPU topology to compile for, e.g. v5e:2x2)")
         if args.topology:
-            from serve.engine.topology import topology_devices
-
             devices = topology_devices(args.topology)
         axes = {
             "chips": [len(devices)] if devices else _list(args.chips, "--chips"),
@@ -214,8 +211,6 @@ def _compile(planner: Any, plan: Any, devices: list[Any]) -> list[Any]:
     """The chosen replica's programs compiled for the topology's devices (`compile_engine_programs`), at the
     engine shape the plan sized them with."""
     import jax.numpy as jnp
-
-    from serve.engine.topology import compile_engine_programs, replica_mesh
 
     req, m = plan.request, plan.chosen
     shape = planner.engine_shape(req, m.slots)

@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxhybrid.assets import shipped_model_dir
+from jaxhybrid.config import load_config
+from jaxhybrid.tokenizer import load_tokenizer
 from serve.cli.common import setup_logging
+from serve.route.backends import Backend, BackendSpec
+from serve.route.policies import LOAD_WEIGHT, Chooser, Policy
 
 
 def run(args: argparse.Namespace) -> int:
@@ -16,8 +21,6 @@ def run(args: argparse.Namespace) -> int:
     request retried on the next; health checks re-admit it. The tokenizer (--model or --config, as the
     replicas were started) lets the router see prompts as token ids."""
     setup_logging(args.log_level)
-    from serve.route.backends import Backend, BackendSpec
-    from serve.route.policies import Chooser, Policy
 
     try:
         specs = [BackendSpec.parse(text) for text in args.backend]
@@ -33,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = _tokenizer(args)
     import uvicorn
 
+    # the HTTP stack (fastapi, starlette, pydantic) loads when a server starts, not with the CLI
     from serve.route.app import create_router_app
 
     backends = [Backend(spec) for spec in specs]
@@ -51,18 +55,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tokenizer(args: argparse.Namespace):
-    from jaxhybrid.assets import shipped_model_dir
-    from jaxhybrid.config import load_config
-    from jaxhybrid.tokenizer import load_tokenizer
-
     model = args.model or (None if args.config else shipped_model_dir())
     cfg = load_config(str(model) if model else (args.config or "tiny"))
     return load_tokenizer(model, cfg)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from serve.route.policies import LOAD_WEIGHT, Policy
-
     p = sub.add_parser(
         "route", help="an OpenAI-compatible router over several serve replicas", description=run.__doc__
     )

@@ -19,6 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from jaxhybrid.assets import shipped_model_dir
+from jaxhybrid.config import ConfigError
+from jaxhybrid.tokenizer import TokenizerError, load_tokenizer
 from serve.cli.common import (
     add_compile_cache_arg,
     add_config_arg,
@@ -30,6 +33,10 @@ from serve.cli.common import (
     setup_logging,
 )
 from serve.cli.generate import engine_config
+from serve.engine.engine import Engine
+from serve.engine.replicated import ReplicatedEngine, check_engine_config
+from serve.engine.warmup import Warmup, WarmupLevel
+from serve.http.kv_events import EventPublisher
 from serve.models import (
     DTYPE_HELP,
     UsageError,
@@ -38,6 +45,8 @@ from serve.models import (
     load_on_mesh,
 )
 from serve.report import DTYPES
+from sharding import multihost
+from sharding.mesh import add_mesh_argument, describe
 
 log = logging.getLogger("jaxhybrid.serve")
 IDLE_WAIT_S = 0.05  # several processes: an idle leader steps (and wakes the followers) this often
@@ -99,9 +108,6 @@ def serve_replicated(args: argparse.Namespace, engine: Any, tokenizer: Any) -> i
     serves HTTP and owns the intake; the others follow until process 0 shuts down. When a peer died, the
     collectives and JAX's distributed shutdown would wait for it: the exit is bounded by
     `--shutdown-timeout` instead (a follower whose leader died is ended by JAX at once)."""
-    from serve.engine.replicated import ReplicatedEngine
-    from sharding import multihost
-
     rep = ReplicatedEngine(engine, idle_wait_s=IDLE_WAIT_S)
     status, failed = 1, None
     try:
@@ -178,14 +184,7 @@ def run(args: argparse.Namespace) -> int:
 
     setup_compile_cache(args.compile_cache)
 
-    from jaxhybrid.config import ConfigError
-    from jaxhybrid.tokenizer import TokenizerError, load_tokenizer
-    from serve.engine.engine import Engine
-    from sharding import multihost
-
     if not args.model and not args.config:
-        from jaxhybrid.assets import shipped_model_dir
-
         if shipped_model_dir() is not None:
             log.info(
                 "no --model or --config given: serving the embedded default, the shipped model %s "
@@ -206,8 +205,6 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--kv-events-endpoint serves one process; it is not supported with several yet")
         model, mesh = load_on_mesh(args, multi)
         if mesh is not None:
-            from sharding.mesh import describe
-
             log.info("parameters sharded over the mesh %s", describe(mesh))
         tokenizer = load_tokenizer(args.model, model.config)
         if tokenizer is None:
@@ -216,8 +213,6 @@ def run(args: argparse.Namespace) -> int:
         if not multi:  # several processes run each program in lockstep: one tier, compiled where first needed
             cfg = dataclasses.replace(cfg, tiered_compile=True)
         if multi:
-            from serve.engine.replicated import check_engine_config
-
             cfg = check_engine_config(cfg)
         engine = Engine(model, cfg, mesh=mesh, draft_model=load_draft_model(args, multi))
     except (UsageError, ConfigError, TokenizerError, ValueError, OSError) as exc:
@@ -225,7 +220,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if multi:
         return serve_replicated(args, engine, tokenizer)
-    from serve.engine.warmup import Warmup, WarmupLevel
 
     warmup = Warmup(engine, WarmupLevel(args.warmup), args.warmup_timeout)
     return serve_http(args, engine, tokenizer, warmup)[0]
@@ -238,14 +232,13 @@ def serve_http(
     compiling `warmup`'s programs in the background; (exit status, why the engine went down or None)."""
     import uvicorn
 
+    # the HTTP stack (fastapi, starlette, pydantic) loads when a server starts, not with the CLI
     from serve.http.app import create_app
 
     cfg = engine.config
     name = model_name(args)
     events = None
     if args.kv_events_endpoint:
-        from serve.http.kv_events import EventPublisher
-
         events = EventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint)
         replay = args.kv_events_replay_endpoint
         log.info("prefix-store events on %s (replay: %s)", args.kv_events_endpoint, replay)
@@ -303,8 +296,6 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from sharding.mesh import add_mesh_argument
-
     p = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics, ...)",
@@ -387,7 +378,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     e = add_engine_args(p)
     add_mesh_argument(e)
     add_prefix_args(p)
-    from sharding import multihost
 
     multihost.add_arguments(p)
     p.set_defaults(func=run)

@@ -7,19 +7,18 @@ import argparse
 import json
 import sys
 
+from jaxhybrid.config import ConfigError
+from jaxhybrid.tokenizer import TokenizerError
+from jaxhybrid.train import TrainConfig, TrainError, train
+from jaxhybrid.train.data import DataError
+from jaxhybrid.train.step import cpu_workaround_flags
+from jaxhybrid.weights.safetensors import CheckpointError
 from serve.cli.common import add_config_arg
 
 
 def run(args: argparse.Namespace) -> int:
     """Train a model; writes OUT/model (an Orbax model directory for --model), OUT/log.json, OUT/loss.png."""
-    from jaxhybrid.train.step import cpu_workaround_flags
-
     cpu_workaround_flags()  # before JAX starts its backend
-    from jaxhybrid.config import ConfigError
-    from jaxhybrid.tokenizer import TokenizerError
-    from jaxhybrid.train import TrainConfig, TrainError, train
-    from jaxhybrid.train.data import DataError
-    from jaxhybrid.weights.hf import CheckpointError
 
     cfg = TrainConfig(
         config=args.config,

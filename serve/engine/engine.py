@@ -24,6 +24,7 @@ import numpy as np
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import HybridLM, held_bytes
 from serve.engine.config import EngineConfig, EngineShape, ProgramShape
+from serve.engine.drafting import DraftModel
 from serve.engine.executables import Tier
 from serve.engine.pools import EnginePools, aligned_prefix
 from serve.engine.requests import (
@@ -57,8 +58,6 @@ log = logging.getLogger("jaxhybrid.engine")
 
 def draft_source(model: HybridLM, target: ModelConfig, shape: EngineShape) -> Any:
     """The draft model's `DraftSource` for an engine of `shape` (its vocabulary must be the target's)."""
-    from serve.engine.drafting import DraftModel
-
     if model.config.vocab_size != target.vocab_size:
         raise ValueError(
             f"the draft model's vocabulary ({model.config.vocab_size}) differs from the model's "

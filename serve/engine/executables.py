@@ -49,6 +49,7 @@ import jaxlib
 from jax.experimental import serialize_executable
 
 from jaxhybrid.ops import placement
+from jaxhybrid.ops.native import cpu_flags, register_all
 
 log = logging.getLogger("jaxhybrid.compile")
 
@@ -81,8 +82,6 @@ def _platform() -> str:
     kinds = sorted({d.device_kind for d in devices})
     isa = ""
     if jax.default_backend() == "cpu":
-        from jaxhybrid.ops.native import cpu_flags
-
         isa = "/" + hashlib.sha256(cpu_flags().encode()).hexdigest()[:16]
     return f"{jax.__version__}/{jaxlib.__version__}/{jax.default_backend()}/{len(devices)}x{kinds}{isa}"
 
@@ -225,8 +224,6 @@ class ExecutableCache:
             by_id = {d.id: d for d in jax.devices()}
             on_cpu = [p is not None and any(by_id[i].platform == "cpu" for i in p[3]) for p in parts]
             if any(on_cpu):
-                from jaxhybrid.ops.native import register_all
-
                 register_all()  # the handlers of the kernels a CPU program calls, before it is loaded
             for part, cpu in zip(parts, on_cpu, strict=True):
                 if cpu:

@@ -41,6 +41,7 @@ from serve.engine.executables import ExecutableCache, ModelExecutables, Tier, sp
 from serve.engine.requests import Request
 from serve.engine.sampling import batch_arrays, greedy, sample, verify
 from serve.engine.store_copies import HostShards, StoreCopies, to_device
+from sharding.placement import pool_shardings
 
 # The longest prompt chunk that runs through the decode program while its prefill program compiles
 # (`EngineConfig.tiered_compile`): one decode step per token is milliseconds for a model a CPU serves, against
@@ -310,8 +311,6 @@ class Runner(AheadOfTime, StoreCopies):
         scan_defs, self.scan_params = split_for_scan(model, layout) if layout else (None, None)
         self.pool_shardings = None
         if mesh is not None:
-            from sharding.placement import pool_shardings
-
             self.pool_shardings = pool_shardings(
                 cfg, mesh, slots=shape.slots, num_blocks=shape.num_blocks, block_size=shape.block_size
             )

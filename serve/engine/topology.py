@@ -27,8 +27,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.model import abstract_model
+from serve.engine import copies
 from serve.engine import runner as runner_mod
 from serve.engine.config import EngineShape, ProgramShape
+from sharding.mesh import make_mesh
+from sharding.placement import install_expert_parallel, pool_shardings, wants_expert_parallel
+from sharding.rules import state_shardings
 
 __all__ = [
     "CHIPS",
@@ -171,8 +175,6 @@ def _has_libtpu() -> bool:
 
 def replica_mesh(devices: list[Any], tensor: int, expert: int) -> Any:
     """The mesh of one replica (data=1): the first tensor x expert devices of the topology."""
-    from sharding.mesh import make_mesh
-
     if tensor * expert > len(devices):
         raise TopologyError(f"tensor={tensor} x expert={expert} needs more than the {len(devices)} devices")
     return make_mesh({"data": 1, "expert": expert, "tensor": tensor}, devices=devices[: tensor * expert])
@@ -197,9 +199,6 @@ def program_arguments(
     """What the engine's runner would hold on `mesh` for `shape`, as shapes: the abstract model's parameters
     in the shardings `sharding.rules` gives them (expert parallelism where the mesh has an expert axis, as
     the engine installs it), the pools in `pool_shardings`'."""
-    from sharding.placement import install_expert_parallel, pool_shardings, wants_expert_parallel
-    from sharding.rules import state_shardings
-
     model = abstract_model(cfg, dtype, dequantize_experts=not packed)
     if wants_expert_parallel(cfg, mesh):
         install_expert_parallel(model, mesh)
@@ -287,8 +286,6 @@ def compile_engine_programs(
 def _lowering(name: str, args: ProgramArguments, mesh: Any, shape: EngineShape) -> tuple[int, int, int, Any]:
     """(rows, tokens per row, block-table width, a function lowering program `name` from placed shapes), as
     the runner has it."""
-    from serve.engine import copies
-
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def spec(dims: tuple[int, ...], dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:

@@ -8,6 +8,7 @@ import json
 import logging
 from typing import Any
 
+from jaxhybrid.tokenizer import TokenizerError
 from serve.engine.engine import EngineAPI
 from serve.engine.requests import RequestError, check_cache_salt
 from serve.engine.sampling import SamplingError, SamplingParams
@@ -308,7 +309,6 @@ class RequestParser:
             clean.append({**m, "role": role, "content": content})
         if self.tokenizer is None:
             raise bad("this model has no tokenizer, so no chat template: use /v1/completions", "messages")
-        from jaxhybrid.tokenizer import TokenizerError
 
         try:
             ids = self.tokenizer.apply_chat_template(clean, add_generation_prompt=True)

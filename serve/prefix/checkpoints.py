@@ -6,32 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from enum import StrEnum
 from typing import Any
 
 from serve.prefix.events import EventLog, StateRemoved, StateStored
 from serve.prefix.index import BlockIndex
-from serve.prefix.policies import EvictionPolicy
 from serve.prefix.stats import MemoryStats
-
-
-class Tier:
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"  # the write-through copies (`serve.prefix.disk`), not a tier a Checkpoint lives in
-
-
-TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
-
-
-class CheckpointKind(StrEnum):
-    """Why the store took a checkpoint; the value is what disk metadata records. Where several are due at
-    one position the first in this order is it (one checkpoint per position)."""
-
-    INTERVAL = "interval"  # a multiple of the checkpoint interval
-    PROMPT_END = "prompt_end"  # the end of a prompt (keeps its next-token logits)
-    SEQUENCE_END = "sequence_end"  # the last computed position of a finished sequence
-    JUNCTION = "junction"  # where a prompt leaves a prefix others hold or compute (adaptive policy)
+from serve.prefix.types import TIERS, Checkpoint, CheckpointKind, EvictionPolicy, Tier
 
 
 @dataclasses.dataclass
@@ -53,36 +33,9 @@ class KindTally:
         return {"checkpoints_by_kind": self.counts, "checkpoint_bytes_by_kind": self.nbytes}
 
 
-@dataclasses.dataclass
-class Checkpoint:
-    """KDA states after `position` tokens (+ the partial last block's KV when position % block_size)."""
-
-    key: bytes
-    position: int
-    states: Any  # per KDA layer (conv, state): device arrays, or numpy on the host tier
-    tail_kv: Any  # per MLA layer [block_size, latent] (first position % block_size rows valid), or None
-    nbytes: int
-    tier: str  # Tier.DEVICE | Tier.HOST
-    kind: CheckpointKind
-    holders: int = 0  # running requests restoring from it right now (never evicted while > 0)
-    logits: Any = (
-        None  # [vocab] next-token logits at `position` (prompt ends): an identical prompt hits fully
-    )
-    parent: bytes | None = None  # the checkpoint before it on its chain (where its request resumed or last
-    # saved), for what it saves (`serve.prefix.policies.ValueAware`)
-    chain: tuple[bytes, ...] = ()  # chain hashes of the full blocks below it (it resumes nothing without)
-    tail: tuple[int, ...] = ()  # the tokens after its last full block
-
-    def stored(self) -> StateStored:
-        """The event that announces it in its tier."""
-        return StateStored(
-            self.key, self.position, self.kind.value, self.tier, self.base, list(self.tail), self.nbytes
-        )
-
-    @property
-    def base(self) -> bytes | None:
-        """The chain hash of its last full block (None before the first block boundary)."""
-        return self.chain[-1] if self.chain else None
+def stored_event(ck: Checkpoint) -> StateStored:
+    """The event that announces `ck` in its tier."""
+    return StateStored(ck.key, ck.position, ck.kind.value, ck.tier, ck.base, list(ck.tail), ck.nbytes)
 
 
 class CheckpointTiers:
@@ -152,7 +105,7 @@ class CheckpointTiers:
         if self.log is not None:
             if old is not None and old.tier != ck.tier:
                 self.log.add(StateRemoved(old.key, old.tier))
-            self.log.add(ck.stored())
+            self.log.add(stored_event(ck))
         if count:
             self.stats.saves += 1
         return True
@@ -226,6 +179,6 @@ class CheckpointTiers:
                     self.stats.demotions += 1
                     if self.log is not None:
                         self.log.add(StateRemoved(key, Tier.DEVICE))
-                        self.log.add(ck.stored())
+                        self.log.add(stored_event(ck))
                 else:
                     self._drop(key)

@@ -47,7 +47,7 @@ from typing import Any
 
 from jaxhybrid.weights.orbax_io import checkpointer
 from serve.prefix import files
-from serve.prefix.checkpoints import KindTally, Tier
+from serve.prefix.checkpoints import KindTally
 from serve.prefix.entries import DiskEntry, is_transient, read_arrays, read_entry, write_entry
 from serve.prefix.events import EventLog, StateRemoved, StateStored
 from serve.prefix.files import (
@@ -60,6 +60,7 @@ from serve.prefix.files import (
     namespace,
 )
 from serve.prefix.stats import DiskStats
+from serve.prefix.types import Tier
 from sharding.multihost import Peers
 
 __all__ = ["DiskEntry", "DiskTier", "StoreLocked", "namespace", "LOCK", "MANIFEST"]

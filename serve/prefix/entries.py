@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from serve.prefix import files
-from serve.prefix.checkpoints import CheckpointKind
 from serve.prefix.files import FORMAT, MANIFEST, MIN_FREE_BYTES, DiskFull
+from serve.prefix.types import CheckpointKind
 from sharding.multihost import Peers
 
 

@@ -63,7 +63,7 @@ class StateStored:
     TAG: ClassVar[str] = "StateStored"
     key: bytes
     position: int
-    kind: str  # serve.prefix.checkpoints.CheckpointKind
+    kind: str  # serve.prefix.types.CheckpointKind
     tier: str
     block_hash: bytes | None
     tail: list[int]

@@ -4,11 +4,9 @@ and the indexing that lets the next prompt find them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from serve.prefix.store import Sequence_
-
+from serve.prefix.types import Sequence_
 
 INTERVAL_SHARE = 6  # chosen on the chat, docqa and agentic workloads of `bench prefix --simulate`
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxhybrid.cache import CheckpointBytes, memory_report
 from jaxhybrid.config import ModelConfig
-from serve.prefix.checkpoints import CheckpointKind
+from serve.prefix.types import CheckpointKind
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from serve.prefix.checkpoints import Checkpoint, CheckpointTiers
+from serve.prefix.checkpoints import CheckpointTiers
 from serve.prefix.disk import DiskEntry, DiskTier
 from serve.prefix.index import BlockIndex, ChainHasher, TailIndex, kv_match
 from serve.prefix.stats import LookupStats
+from serve.prefix.types import Checkpoint
 
 
 @dataclasses.dataclass

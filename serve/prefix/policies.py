@@ -16,40 +16,8 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterator
-from typing import TYPE_CHECKING, Protocol
 
-if TYPE_CHECKING:
-    from serve.prefix.checkpoints import Checkpoint
-
-
-class EvictionPolicy(Protocol):
-    def inserted(self, ck: Checkpoint) -> None: ...
-
-    def used(self, key: Hashable) -> None:
-        """Looked up or saved again (recency)."""
-        ...
-
-    def hit(self, key: Hashable) -> None:
-        """Given to a request that resumes from it (reuse)."""
-        ...
-
-    def removed(self, key: Hashable) -> None: ...
-
-    def looked_up(self) -> None:
-        """A prompt was looked up (the clock recency is measured in)."""
-        ...
-
-    def order(self) -> Iterator[Hashable]:
-        """Every key, the first to evict first."""
-        ...
-
-    def dropped(self, key: Hashable) -> bool:
-        """Whether `key` was removed lately (a ghost the policy remembers)."""
-        ...
-
-    def missed(self, key: Hashable) -> None:
-        """A lookup would have resumed from the removed `key`."""
-        ...
+from serve.prefix.types import Checkpoint, EvictionPolicy
 
 
 class LRU:

@@ -40,11 +40,11 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from jaxhybrid.cache import CHECKPOINT_DTYPES
 from serve.prefix import junctions
-from serve.prefix.checkpoints import Checkpoint, CheckpointKind, CheckpointTiers, KindTally, Tier
+from serve.prefix.checkpoints import CheckpointTiers, KindTally
 from serve.prefix.disk import DiskEntry, DiskTier, namespace
 from serve.prefix.entries import is_transient
 from serve.prefix.events import EventLog
@@ -52,6 +52,7 @@ from serve.prefix.index import BlockIndex, ChainHasher, TailIndex
 from serve.prefix.lookup import Hit, Lookup
 from serve.prefix.policies import POLICIES, make_policy
 from serve.prefix.stats import LookupStats, MemoryStats, flatten
+from serve.prefix.types import Checkpoint, CheckpointKind, CheckpointSource, Sequence_, Tier
 from serve.prefix.writer import CheckpointWriter
 
 CHECKPOINT_POLICIES = ("fixed", "adaptive")
@@ -131,37 +132,6 @@ class PrefixStoreConfig:
             )
         if self.store_dir is not None and Path(self.store_dir).exists() and not Path(self.store_dir).is_dir():
             raise ValueError(f"prefix store directory '{self.store_dir}' is not a directory")
-
-
-class Sequence_(Protocol):
-    """What the store reads of a request."""
-
-    prompt: list[int]
-    num_computed: int
-    blocks: list[int]
-    slot: int | None
-    cache_salt: str | None
-    cuts: set[int]  # positions the adaptive policy checkpoints at (junctions), where prefill chunks end
-    checkpoint_base: bytes | None  # the checkpoint it resumed from or last took (its next one's parent)
-    chain: list[bytes]  # chain hashes of its full blocks (root first), extended as it grows or is looked up
-    indexed_blocks: int  # its leading blocks indexed since it got its current blocks (reset on preemption)
-
-    @property
-    def tokens(self) -> list[int]: ...
-
-
-class CheckpointSource(Protocol):
-    """Where the store's copies come from (the engine's runner)."""
-
-    def take(self, slot: int, block: int) -> tuple[Any, Any]: ...
-
-    def gather(self, blocks: list[int]) -> Any: ...
-
-    def gathered_bytes(self, blocks: int) -> int: ...
-
-    def pack(self, states: Any, kv_full: Any, num_full: int, tail: Any) -> dict[str, Any]: ...
-
-    def to_host(self, tree: Any) -> Any: ...
 
 
 @dataclasses.dataclass

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxhybrid.cache import SCRATCH_BLOCK
-from serve.prefix.checkpoints import Checkpoint, CheckpointKind, CheckpointTiers, Tier
+from serve.prefix.checkpoints import CheckpointTiers
 from serve.prefix.disk import DiskTier
 from serve.prefix.entries import entry_meta
 from serve.prefix.index import BlockIndex, ChainHasher, TailIndex
 from serve.prefix.stats import MemoryStats
-
-if TYPE_CHECKING:
-    from serve.prefix.store import CheckpointSource, Sequence_
+from serve.prefix.types import Checkpoint, CheckpointKind, CheckpointSource, Sequence_, Tier
 
 
 @dataclasses.dataclass
