@@ -25,6 +25,7 @@ from serve.engine.speculative import (
     Acceptance,
     AdaptiveK,
     DraftMethod,
+    Joined,
     NgramIndex,
     PromptLookup,
     Speculation,
@@ -808,3 +809,70 @@ def test_drafts_must_pay_by_a_margin_and_one_slow_step_moves_no_estimate():
     assert not costs.pays(1, 2.3) and costs.pays(1, 2.4)
     costs.observe(False, 1, 10.0)  # one plain step 10x slower: a mean would make drafts pay at 1.5 tokens
     assert costs.seconds(False, 1) == 1.0 and not costs.pays(1, 1.5)
+
+
+def test_a_row_learns_that_its_drafts_stand_again_without_verifying_them(model):
+    """Prompt-lookup drafts cost nothing to make: while a row decodes plainly its drafts are still compared
+    with the tokens that come (a shadow window), so a row whose drafts missed at first and stand later
+    verifies them again as soon as they do, not only when the step gate next tries (here never)."""
+    p = prompts([9], seed=8)[0]
+    want = engine(model).generate([p], greedy(80, spec=None))[0].token_ids
+
+    class WrongAtFirst(Continuations):
+        """The model's own tokens, all wrong for its first 16 generated tokens."""
+
+        def propose(self, req, k):
+            out = super().propose(req, k)
+            return [(t + 1) % VOCAB for t in out] if len(req.tokens) < len(p) + 16 else out
+
+    eng = priced_engine(model, WrongAtFirst([p + want]), verify_cost=2.0)
+    assert eng.generate([p], greedy(80))[0].token_ids == want
+    assert eng.speculation.accepted >= 40
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 9), max_size=12),
+    st.lists(st.integers(0, 9), max_size=12),
+    st.integers(-30, 30),
+    st.integers(-30, 30),
+    st.sampled_from([None, 1, 2, -1]),
+)
+def test_joined_tokens_read_as_the_list_they_join(head, tail, i, j, step):
+    joined, full = Joined(head, tail), head + tail
+    assert len(joined) == len(full) and joined[i:j:step] == full[i:j:step]
+    if -len(full) <= i < len(full):
+        assert joined[i] == full[i]
+
+
+def test_the_gain_drafts_are_expected_to_give_is_scaled_by_what_they_gave():
+    """Verify steps are taken where the estimate of their drafts' tokens ran high; the tokens drafts are
+    expected to add are scaled by the ratio of what verified drafts added to what they were expected to. A
+    step's plain tokens are its requests', not its program's rows."""
+    costs = StepCosts(margin=1.0)
+    for verified, seconds in ((True, 0.0), (True, 2.0), (False, 0.0), (False, 1.0)):
+        costs.observe(verified, 1, seconds)
+    assert costs.pays(1, 2.0) and costs.calibration() == 1.0
+    for _ in range(30):  # expected 2 tokens (1 from drafts), given 1.5 (half a token from drafts)
+        costs.expect(1, 2.0)
+        costs.verified(1.5)
+    assert costs.calibration() == pytest.approx(0.5, abs=0.03)
+    assert not costs.pays(1, 2.0) and costs.pays(1, 3.2)
+    costs.verified(10)  # no step was expected: nothing to compare
+    assert costs.calibration() == pytest.approx(0.5, abs=0.03)
+    eight = StepCosts(margin=1.0)  # 5 requests in a program of 8 rows: plain gives 5 tokens in 1 s
+    for verified, seconds in ((True, 0.0), (True, 2.0), (False, 0.0), (False, 1.0)):
+        eight.observe(verified, 8, seconds)
+    assert eight.pays(8, 10.0, running=5) and not eight.pays(8, 9.9, running=5)
+
+
+def test_a_verify_step_costs_its_ratio_to_the_plain_step_of_now():
+    """Verify steps are measured rarely and a context that grows slows every step: a verify step's cost is
+    the plain step's now times the ratio the verify steps had to the plain step of their time."""
+    costs = StepCosts(margin=1.0)
+    for verified, seconds in ((True, 0.0), (False, 0.0), (False, 1.0), (True, 3.0)):
+        costs.observe(verified, 1, seconds)
+    assert costs.seconds(True, 1) == 3.0
+    for _ in range(9):  # the context grew: a plain step costs 2 now
+        costs.observe(False, 1, 2.0)
+    assert costs.seconds(True, 1) == 6.0 and not costs.pays(1, 2.9)

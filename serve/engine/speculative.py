@@ -84,6 +84,32 @@ def count_programs(source: Any) -> int:
     return 0 if count is None else count()
 
 
+class Joined(Sequence[int]):
+    """`head + tail` without building it: a request's tokens (its prompt and what it generated), of which a
+    step reads only a few, as lookups and shadow windows do."""
+
+    __slots__ = ("head", "tail")
+
+    def __init__(self, head: Sequence[int], tail: Sequence[int]):
+        self.head, self.tail = head, tail
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def __getitem__(self, i: Any) -> Any:
+        n = len(self.head)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            stop = max(start, stop)
+            if start >= n:
+                return list(self.tail[start - n : stop - n])
+            return list(self.head[start:stop]) + list(self.tail[: max(0, stop - n)])
+        i = i + len(self) if i < 0 else i
+        return self.head[i] if i < n else self.tail[i - n]
+
+
 @dataclasses.dataclass
 class NgramIndex:
     """The latest start of every n-gram (n in `sizes`) of a growing token list that has a token after it,
@@ -96,8 +122,10 @@ class NgramIndex:
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         """The k tokens after the latest earlier occurrence of the longest suffix of `tokens` that has one."""
         for n in self.sizes:
-            for start in range(max(0, self.size - n), max(0, len(tokens) - n)):
-                self.latest[tuple(tokens[start : start + n])] = start
+            lo, hi = max(0, self.size - n), max(0, len(tokens) - n)
+            if hi > lo:  # each n-gram starting in [lo, hi) by its start, later ones over earlier
+                grams = zip(*(tokens[lo + j : hi + j] for j in range(n)), strict=True)
+                self.latest.update(zip(grams, range(lo, hi), strict=True))
         self.size = len(tokens)
         for n in reversed(self.sizes):
             start = self.latest.get(tuple(tokens[len(tokens) - n :])) if len(tokens) > n else None
@@ -118,7 +146,7 @@ class PromptLookup:
     def propose(self, req: Any, k: int) -> list[int]:
         if req.ngrams is None:
             req.ngrams = NgramIndex(range(self.min_n, self.max_n + 1))
-        return req.ngrams.lookup(req.tokens, k)
+        return req.ngrams.lookup(Joined(req.prompt, req.generated), k)
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         """The drafts for `tokens` (from a new index)."""
@@ -142,11 +170,15 @@ class StepCosts:
         self.retry, self.margin, self.longest_retry = retry, margin, longest_retry
         self.window = window
         self._recent: dict[tuple[bool, int], collections.deque[float]] = {}
+        self._ratios: dict[int, collections.deque[float]] = {}  # by row count: verify over plain seconds
         self._seen: set[tuple[bool, int]] = set()
         self._since_verify: dict[int, int] = {}
         self._retry_after: dict[int, int] = {}  # by row count: plain steps before drafts are tried again
         self._drafting = 0.0
         self._drafting_compiled = False
+        self.decay = 0.9
+        self._expected: tuple[int, float] | None = None
+        self._drafts_expected = self._drafts_gave = 0.0
 
     def drafted(self, seconds: float, compiled: bool = False) -> None:
         """Time spent drafting for the coming step; `compiled`: the drafting first ran a program of its own
@@ -170,22 +202,55 @@ class StepCosts:
         if key not in self._seen:
             self._seen.add(key)
             return
+        plain = self.seconds(False, rows)
+        if verify and plain:
+            self._ratios.setdefault(rows, collections.deque(maxlen=self.window)).append(seconds / plain)
         self._recent.setdefault(key, collections.deque(maxlen=self.window)).append(seconds)
 
     def seconds(self, verify: bool, rows: int) -> float | None:
-        """What a step of `rows` rows costs (`verify`: with drafts), None before one was counted."""
+        """What a step of `rows` rows costs (`verify`: with drafts), None before one was counted. A verify
+        step's is a plain step's now times its recent ratio to the plain step of its time, where known: a
+        context that grows slows both, and verify steps are measured the more rarely."""
         recent = self._recent.get((verify, rows))
-        return statistics.median(recent) if recent else None
+        if not recent:
+            return None
+        ratios = self._ratios.get(rows) if verify else None
+        plain = self.seconds(False, rows) if ratios else None
+        return plain * statistics.median(ratios) if plain else statistics.median(recent)
 
-    def pays(self, rows: int, expected_tokens: float) -> bool:
-        """Whether a step of `rows` rows that are expected to give `expected_tokens` tokens with drafts
-        should verify them (else it decodes one token a row)."""
+    def pays(self, rows: int, expected_tokens: float, running: int | None = None) -> bool:
+        """Whether a step of `rows` rows (its program's; `running` of them requests, default all) that are
+        expected to give `expected_tokens` tokens with drafts should verify them (else it decodes one token
+        a request). The tokens drafts are expected to add are scaled by what verified steps gave against
+        what they were expected to (`verified`): the steps chosen are those whose estimate ran high."""
+        running = rows if running is None else running
         verify, plain = self.seconds(True, rows), self.seconds(False, rows)
         if verify is None or self._since_verify.get(rows, 0) >= self._wait(rows):
             return True
         if plain is None:
             return False
-        return expected_tokens * plain >= self.margin * rows * verify
+        expected_tokens = running + self.calibration() * (expected_tokens - running)
+        return expected_tokens * plain >= self.margin * running * verify
+
+    def expect(self, running: int, expected_tokens: float) -> None:
+        """The coming verify step's `running` requests are expected to give `expected_tokens` tokens."""
+        self._expected = (running, expected_tokens)
+
+    def verified(self, tokens: int) -> None:
+        """The verify step `expect` spoke of gave `tokens` tokens."""
+        if self._expected is None:
+            return
+        (running, expected), self._expected = self._expected, None
+        self._drafts_expected = self.decay * self._drafts_expected + (expected - running)
+        self._drafts_gave = self.decay * self._drafts_gave + (tokens - running)
+
+    def calibration(self) -> float:
+        """Tokens verified drafts gave over what they were expected to (recent steps weighted more, half a
+        token's worth of prior at 1), within [0.5, 1.5]: it corrects an estimate, it does not stop drafting
+        (a row's acceptance does that), so a ratio learned while drafts missed cannot keep verify steps
+        off once they stand again."""
+        ratio = (self._drafts_gave + 0.5) / (self._drafts_expected + 0.5)
+        return min(max(ratio, 0.5), 1.5)
 
     def _wait(self, rows: int) -> int:
         return self._retry_after.get(rows, self.retry)
@@ -218,10 +283,15 @@ class DraftPlanner:
         out: dict[str, list[int]] = {}
         needs: dict[str, int] = {}
         free, expected = self.allocator.num_free, float(len(decode))
+        for req in decode:
+            if req.drafting is not None and req.drafting.shadow is not None:
+                req.drafting.settle(Joined(req.prompt, req.generated))
         limits = {r.id: r.drafting.limit() for r in decode if r.drafting is not None}
         best = len(decode) + sum(r.drafting.expected(limits[r.id]) for r in decode if r.id in limits)
-        if not limits or not self.costs.pays(self.shape.decode_rows(len(decode)), best):
-            return out  # not even every draft standing as often as before would pay: propose none
+        rows = self.shape.decode_rows(len(decode))
+        if not limits or not self.costs.pays(rows, best, len(decode)):
+            self._shadow(decode)  # not even the drafts' best would pay: only the free lookups, to learn
+            return out
         t0, programs = self.clock(), count_programs(self.drafter)
         for req in decode:
             if req.id not in limits or budget <= 0:
@@ -235,12 +305,33 @@ class DraftPlanner:
             budget -= len(drafts)
             expected += req.drafting.expected(len(drafts))
         self.costs.drafted(self.clock() - t0, compiled=count_programs(self.drafter) != programs)
-        if not out or not self.costs.pays(self.shape.decode_rows(len(decode)), expected):
+        if not out or not self.costs.pays(rows, expected, len(decode)):
+            for req in decode:
+                if req.id in out:
+                    req.drafting.watch(req.num_computed + 1, out[req.id])
             return {}
         for req in decode:
             if needs.get(req.id):
                 req.blocks += self.allocator.allocate(needs[req.id])
+        self.costs.expect(len(decode), expected)
         return out
+
+    def _shadow(self, decode: list[Any]) -> None:
+        """Prompt-lookup drafts for the rows that watch none, compared with the tokens that come instead of
+        verified (`AdaptiveK.watch`): what drafts would give keeps being measured while none are verified.
+        A draft model's drafts are not made for this (each costs a step of it)."""
+        t0 = self.clock()
+        for req in decode:
+            k = req.drafting
+            if k is None or k.method is not DraftMethod.NGRAM or not k.watching():
+                continue
+            n = min(k.most, req.params.max_tokens - len(req.generated) - 1)
+            if n > 0:
+                k.watch(
+                    req.num_computed + 1,
+                    truncate_at_stop(self.drafter.propose(req, n)[:n], self.stop_ids(req)),
+                )
+        self.costs.drafted(self.clock() - t0)
 
     def _drafts(self, req: Any, budget: int, free: int) -> list[int]:
         n = req.num_computed
@@ -350,6 +441,9 @@ class AdaptiveK:
     pause: int = FIRST_PAUSE
     floor: float = 0.25
     longest_pause: int = 256
+    # drafts compared with the tokens that come instead of verified: (position of the first, drafts)
+    shadow: tuple[int, tuple[int, ...]] | None = None
+    quiet: int = 0  # steps before the next shadow window (`watching`)
 
     def __post_init__(self) -> None:
         self.k = self.k or self.most
@@ -364,6 +458,34 @@ class AdaptiveK:
     def expected(self, drafts: int) -> float:
         """Accepted tokens expected of `drafts` drafted ones."""
         return self.acceptance.expected(drafts)
+
+    def watching(self) -> bool:
+        """Whether to start a shadow window now (each call is one step); every step would cost a lookup each
+        for little more to learn."""
+        if self.shadow is not None:
+            return False
+        self.quiet -= 1
+        return self.quiet < 0
+
+    def watch(self, position: int, drafts: Sequence[int]) -> None:
+        """Drafts proposed for `position` on that were not verified: `settle` compares them with the tokens
+        that come there (the window a verify step would have had; one at a time)."""
+        if self.shadow is None and drafts:
+            self.shadow = (position, tuple(drafts))
+
+    def settle(self, tokens: Sequence[int]) -> None:
+        """Count the watched drafts as a window of the acceptance (not of the pause, which is about what
+        drafting costs) once `tokens` (the request's) show how far they stand."""
+        if self.shadow is None:
+            return
+        position, drafts = self.shadow
+        came = tokens[position : position + len(drafts)]
+        accepted = next((i for i, (a, b) in enumerate(zip(came, drafts, strict=False)) if a != b), len(came))
+        if accepted < len(came) or len(came) == len(drafts):
+            self.shadow, self.quiet = None, self.most
+            self.acceptance.record(len(drafts), accepted)
+            if self.acceptance.q() >= self.floor:  # they stand again: no need to wait out a pause
+                self.paused = 0
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
