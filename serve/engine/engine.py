@@ -488,7 +488,7 @@ class Engine(BatchAPI, Failures, AheadOfUse, Accounts):
         token after them, one at a time as `_decode` takes one (the prefix store sees every position; the
         scheduler's limits put its checkpoints and the request's end at the window's end)."""
         verified, dt = self._measured(True, len(reqs), lambda: self.runner.verify(reqs, drafts))
-        self.step_costs.verified(len(reqs) + int(sum(int(verified.accepted[i]) for i in range(len(reqs)))))
+        self.step_costs.verified(len(reqs) + int(verified.accepted.sum()))
         for i, req in enumerate(reqs):
             accepted = int(verified.accepted[i])
             req.decode_time += dt

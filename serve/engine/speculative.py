@@ -284,7 +284,7 @@ class DraftPlanner:
         needs: dict[str, int] = {}
         free, expected = self.allocator.num_free, float(len(decode))
         for req in decode:
-            if req.drafting is not None and req.drafting.shadow is not None:
+            if req.drafting is not None:
                 req.drafting.settle(Joined(req.prompt, req.generated))
         limits = {r.id: r.drafting.limit() for r in decode if r.drafting is not None}
         best = len(decode) + sum(r.drafting.expected(limits[r.id]) for r in decode if r.id in limits)
@@ -323,27 +323,24 @@ class DraftPlanner:
         t0 = self.clock()
         for req in decode:
             k = req.drafting
-            if k is None or k.method is not DraftMethod.NGRAM or not k.watching():
-                continue
-            n = min(k.most, req.params.max_tokens - len(req.generated) - 1)
-            if n > 0:
-                k.watch(
-                    req.num_computed + 1,
-                    truncate_at_stop(self.drafter.propose(req, n)[:n], self.stop_ids(req)),
-                )
+            if k is not None and k.method is DraftMethod.NGRAM and k.watching():
+                k.watch(req.num_computed + 1, self._propose(req, k.most))
         self.costs.drafted(self.clock() - t0)
 
     def _drafts(self, req: Any, budget: int, free: int) -> list[int]:
-        n = req.num_computed
         k = min(self.shape.speculative_tokens, budget)
-        k = min(k, req.params.max_tokens - len(req.generated) - 1)
         if self.store is not None:
             k = min(k, self.store.chunk_limit(req) - 1)
+        drafts = self._propose(req, k)
+        room = (len(req.blocks) + free) * self.shape.block_size - (req.num_computed + 1)
+        return drafts[: max(room, 0)]
+
+    def _propose(self, req: Any, k: int) -> list[int]:
+        """Up to `k` drafts for `req`, none past its max_tokens, ending before a stop token."""
+        k = min(k, req.params.max_tokens - len(req.generated) - 1)
         if k <= 0:
             return []
-        drafts = truncate_at_stop(self.drafter.propose(req, k)[:k], self.stop_ids(req))
-        room = (len(req.blocks) + free) * self.shape.block_size - (n + 1)
-        return drafts[: max(room, 0)]
+        return truncate_at_stop(self.drafter.propose(req, k)[:k], self.stop_ids(req))
 
 
 def drafting(
