@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from serve.engine.sampling import SamplingError, SamplingParams
-from serve.engine.speculative import AdaptiveK, SpeculationStats
+from serve.engine.speculative import RowDrafting, SpeculationStats
 
 MAX_SALT_CHARS = 256  # a salt enters every block hash of its request: keep it short
 
@@ -115,7 +115,7 @@ class Request:
     checkpoint_base: bytes | None = None  # the prefix store's last checkpoint on its path
     chain: list[bytes] = dataclasses.field(default_factory=list)  # its block hashes so far (prefix store)
     indexed_blocks: int = 0  # its blocks the prefix store has indexed since it got them
-    drafting: AdaptiveK | None = None  # how many tokens it may draft (None: it does not speculate)
+    drafting: RowDrafting | None = None  # how many tokens it may draft (None: it does not speculate)
     speculation: SpeculationStats = dataclasses.field(default_factory=SpeculationStats)
     ngrams: Any = None  # its prompt-lookup index (`serve.engine.speculative.NgramIndex`), once it drafts
 
