@@ -184,3 +184,40 @@ def test_no_class_in_serve_is_over_300_lines():
             if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
                 big[f"{path.relative_to(ROOT)}:{node.name}"] = lines
     assert big == {}
+
+
+# The command-line front ends: they parse flags and turn them into typed settings (`ModelSettings`,
+# `MultihostSettings`, `EngineConfig`, ...) at their edge; everything below them takes those settings.
+FRONT_ENDS = ("serve/cli/", "serve/bench/", "benchmarks/")
+
+
+def namespace_uses(path: Path) -> list[str]:
+    """Where `path` takes an argparse Namespace (a parameter annotated `argparse.Namespace` or `Namespace`)
+    or parses a command line (a call of `.parse_args` / `.parse_known_args`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            params = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            params += [a for a in (node.args.vararg, node.args.kwarg) if a is not None]
+            for param in params:
+                note = ast.unparse(param.annotation) if param.annotation is not None else ""
+                if "Namespace" in note:
+                    found.append(f"{node.name}({param.arg}: {note}) line {node.lineno}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("parse_args", "parse_known_args"):
+                found.append(f".{node.func.attr}() line {node.lineno}")
+    return found
+
+
+def test_no_argparse_namespace_below_the_command_line():
+    """Outside the front ends no function takes an argparse Namespace or parses arguments: the model, the
+    mesh and the engine are set up from typed settings, which a test or another program builds directly."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = str(path.relative_to(ROOT))
+            if not name.startswith(FRONT_ENDS) and (uses := namespace_uses(path)):
+                found[name] = uses
+    assert found == {}
+    # the check sees what it looks for: the front ends do take Namespaces
+    assert namespace_uses(ROOT / "serve/cli/generate.py")

@@ -26,11 +26,10 @@ from typing import Any
 
 from jaxhybrid.cache import CHECKPOINT_DTYPES, KDACache, narrowed
 from jaxhybrid.tokenizer import load_tokenizer
-from serve.bench.common import add_model_args, add_out_arg, emit, environment
+from serve.bench.common import add_model_args, add_out_arg, emit, environment, load_bench_model
 from serve.bench.quant import agreed_prefix
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
-from serve.models import load_model
 from serve.prefix.store import PrefixStoreConfig
 from serve.report import print_table
 
@@ -131,7 +130,7 @@ def greedy_resumed(
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model(args)
+    model = load_bench_model(args)
     tokens = windows(model, args)
     t0 = time.perf_counter()
     forced = teacher_forced(model, tokens, args)

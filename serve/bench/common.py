@@ -12,7 +12,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from serve.models import add_dequantize_experts_arg, add_weight_dtype_arg
+from serve.models import (
+    ModelSettings,
+    add_dequantize_experts_arg,
+    add_weight_dtype_arg,
+    load_model,
+    resolve_model,
+)
 
 
 def environment() -> dict[str, Any]:
@@ -103,6 +109,15 @@ def add_model_args(p: argparse.ArgumentParser, default_config: str = "small") ->
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (--config)")
     add_dequantize_experts_arg(p)
     add_weight_dtype_arg(p)
+
+
+def load_bench_model(args: argparse.Namespace) -> Any:
+    """The model a bench's flags name (`serve.models.load_model` on their settings); the choices made are
+    written back to `args.model` (the shipped model when none is given) and `args.dtype`, which the bench
+    reports."""
+    settings = resolve_model(ModelSettings.from_flags(vars(args)))
+    args.model, args.dtype = settings.model, settings.dtype
+    return load_model(settings)
 
 
 def add_out_arg(p: argparse.ArgumentParser) -> None:

@@ -295,7 +295,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "--child-load":
         out = child_load(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "--child-load-mesh":  # DIR DTYPE MESH COORDINATOR NUM_PROCESSES PROCESS_ID
-        multihost.initialize(sys.argv[5], int(sys.argv[6]), int(sys.argv[7]))
+        multihost.initialize(multihost.MultihostSettings(sys.argv[5], int(sys.argv[6]), int(sys.argv[7])))
         out = child_load(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "--child-make":
         out = child_make(sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5]), int(sys.argv[6]))

@@ -14,10 +14,10 @@ import sys
 import time
 
 from jaxhybrid.config import ConfigError
-from serve.bench.common import add_model_args, add_out_arg, emit, environment
+from serve.bench.common import add_model_args, add_out_arg, emit, environment, load_bench_model
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
-from serve.models import UsageError, load_model
+from serve.models import UsageError
 from serve.report import print_table
 
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--new-tokens must be at least 2 and --prompt-len at least 1")
         if args.config is None and args.model is None:
             args.config = "small"
-        model = load_model(args)
+        model = load_bench_model(args)
     except (UsageError, ConfigError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

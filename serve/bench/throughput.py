@@ -24,10 +24,18 @@ import numpy as np
 
 from jaxhybrid.cache import kda_state_bytes, mla_kv_bytes
 from jaxhybrid.config import ConfigError
-from serve.bench.common import add_model_args, add_out_arg, compile_watch, decode_step, emit, environment
+from serve.bench.common import (
+    add_model_args,
+    add_out_arg,
+    compile_watch,
+    decode_step,
+    emit,
+    environment,
+    load_bench_model,
+)
 from serve.engine.config import engine_default
 from serve.engine.engine import Engine, EngineConfig
-from serve.models import UsageError, load_model
+from serve.models import UsageError
 from serve.report import positive_ints, print_table
 
 COUNTING = {
@@ -269,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--repeats must be at least 1")
         if args.config is None and args.model is None:
             args.config = "small"
-        model = load_model(args)
+        model = load_bench_model(args)
     except (UsageError, ConfigError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
