@@ -1,5 +1,7 @@
 """The layout by role keeps its arrows (docs/design.md): `jaxhybrid` imports neither `sharding` nor `serve`;
-`sharding` imports `jaxhybrid` only; `serve/bench` never imports `serve/cli` (cli runs the benchmarks);
+`sharding` imports `jaxhybrid` only; `serve/bench` never imports `serve/cli` (cli runs the benchmarks); the
+installed package (`jaxhybrid`, `serve`, `sharding`) never imports the research benchmarks of `benchmarks/`
+(not installed; they import the package, and `jaxhybrid bench` finds them by name in a source checkout);
 outside `serve/prefix/` only its interface modules are imported; no two modules import each other, however
 indirectly; imports of the project's own modules sit at module level, where a reader sees the graph, save
 the few listed lazy ones; no class in serve/ over 300 lines.
@@ -35,7 +37,8 @@ def modules(package: str) -> dict[str, set[str]]:
     return {str(p.relative_to(ROOT)): imports(p) for p in sorted((ROOT / package).rglob("*.py"))}
 
 
-PACKAGES = ("jaxhybrid", "serve", "sharding")
+PACKAGES = ("jaxhybrid", "serve", "sharding")  # what the wheel installs
+LAB = "benchmarks"  # the research benchmarks of the source checkout
 
 # The function-local imports of project modules that stay lazy, "module:function" -> why. Everything else is
 # imported at module level.
@@ -43,8 +46,9 @@ LAZY_IMPORTS = {
     "jaxhybrid:__getattr__": "`import jaxhybrid` (any of its modules) does not load the checkpoint code",
     "serve.cli.serve:serve_http": "the HTTP stack (fastapi, starlette, pydantic) loads when a server starts",
     "serve.cli.route:run": "the HTTP stack (fastapi, starlette, pydantic) loads when the router starts",
-    "serve.bench.route:RoutedLive.__init__": "the HTTP stack loads when a live bench starts its servers",
-    "serve.bench.route:_serve_router": "the HTTP stack loads when a live bench starts its router",
+    "benchmarks.route:RoutedLive.__init__": "the HTTP stack loads when a live bench starts its servers",
+    "benchmarks.route:_serve_router": "the HTTP stack loads when a live bench starts its router",
+    "benchmarks.cached_programs:child": "a child sets the compilation cache up before the engine loads",
 }
 
 
@@ -54,7 +58,7 @@ def module_name(path: Path) -> str:
 
 
 def project_modules() -> dict[str, Path]:
-    return {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+    return {module_name(p): p for package in (*PACKAGES, LAB) for p in sorted((ROOT / package).rglob("*.py"))}
 
 
 def resolve(name: str, known: dict[str, Path]) -> str | None:
@@ -150,6 +154,15 @@ def test_bench_and_cli_do_not_import_each_other_in_a_circle():
         m: sorted(i for i in imps if i.startswith("serve.cli")) for m, imps in modules("serve/bench").items()
     }
     assert {m: v for m, v in bench.items() if v} == {}
+
+
+def test_the_package_never_imports_the_research_benchmarks():
+    found = {}
+    for package in PACKAGES:
+        for m, imps in modules(package).items():
+            if lab := sorted(i for i in imps if top(i) == LAB):
+                found[m] = lab
+    assert found == {}
 
 
 def test_only_the_prefix_store_interface_is_imported_outside_it():

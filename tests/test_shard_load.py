@@ -269,7 +269,7 @@ def test_generate_cli_with_a_model_directory_on_two_processes(ckpt, tmp_path):
 def test_bench_load_on_two_processes_counts_each_process_reads(ckpt):
     """`bench load --mesh expert=8 --processes 2 --local-devices 4`: each process's figures, its reads
     those of its own shards (every non-expert tensor once, half of the expert bytes)."""
-    from serve.bench.load import measure
+    from benchmarks.load import measure
 
     row = measure(ckpt, "auto", 1, mesh="expert=8", processes=2, local_devices=4)
     sizes = file_bytes(ckpt)

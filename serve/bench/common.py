@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import json
 import platform
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,25 +36,6 @@ def environment() -> dict[str, Any]:
     }
 
 
-class RoundProgress:
-    """`replay`'s progress for a long run, on stderr: a line per round once `after_s` seconds have gone by
-    (short runs stay quiet; stdout keeps the JSON)."""
-
-    def __init__(self, label: str, rounds: int | None = None, after_s: float = 10.0):
-        self.label, self.rounds, self.after_s = label, rounds, after_s
-        self.t0 = time.perf_counter()
-
-    def __call__(self, done: int, requests: int) -> None:
-        elapsed = time.perf_counter() - self.t0
-        if elapsed >= self.after_s:
-            of = f" of {self.rounds}" if self.rounds else ""
-            print(
-                f"  {self.label}: round {done}{of} served ({requests:,} requests, {elapsed:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one XLA compilation
 
 
@@ -77,19 +57,6 @@ def compile_watch() -> Iterator[dict[str, float]]:
         yield seen
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-
-
-def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median / min wall seconds of `fn()` (which must block until its result is ready)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    samples.sort()
-    return {"median_s": samples[len(samples) // 2], "min_s": samples[0], "repeats": repeats}
 
 
 def emit(result: dict[str, Any], args: argparse.Namespace) -> None:

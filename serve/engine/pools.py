@@ -45,7 +45,7 @@ class EnginePools:
     """See the module doc. `mesh`: the mesh the model is sharded over (the pools are laid out on it)."""
 
     def __init__(self, shape: EngineShape, allocator: BlockAllocator, runner: Any, store: PrefixStore | None):
-        """`runner`: a `Runner`, or one with its step interface and no model (`serve.bench.simulate`)."""
+        """`runner`: a `Runner`, or one with its step interface and no model (`serve.sim.runner`)."""
         self.shape, self.allocator, self.runner, self.store = shape, allocator, runner, store
 
     @classmethod

@@ -167,7 +167,7 @@ def stop_reason(
     req: Request, token: int, eos_token_id: int | None, max_model_len: int
 ) -> FinishReason | None:
     """Why `req` ends after `token` was appended to it (a stop token or EOS, its max_tokens or the
-    context), or None: it goes on. The engine and the simulator (`serve.bench.simulate`) share it."""
+    context), or None: it goes on. The engine and the simulator (`serve.sim.engine`) share it."""
     p = req.params
     if token in stop_tokens(p, eos_token_id):
         return FinishReason.STOP
