@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_blocks is not None and args.kv_blocks < 1:
         raise SystemExit("error: --kv-blocks must be positive")
     try:
-        workloads = [FAMILIES[name].from_args(args) for name in workload_names(args.workload)]
+        workloads = [FAMILIES[name].from_settings(vars(args)) for name in workload_names(args.workload)]
         compared = settings(args)
         for s in compared:
             if s.prefix is not None:
@@ -543,7 +543,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """The workload families' flags (`FAMILIES[name].from_args`) and their seed."""
+    """The workload families' flags (`FAMILIES[name].from_settings`) and their seed."""
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     w = p.add_argument_group("workloads (a shared flag's default is per family)")
     w.add_argument("--conversations", type=int, help=f"chats / traces ({_defaults('conversations')})")

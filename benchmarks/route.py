@@ -454,7 +454,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     cfg = load_config(args.config)
-    workloads = [FAMILIES[n].from_args(args) for n in names]
+    workloads = [FAMILIES[n].from_settings(vars(args)) for n in names]
 
     prefix = PrefixStoreConfig(
         checkpoint_policy=args.checkpoint_policy,

@@ -518,7 +518,7 @@ def test_the_offline_placement_is_what_the_store_keeps_and_each_request_resumes_
         "--simulate", "--workload", family, "--budgets", str(budget_kib), "--checkpoint-policy", "dp",
         "--chunk", "64", "--max-model-len", "1024",
     )  # fmt: skip
-    workload = FAMILIES[family].from_args(args)
+    workload = FAMILIES[family].from_settings(vars(args))
     off_sim = SimEngine(CFG, prefix.engine_config(args, None), random_answers(VOCAB), CostModel.of(CFG, 1e15))
     off = replay(off_sim, workload, VOCAB)
     (setting,) = [prefix._dp(s, off, off_sim.shape) for s in prefix.settings(args) if s.policy == "dp"]

@@ -23,7 +23,7 @@ The last two check the adaptive policy on workloads it was not tuned on (`TUNED`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -60,12 +60,12 @@ class Workload(Protocol):
 
 
 class _Family:
-    """What every family shares: built from parsed flags, a flag left at None keeping the family's default
-    (the flags are shared between families, their defaults are not)."""
+    """What every family shares: built from settings by name (a command's flags), a setting missing or None
+    keeping the family's default (the flags are shared between families, their defaults are not)."""
 
     @classmethod
-    def from_args(cls, args: Any) -> Any:
-        values = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    def from_settings(cls, settings: Mapping[str, Any]) -> Any:
+        values = {f.name: settings.get(f.name) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         return cls(**{k: v for k, v in values.items() if v is not None})
 
 
