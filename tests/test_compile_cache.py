@@ -177,7 +177,7 @@ def test_tiered_compile_serves_the_full_pass_quick_first_then_optimized(model, m
     assert ((1, 16), executables.Tier.OPTIMIZED, True) in compiles  # the prefill program, in the background
     optimized = ((1, 1), executables.Tier.OPTIMIZED, True)  # the decode step's optimized form, after
     assert compiles.index(optimized) > compiles.index(quick)
-    assert eng.runner.optimized_programs() == {prefill, decode}
+    assert eng.runner.compiles.optimized() == {prefill, decode}
     for p in (prompt, list(range(20, 40))):  # the prefill program now; a prompt of two chunks
         (out,) = eng.generate([p], greedy)
         assert_matches_full_pass(full, p, out.token_ids, out.logprobs)

@@ -335,13 +335,13 @@ def test_a_follower_replaying_the_log_keeps_the_leaders_engine_state():
             leader.add_request(rng.integers(3, 512, 21).tolist(), sampled)
             leader.add_request(rng.integers(3, 512, 6).tolist(), greedy)
         if step == 3:
-            leader.abort(next(iter(engine.running)).id)
+            leader.abort(next(iter(engine.scheduler.running)).id)
         for out in leader.step():
             if out.finished:
                 leader.forget(out.request_id)
         follower.step()
-        assert [(r.id, r.num_computed, r.generated) for r in engine.running] == [
-            (r.id, r.num_computed, r.generated) for r in follower_engine.running
+        assert [(r.id, r.num_computed, r.generated) for r in engine.scheduler.running] == [
+            (r.id, r.num_computed, r.generated) for r in follower_engine.scheduler.running
         ]
         if not leader.has_unfinished():
             break

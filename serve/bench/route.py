@@ -128,7 +128,7 @@ class RoutedSim:
         return results
 
     def ledger(self) -> dict[str, Any]:
-        return merge_ledgers([sim.ledger() for sim in self.sims])
+        return merge_ledgers([sim.ledger().to_json() for sim in self.sims])
 
 
 class RoutedLive:
@@ -216,7 +216,7 @@ class RoutedLive:
         return merge_ledgers(self.ledgers())
 
     def ledgers(self) -> list[dict[str, Any]]:
-        return [app.state.server.loop.call(lambda e: e.ledger()).result() for app in self.apps]
+        return [app.state.server.loop.call(lambda e: e.ledger().to_json()).result() for app in self.apps]
 
 
 class CharTokenizer(Tokenizer):

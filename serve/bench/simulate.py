@@ -33,15 +33,14 @@ import numpy as np
 from jaxhybrid.config import ModelConfig
 from jaxhybrid.counting import count_params
 from serve.bench.throughput import prefill_flops
-from serve.engine.blocks import BlockAllocator
 from serve.engine.config import EngineConfig, EngineShape
 from serve.engine.engine import Engine
 from serve.engine.pools import EnginePools
+from serve.engine.records import Ledger
 from serve.engine.requests import GenerateResult, Request, RequestError
 from serve.engine.runner import Verified
 from serve.engine.sampling import SamplingParams
-from serve.engine.speculative import StepCosts, drafting
-from serve.prefix.store import PrefixStore
+from serve.engine.speculative import SpeculationStats, StepCosts, drafting
 
 # the answer a request generates: (its prompt, max_tokens) -> token ids (at least max_tokens of them)
 Answers = Callable[[list[int], int], list[int]]
@@ -122,7 +121,7 @@ class CostModel:
         return prefill_flops(self.cfg, self.matmul_params, tokens, start)["flops"]
 
 
-class SimRunner(SimSource):
+class SimRunner:
     """The runner's step interface (`serve.engine.runner.Runner`) with no model: a program call computes
     nothing, counts its FLOPs and moves the clock by them; the tokens it "samples" are each request's answer
     (`Answers`, drawn the first time the request needs one). Logits are placeholders (one value a row: the
@@ -130,6 +129,7 @@ class SimRunner(SimSource):
 
     def __init__(self, answers: Answers, cost: CostModel):
         self.answers, self.cost = answers, cost
+        self.copies = SimSource()  # what the prefix store takes its checkpoints from
         self.clock = 0.0  # simulated seconds
         self.flops = {"prefill": 0.0, "decode": 0.0}
         self._answers: dict[str, list[int]] = {}
@@ -220,21 +220,12 @@ class SimEngine:
         self.model_config, self.config = cfg, config
         self.shape = shape = EngineShape.resolve(config, cfg)
         self.max_model_len = shape.max_model_len
-        self.allocator = BlockAllocator(shape.num_blocks)
         self.runner = SimRunner(answers, cost)
-        self.store: PrefixStore | None = None
-        if config.prefix is not None and config.prefix.enabled:
-            if config.prefix.store_dir is not None:
-                raise ValueError("the simulator has no disk tier (drop store_dir)")
-            self.store = PrefixStore(
-                config.prefix,
-                block_size=shape.block_size,
-                block_bytes=shape.block_bytes,
-                state_bytes=shape.checkpoint_bytes,
-                fingerprint=hashlib.sha256(f"simulated:{cfg.name}".encode()).digest(),
-                allocator=self.allocator,
-            )
-        pools = EnginePools(shape, self.allocator, self.runner, self.store)
+        if config.prefix is not None and config.prefix.enabled and config.prefix.store_dir is not None:
+            raise ValueError("the simulator has no disk tier (drop store_dir)")
+        fingerprint = hashlib.sha256(f"simulated:{cfg.name}".encode()).digest()
+        pools = EnginePools.build(shape, self.runner, config.prefix, fingerprint)
+        self.allocator, self.store = pools.allocator, pools.store
         accept = 1.0 if draft_acceptance is None else draft_acceptance
         drafter = AnswerDrafts(self.runner.answer, accept, cfg.vocab_size, seed)
         # every draft is verified: a clock of FLOPs cannot tell when a verify step pays (a real one reads
@@ -264,7 +255,7 @@ class SimEngine:
     def steps(self) -> int:
         return self.engine.steps
 
-    def speculation_stats(self) -> dict[str, Any]:
+    def speculation_stats(self) -> SpeculationStats:
         return self.engine.speculation_stats()
 
     # --- what a replay uses ------------------------------------------------------------------------------
@@ -291,7 +282,7 @@ class SimEngine:
             out.append(GenerateResult(req.id, list(req.generated), None, str(req.finish_reason), req.stats()))
         return out
 
-    def ledger(self) -> dict[str, Any]:
+    def ledger(self) -> Ledger:
         """The engine's ledger (`Engine.ledger`): live bytes, and the store's accounts."""
         return self.engine.ledger()
 

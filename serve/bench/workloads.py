@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from serve.engine.records import Ledger
 from serve.engine.requests import GenerateResult, RequestError
 from serve.engine.sampling import SamplingParams
 
@@ -301,7 +302,7 @@ class Server(Protocol):
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> list[GenerateResult]: ...
 
-    def ledger(self) -> dict[str, Any]: ...
+    def ledger(self) -> Ledger: ...
 
 
 # the ledger's checkpoint accounts (per tier, and per kind and tier)
@@ -410,7 +411,7 @@ def replay(
             sequences.append(seq)
             out.served.append(Served(index, len(prompt), seq))
             out.stats.append(res.stats)
-        ledger = server.ledger()
+        ledger = server.ledger().to_json()
         out.ledgers.append({k: ledger[k] for k in LEDGER_KEYS if k in ledger})
         if progress is not None:
             progress(index + 1, len(out.served))
