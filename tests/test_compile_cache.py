@@ -206,8 +206,8 @@ def test_one_row_decode_programs_compile_without_xnnpack_fusions_and_others_with
     runner = Runner(model, EngineShape.resolve(SMALL, model.config))
 
     def compiled_text(program):
-        name, run, args = runner._ahead_args(program)
-        return runner._executables.get(program, name, run, args)[0].as_text()
+        name, run, args = runner.compiles._ahead_args(program)
+        return runner.compiles.executables.get(program, name, run, args)[0].as_text()
 
     prefill = ProgramShape(1, SMALL.prefill_chunk, DECODE.width)
     if "__ynn_fusion" not in compiled_text(prefill):  # the oracle: XLA's default fuses here
