@@ -71,6 +71,14 @@ class Ledger:
             out["disk_loading"] = self.disk_loading
         return out
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Ledger:
+        """`to_json`'s inverse (a ledger that crossed a boundary, or several replicas' summed)."""
+        prefix = dict(data)
+        live_kv, live_state = prefix.pop("live_kv_bytes"), prefix.pop("live_state_bytes")
+        has_store, loading = prefix.pop("prefix_cache"), prefix.pop("disk_loading", None)
+        return cls(live_kv, live_state, has_store, prefix, loading)
+
 
 @dataclasses.dataclass(frozen=True)
 class RequestMemory:
