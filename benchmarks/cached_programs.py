@@ -7,7 +7,7 @@ as serialized executables (`serve.engine.executables`) and through JAX's persist
 alone (tracing and lowering the model, then reading XLA's result). Alternating keeps a shared machine's load
 from favouring one way. Prints JSON and a table.
 
-    python benchmarks/cached_programs.py [--rounds 2]
+    python -m benchmarks cached-programs [--rounds 2]
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from serve.report import print_table
 
 MODES = ("compile", "executables", "jax-cache")
 
@@ -56,7 +58,6 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args.child, args.cache)
-    from serve.report import print_table
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="cached-programs-") as cache:

@@ -5,19 +5,23 @@ compiles one prefill program (bucket `--chunk`) and one decode program (1 row) o
 through `Runner.compile_program`, with `--scan-layers` (default: the engine's own default), and prints JSON
 and a table: seconds per program and the ratio to the 4-layer model.
 
-    python benchmarks/compile_depth.py --layers 4,92
-    python benchmarks/compile_depth.py --layers 4,92 --scan-layers off
+    python -m benchmarks compile-depth --layers 4,92
+    python -m benchmarks compile-depth --layers 4,92 --scan-layers off
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
+
+from benchmarks.report import Table, report
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from serve.engine.config import ProgramShape
+from serve.engine.engine import Engine, EngineConfig
 
 
 def depth_config(layers: int):
-    from jaxhybrid.config import load_config
 
     base = load_config("tiny")
     if layers == base.num_hidden_layers:
@@ -29,10 +33,6 @@ def depth_config(layers: int):
 
 def measure(layers: int, scan_layers: str | None, chunk: int) -> dict:
     from flax import nnx
-
-    from jaxhybrid.model import HybridLM
-    from serve.engine.config import ProgramShape
-    from serve.engine.engine import Engine, EngineConfig
 
     config = EngineConfig(max_model_len=1024, prefix=None, prefill_chunk=chunk)
     if scan_layers is not None:
@@ -49,7 +49,6 @@ def measure(layers: int, scan_layers: str | None, chunk: int) -> dict:
 
 
 def main() -> None:
-    from serve.report import print_table
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", default="4,92", help="depths, comma-separated (default 4,92)")
@@ -61,8 +60,8 @@ def main() -> None:
     for r in rows:
         r["prefill_vs_first"] = round(r["prefill_s"] / base["prefill_s"], 2)
         r["decode_vs_first"] = round(r["decode_s"] / base["decode_s"], 2)
-    print(json.dumps({"bench": "compile_depth", "rows": rows}))
-    print_table(rows, ["layers", "scan", "prefill_s", "decode_s", "prefill_vs_first", "decode_vs_first"])
+    columns = ["layers", "scan", "prefill_s", "decode_s", "prefill_vs_first", "decode_vs_first"]
+    report({"bench": "compile_depth", "rows": rows}, args, Table(rows, columns))
 
 
 if __name__ == "__main__":

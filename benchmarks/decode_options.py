@@ -6,16 +6,24 @@ twice: with XLA's defaults and with `--options` (JSON; default: the decode progr
 alternation, `--steps` steps each per round, so the machine's drift falls on both. Prints JSON and a table:
 the median over rounds of each round's median step, and their ratio.
 
-    python benchmarks/decode_options.py --model /tmp/small --weight-dtype int8
-    python benchmarks/decode_options.py --config small
+    python -m benchmarks decode-options --model /tmp/small --weight-dtype int8
+    python -m benchmarks decode-options --config small
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
+
+from benchmarks.report import Table, report
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from jaxhybrid.weights import load_pretrained
+from serve.bench.common import environment
+from serve.engine.config import ProgramShape
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.executables import DECODE_OPTIONS
 
 
 def main() -> None:
@@ -34,15 +42,6 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
-
-    from jaxhybrid.config import load_config
-    from jaxhybrid.model import HybridLM
-    from jaxhybrid.weights import load_pretrained
-    from serve.bench.common import environment
-    from serve.engine.config import ProgramShape
-    from serve.engine.engine import Engine, EngineConfig
-    from serve.engine.executables import DECODE_OPTIONS
-    from serve.report import print_table
 
     options = json.loads(args.options) if args.options else DECODE_OPTIONS
     if args.model:
@@ -89,10 +88,9 @@ def main() -> None:
         "rounds_s": rounds,
         "ratio_options_over_default": median["options"] / median["default"],
     }
-    print(json.dumps(result))
-    rows = [{"program": name, "step_ms": f"{1e3 * median[name]:.3f}"} for name in variants]
-    print_table(rows, ["program", "step_ms"], file=sys.stderr)
-    print(f"options / default: {result['ratio_options_over_default']:.3f}", file=sys.stderr)
+    rows = [{"program": name, "step_ms": 1e3 * median[name]} for name in variants]
+    ratio = f"options / default: {result['ratio_options_over_default']:.3f}"
+    report(result, args, Table(rows, ["program", "step_ms"], {"step_ms": ".3f"}), ratio)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ README's first curl (sent as soon as /health answers) completes and how long tha
 when /health says "ok" (warm-up done), with the warm-up's programs compiled. The first start compiles
 everything; later ones read the persistent compilation cache. Prints JSON and a table.
 
-    python benchmarks/first_start.py
-    python benchmarks/first_start.py --server-args "--compile-cache off"
+    python -m benchmarks first-start
+    python -m benchmarks first-start --server-args "--compile-cache off"
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from serve.report import print_table
 
 README_CURL = {"prompt": "Hello", "max_tokens": 16, "temperature": 0}
 
@@ -86,7 +88,6 @@ def one_start(server_args: list[str], env: dict, ok_timeout: float, log_path: st
 
 
 def main() -> None:
-    from serve.report import print_table
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--starts", type=int, default=2, help="starts on one cache directory (default 2)")

@@ -7,7 +7,7 @@ multiply-and-sum form (`sum(q * x, -1) * scale`, which reads the int8 bytes but 
 product reads four times as many); and `jaxhybrid.ops.int8.matmul` (the CPU kernel up to KERNEL_ROWS rows,
 the blocked product past them). Prints JSON and a table: milliseconds and the GB/s of weight bytes read.
 
-    python benchmarks/int8_products.py
+    python -m benchmarks int8-products
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import argparse
 import json
 import sys
 import time
+
+from jaxhybrid.ops import int8
+from jaxhybrid.ops.native import int8_kernel
 
 SHAPES = {"lm_head": (32000, 1024), "mlp up": (2816, 1024), "mlp down": (1024, 2816), "expert": (512, 1024)}
 
@@ -41,9 +44,6 @@ def main() -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-
-    from jaxhybrid.ops import int8
-    from jaxhybrid.ops.native import int8_kernel
 
     forms = {
         "xla_f32": (jax.jit(lambda x, w, q, s: x @ w.T), 4),

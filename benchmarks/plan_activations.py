@@ -2,25 +2,24 @@
 engine's compiled programs (`memory_analysis().temp_size_in_bytes`) on this backend: the longest prefill
 program (one row of the chunk at full context) and the decode step of every slot.
 
-    python benchmarks/plan_activations.py --configs tiny-k3,small --context 1024 --chunk 256 --slots 4
+    python -m benchmarks plan-activations --configs tiny-k3,small --context 1024 --chunk 256 --slots 4
 
 Prints one JSON object, then a table."""
 
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from benchmarks.report import Table, report
 from jaxhybrid.cache import SCRATCH_BLOCK
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from serve.engine.engine import Engine, EngineConfig
 from serve.plan import activation_bytes
-from serve.report import print_table
 from sharding.plan import abstract_mesh
 
 
@@ -67,8 +66,7 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=4)
     args = p.parse_args()
     rows = [measure(n, args.context, args.chunk, args.slots) for n in args.configs.split(",")]
-    print(json.dumps({"rows": rows}))
-    print_table(rows, list(rows[0]))
+    report({"rows": rows}, args, Table(rows, list(rows[0])))
 
 
 if __name__ == "__main__":

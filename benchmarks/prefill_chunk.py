@@ -7,28 +7,28 @@ engines take turns for `--rounds` rounds (time until every prompt has its first 
 table: tokens/s and the share of the machine's 2048^3 matmul rate measured in the same run, at the model
 FLOPs `bench throughput` counts (`prefill_flops`).
 
-    python benchmarks/prefill_chunk.py --chunks 128,256,512
-    python benchmarks/prefill_chunk.py --chunks 512 --rows 1,4 --prompts 4 --prompt 64
+    python -m benchmarks prefill-chunk --chunks 128,256,512
+    python -m benchmarks prefill-chunk --chunks 512 --rows 1,4 --prompts 4 --prompt 64
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
+
+from benchmarks.report import Table, report
+from jaxhybrid.config import load_config
+from jaxhybrid.model import HybridLM
+from serve.bench.throughput import machine_rates
+from serve.engine.engine import Engine, EngineConfig
+from serve.engine.sampling import SamplingParams
+from serve.sim.cost import active_params, param_bytes, prefill_flops
 
 
 def main() -> None:
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
-
-    from jaxhybrid.config import load_config
-    from jaxhybrid.model import HybridLM
-    from serve.bench.throughput import active_params, machine_rates, param_bytes, prefill_flops
-    from serve.engine.engine import Engine, EngineConfig
-    from serve.engine.sampling import SamplingParams
-    from serve.report import print_table
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="small")
@@ -84,8 +84,7 @@ def main() -> None:
         "flops_per_token": flops,
         "rows": rows,
     }
-    print(json.dumps(result))
-    print_table(rows, ["prefill_chunk", "prefill_rows", "s", "tok_s", "of_matmul"])
+    report(result, args, Table(rows, ["prefill_chunk", "prefill_rows", "s", "tok_s", "of_matmul"]))
 
 
 if __name__ == "__main__":

@@ -11,14 +11,50 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from jaxhybrid.constraints import (
+    Constraint,
+    Problem,
+    at_least,
+    below,
+    boolean,
+    check,
+    divides,
+    in_range,
+    int_at_least,
+    is_int,
+    negative,
+    non_negative_int,
+    one_of,
+    optional,
+    positive,
+    positive_int,
+    rules,
+    violations,
+)
+
 
 class ConfigError(ValueError):
-    """An invalid or inconsistent model config; the message names the field."""
+    """An invalid or inconsistent model config; the message names the field, or every bad field
+    (`problems`, one per field) when a config breaks several constraints."""
+
+    def __init__(self, message: str, problems: tuple[Problem, ...] = ()):
+        super().__init__(message)
+        self.problems = problems
+
+    @classmethod
+    def listing(cls, name: str, problems: list[Problem]) -> ConfigError:
+        """One error for all of `problems` of config `name`."""
+        if len(problems) == 1:
+            p = problems[0]
+            return cls(f"config field '{p.field}': {p.message} (config '{name}')", tuple(problems))
+        lines = "".join(f"\n  {p}" for p in problems)
+        return cls(f"config '{name}' has {len(problems)} invalid fields:{lines}", tuple(problems))
 
 
 # Hugging Face alias -> our field name.
@@ -81,57 +117,239 @@ IGNORED_HF_KEYS = {
 }
 
 
+def _moe(cfg: Any) -> bool:
+    """Whether any layer has a MoE feed-forward (`ModelConfig.num_moe_layers` > 0)."""
+    return cfg.num_hidden_layers > cfg.first_k_dense_replace
+
+
+MOE_REFS = ("num_hidden_layers", "first_k_dense_replace")
+
+
+def _quantized(cfg: Any) -> bool:
+    return _moe(cfg) and cfg.expert_quant is not None
+
+
+def _quant_multiple(when: Any = _quantized, refs: tuple[str, ...] = ()) -> Constraint:
+    """A width the quantized routed experts' groups divide (checked where `when` holds)."""
+    return check(
+        lambda v, o: v % QUANT_GROUP_SIZE[o.expert_quant] == 0,
+        lambda v, o: (
+            f"must be a multiple of {QUANT_GROUP_SIZE[o.expert_quant]} for {o.expert_quant} routed "
+            f"experts, got {v}"
+        ),
+        "expert_quant",
+    ).only_when(when, MOE_REFS + refs)
+
+
+def _layers_outside(v: Any, cfg: Any) -> list[Any]:
+    return [layer for layer in v if not 1 <= layer <= cfg.num_hidden_layers]
+
+
+def _twice(v: Any) -> list[Any]:
+    return sorted({layer for layer in v if list(v).count(layer) > 1})
+
+
+def _layer_list(key: str, across: Constraint) -> dict[str, Any]:
+    """The metadata of layer list `key` of linear_attn_config: 1-indexed layer numbers, none twice, each in
+    1..num_hidden_layers, and `across`, what it must be with the other list."""
+    return rules(
+        check(
+            lambda v, _: isinstance(v, (tuple, list)) and all(is_int(x) for x in v),
+            lambda v, _: f"must be a list of layer numbers, got {v!r}",
+        ),
+        check(lambda v, _: not _twice(v), lambda v, _: f"layers {_twice(v)} are listed twice"),
+        check(
+            lambda v, o: not _layers_outside(v, o),
+            lambda v, o: (
+                f"layers {_layers_outside(v, o)} are outside 1..num_hidden_layers="
+                f"{o.num_hidden_layers} (the lists are 1-indexed)"
+            ),
+            "num_hidden_layers",
+        ),
+        across,
+        label=_lin(key),
+    )
+
+
+def _uncovered(cfg: Any) -> list[int]:
+    return sorted(set(range(1, cfg.num_hidden_layers + 1)) - set(cfg.kda_layers) - set(cfg.full_attn_layers))
+
+
+def _in_both(cfg: Any) -> list[int]:
+    return sorted(set(cfg.kda_layers) & set(cfg.full_attn_layers))
+
+
+def _lin(key: str) -> str:
+    return f"linear_attn_config.{key}"
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Kimi Linear family model. Layer lists are 1-indexed, as in the checkpoint."""
+    """Shape and numerics of a Kimi Linear family model. Layer lists are 1-indexed, as in the checkpoint.
 
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    kda_layers: tuple[int, ...]
-    full_attn_layers: tuple[int, ...]
+    Each field's metadata lists the constraints its value must meet (`jaxhybrid.constraints`); building a
+    config checks them all and raises one ConfigError naming every field that breaks one."""
+
+    vocab_size: int = field(metadata=rules(int_at_least(2)))
+    hidden_size: int = field(
+        metadata=rules(
+            positive_int,
+            _quant_multiple(
+                lambda o: _quantized(o) and o.routed_expert_hidden_size is None,
+                ("routed_expert_hidden_size",),
+            ),
+        )
+    )
+    num_hidden_layers: int = field(metadata=rules(positive_int))
+    intermediate_size: int = field(metadata=rules(positive_int))
+    kda_layers: tuple[int, ...] = field(
+        metadata=_layer_list(
+            "kda_layers",
+            check(
+                lambda v, o: not _uncovered(o),
+                lambda v, o: f"layers {_uncovered(o)} are in neither kda_layers nor full_attn_layers",
+                "full_attn_layers",
+                "num_hidden_layers",
+            ),
+        )
+    )
+    full_attn_layers: tuple[int, ...] = field(
+        metadata=_layer_list(
+            "full_attn_layers",
+            check(
+                lambda v, o: not _in_both(o),
+                lambda v, o: f"layers {_in_both(o)} are listed twice (also in kda_layers)",
+                "kda_layers",
+            ),
+        )
+    )
     # KDA
-    kda_num_heads: int
-    kda_head_dim: int
-    short_conv_kernel_size: int = 4
-    gate_lower_bound: float | None = None
-    use_full_rank_gate: bool = False  # K3: output gate g_proj [H*d, hidden] instead of g_a_proj/g_b_proj
-    kda_a_log_size: int | None = None  # K3: A_log stored with this many entries (first H used); None = H
+    kda_num_heads: int = field(metadata=rules(positive_int, label=_lin("num_heads")))
+    kda_head_dim: int = field(metadata=rules(positive_int, label=_lin("head_dim")))
+    short_conv_kernel_size: int = field(
+        default=4, metadata=rules(int_at_least(2), label=_lin("short_conv_kernel_size"))
+    )
+    gate_lower_bound: float | None = field(
+        default=None, metadata=rules(optional(negative), label=_lin("gate_lower_bound"))
+    )
+    # K3: output gate g_proj [H*d, hidden] instead of g_a_proj/g_b_proj
+    use_full_rank_gate: bool = field(default=False, metadata=rules(boolean, label=_lin("use_full_rank_gate")))
+    # K3: A_log stored with this many entries (first H used); None = H
+    kda_a_log_size: int | None = field(
+        default=None, metadata=rules(optional(positive_int), at_least("kda_num_heads", _lin("num_heads")))
+    )
     # MLA
-    num_attention_heads: int = 1
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    mla_lora_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (not rms_norm_eps)
-    mla_use_output_gate: bool = False  # K3: o * sigmoid(g_proj(x)) before o_proj
+    num_attention_heads: int = field(default=1, metadata=rules(positive_int))
+    q_lora_rank: int | None = field(default=None, metadata=rules(optional(positive_int)))
+    kv_lora_rank: int = field(default=512, metadata=rules(positive_int))
+    qk_nope_head_dim: int = field(default=128, metadata=rules(positive_int))
+    qk_rope_head_dim: int = field(default=64, metadata=rules(non_negative_int))
+    v_head_dim: int = field(default=128, metadata=rules(positive_int))
+    # q_a_layernorm / kv_a_layernorm (not rms_norm_eps)
+    mla_lora_norm_eps: float = field(default=1e-6, metadata=rules(positive))
+    # K3: o * sigmoid(g_proj(x)) before o_proj
+    mla_use_output_gate: bool = field(default=False, metadata=rules(boolean))
     # MoE
-    num_experts: int = 0
-    num_experts_per_token: int = 1
-    num_shared_experts: int = 0
-    moe_intermediate_size: int = 0
-    first_k_dense_replace: int = 0
+    num_experts: int = field(
+        default=0,
+        metadata=rules(
+            non_negative_int,
+            check(lambda v, _: v > 0, "must be positive when any layer is MoE").only_when(_moe, MOE_REFS),
+        ),
+    )
+    num_experts_per_token: int = field(
+        default=1,
+        metadata=rules(
+            positive_int,
+            in_range(1, "num_experts").only_when(_moe, MOE_REFS),
+            check(
+                lambda v, o: v <= o.topk_group * (o.num_experts // o.num_expert_group),
+                lambda v, o: (
+                    f"{v} exceeds the {o.topk_group * (o.num_experts // o.num_expert_group)} experts in "
+                    "the kept groups"
+                ),
+                "topk_group",
+                "num_experts",
+                "num_expert_group",
+            ).only_when(_moe, MOE_REFS),
+        ),
+    )
+    num_shared_experts: int = field(default=0, metadata=rules(non_negative_int))
+    moe_intermediate_size: int = field(
+        default=0,
+        metadata=rules(
+            non_negative_int,
+            check(lambda v, _: v > 0, "must be positive when any layer is MoE").only_when(_moe, MOE_REFS),
+            _quant_multiple(),
+        ),
+    )
+    first_k_dense_replace: int = field(
+        default=0,
+        metadata=rules(
+            non_negative_int,
+            check(
+                lambda v, o: v <= o.num_hidden_layers,
+                "must be <= num_hidden_layers={num_hidden_layers}",
+                "num_hidden_layers",
+            ),
+        ),
+    )
     routed_scaling_factor: float = 1.0
     moe_renormalize: bool = True
-    num_expert_group: int = 1
-    topk_group: int = 1
-    routed_expert_hidden_size: int | None = None  # K3 latent MoE: routed experts run in this width
-    latent_moe_use_norm: bool = False  # K3: RMSNorm of the combined latent before routed_expert_up_proj
-    expert_quant: str | None = None  # checkpoint storage of the routed experts: None (dense) or "mxfp4"
+    num_expert_group: int = field(
+        default=1,
+        metadata=rules(
+            positive_int,
+            divides("num_experts").only_when(_moe, MOE_REFS),
+            check(
+                lambda v, o: v == 1 or o.num_experts // v >= 2,
+                lambda v, o: (
+                    "groups are scored by their top-2 experts, so each group needs at least 2 experts, "
+                    f"got {v} groups of {o.num_experts} experts"
+                ),
+                "num_experts",
+            ).only_when(_moe, MOE_REFS),
+        ),
+    )
+    topk_group: int = field(
+        default=1, metadata=rules(positive_int, in_range(1, "num_expert_group").only_when(_moe, MOE_REFS))
+    )
+    # K3 latent MoE: routed experts run in this width
+    routed_expert_hidden_size: int | None = field(
+        default=None,
+        metadata=rules(
+            optional(positive_int),
+            _quant_multiple(lambda o: _quantized(o) and o.routed_expert_hidden_size is not None),
+        ),
+    )
+    # K3: RMSNorm of the combined latent before routed_expert_up_proj
+    latent_moe_use_norm: bool = field(
+        default=False,
+        metadata=rules(
+            boolean,
+            check(
+                lambda v, o: not v or o.routed_expert_hidden_size is not None,
+                lambda v, o: "needs routed_expert_hidden_size (the latent the norm acts on)",
+                "routed_expert_hidden_size",
+            ),
+        ),
+    )
+    # checkpoint storage of the routed experts: None (dense) or "mxfp4"
+    expert_quant: str | None = field(default=None, metadata=rules(optional(one_of(sorted(QUANT_GROUP_SIZE)))))
     # gated MLPs (dense, shared and routed experts)
-    hidden_act: str = "silu"  # "silu" or "situ" (K3)
-    activation_situ_beta: float | None = None  # SiTU gate cap (1.0 when None)
-    activation_situ_linear_beta: float | None = None  # SiTU up cap (no cap when None)
-    # residual stream
-    attn_res_block_size: int | None = None  # K3 attention residuals: a new block every this many layers
+    hidden_act: str = field(default="silu", metadata=rules(one_of(("silu", "situ"))))  # "situ": K3
+    # SiTU gate cap (1.0 when None)
+    activation_situ_beta: float | None = field(default=None, metadata=rules(optional(positive)))
+    # SiTU up cap (no cap when None)
+    activation_situ_linear_beta: float | None = field(default=None, metadata=rules(optional(positive)))
+    # residual stream; K3 attention residuals: a new block every this many layers
+    attn_res_block_size: int | None = field(default=None, metadata=rules(optional(positive_int)))
     # misc
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = field(default=1e-5, metadata=rules(positive))
     tie_word_embeddings: bool = False
-    max_position_embeddings: int = 1048576
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    max_position_embeddings: int = field(default=1048576, metadata=rules(positive_int))
+    bos_token_id: int | None = field(default=None, metadata=rules(below("vocab_size", "a token id")))
+    eos_token_id: int | None = field(default=None, metadata=rules(below("vocab_size", "a token id")))
     name: str = "custom"
     # Fields set to a value this codebase cannot run yet (multi-token prediction): {field: value}.
     unimplemented: tuple[tuple[str, Any], ...] = ()
@@ -209,179 +427,10 @@ _INT_FIELDS = {f.name for f in dataclasses.fields(ModelConfig) if f.type in ("in
 
 
 def validate(cfg: ModelConfig) -> None:
-    """Raise ConfigError naming the first invalid or inconsistent field."""
-
-    def need(cond: bool, fld: str, msg: str) -> None:
-        if not cond:
-            raise ConfigError(f"config field '{fld}': {msg} (config '{cfg.name}')")
-
-    for fld in (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "intermediate_size",
-        "kda_num_heads",
-        "kda_head_dim",
-        "num_attention_heads",
-        "kv_lora_rank",
-        "qk_nope_head_dim",
-        "v_head_dim",
-        "max_position_embeddings",
-    ):
-        value = getattr(cfg, fld)
-        need(
-            isinstance(value, int) and not isinstance(value, bool) and value > 0,
-            fld,
-            f"must be a positive integer, got {value!r}",
-        )
-    for fld in (
-        "qk_rope_head_dim",
-        "num_experts",
-        "num_shared_experts",
-        "moe_intermediate_size",
-        "first_k_dense_replace",
-    ):
-        value = getattr(cfg, fld)
-        need(
-            isinstance(value, int) and not isinstance(value, bool) and value >= 0,
-            fld,
-            f"must be a non-negative integer, got {value!r}",
-        )
-    need(
-        cfg.q_lora_rank is None or (isinstance(cfg.q_lora_rank, int) and cfg.q_lora_rank > 0),
-        "q_lora_rank",
-        f"must be null or a positive integer, got {cfg.q_lora_rank!r}",
-    )
-    need(
-        isinstance(cfg.short_conv_kernel_size, int) and cfg.short_conv_kernel_size >= 2,
-        "linear_attn_config.short_conv_kernel_size",
-        f"must be an integer >= 2, got {cfg.short_conv_kernel_size!r}",
-    )
-    need(
-        cfg.gate_lower_bound is None or float(cfg.gate_lower_bound) < 0,
-        "linear_attn_config.gate_lower_bound",
-        f"must be null or negative, got {cfg.gate_lower_bound!r}",
-    )
-    for fld in ("rms_norm_eps", "mla_lora_norm_eps"):
-        value = getattr(cfg, fld)
-        need(
-            isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-            fld,
-            f"must be positive, got {value!r}",
-        )
-    need(
-        cfg.hidden_act in ("silu", "situ"), "hidden_act", f"must be 'silu' or 'situ', got {cfg.hidden_act!r}"
-    )
-    for fld in ("activation_situ_beta", "activation_situ_linear_beta"):
-        value = getattr(cfg, fld)
-        need(
-            value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0),
-            fld,
-            f"must be null or positive, got {value!r}",
-        )
-    for fld in ("attn_res_block_size", "routed_expert_hidden_size", "kda_a_log_size"):
-        value = getattr(cfg, fld)
-        need(
-            value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
-            fld,
-            f"must be null or a positive integer, got {value!r}",
-        )
-    for fld in ("use_full_rank_gate", "mla_use_output_gate", "latent_moe_use_norm"):
-        need(isinstance(getattr(cfg, fld), bool), fld, f"must be true or false, got {getattr(cfg, fld)!r}")
-    need(
-        cfg.kda_a_log_size is None or cfg.kda_a_log_size >= cfg.kda_num_heads,
-        "kda_a_log_size",
-        f"must be >= linear_attn_config.num_heads={cfg.kda_num_heads}, got {cfg.kda_a_log_size!r}",
-    )
-    need(
-        not cfg.latent_moe_use_norm or cfg.routed_expert_hidden_size is not None,
-        "latent_moe_use_norm",
-        "needs routed_expert_hidden_size (the latent the norm acts on)",
-    )
-    need(
-        cfg.expert_quant is None or cfg.expert_quant in QUANT_GROUP_SIZE,
-        "expert_quant",
-        f"must be null or one of {sorted(QUANT_GROUP_SIZE)}, got {cfg.expert_quant!r}",
-    )
-
-    n = cfg.num_hidden_layers
-    seen: dict[int, str] = {}
-    for fld, layers in (("kda_layers", cfg.kda_layers), ("full_attn_layers", cfg.full_attn_layers)):
-        for layer in layers:
-            need(
-                isinstance(layer, int) and 1 <= layer <= n,
-                f"linear_attn_config.{fld}",
-                f"layer {layer!r} is outside 1..num_hidden_layers={n} (the lists are 1-indexed)",
-            )
-            need(
-                layer not in seen,
-                f"linear_attn_config.{fld}",
-                f"layer {layer} is listed twice" + (f" (also in {seen[layer]})" if layer in seen else ""),
-            )
-            seen[layer] = fld
-    missing = sorted(set(range(1, n + 1)) - set(seen))
-    need(
-        not missing,
-        "linear_attn_config.kda_layers",
-        f"layers {missing} are in neither kda_layers nor full_attn_layers",
-    )
-
-    need(
-        cfg.first_k_dense_replace <= n,
-        "first_k_dense_replace",
-        f"must be <= num_hidden_layers={n}, got {cfg.first_k_dense_replace}",
-    )
-    if cfg.num_moe_layers > 0:
-        need(cfg.num_experts > 0, "num_experts", "must be positive when any layer is MoE")
-        need(cfg.moe_intermediate_size > 0, "moe_intermediate_size", "must be positive when any layer is MoE")
-        need(
-            1 <= cfg.num_experts_per_token <= cfg.num_experts,
-            "num_experts_per_token",
-            f"must be in 1..num_experts={cfg.num_experts}, got {cfg.num_experts_per_token}",
-        )
-        need(
-            cfg.num_expert_group >= 1 and cfg.num_experts % cfg.num_expert_group == 0,
-            "num_expert_group",
-            f"must divide num_experts={cfg.num_experts}, got {cfg.num_expert_group}",
-        )
-        need(
-            1 <= cfg.topk_group <= cfg.num_expert_group,
-            "topk_group",
-            f"must be in 1..num_expert_group={cfg.num_expert_group}, got {cfg.topk_group}",
-        )
-        per_group = cfg.num_experts // cfg.num_expert_group
-        need(
-            cfg.num_expert_group == 1 or per_group >= 2,
-            "num_expert_group",
-            "groups are scored by their top-2 experts, so each group needs at least 2 experts",
-        )
-        need(
-            cfg.num_experts_per_token <= cfg.topk_group * per_group,
-            "num_experts_per_token",
-            f"{cfg.num_experts_per_token} exceeds the {cfg.topk_group * per_group} in the kept groups",
-        )
-        if cfg.expert_quant is not None:
-            group = QUANT_GROUP_SIZE[cfg.expert_quant]
-            for fld, width in (
-                ("moe_intermediate_size", cfg.moe_intermediate_size),
-                (
-                    "routed_expert_hidden_size" if cfg.routed_expert_hidden_size else "hidden_size",
-                    cfg.expert_dim,
-                ),
-            ):
-                need(
-                    width % group == 0,
-                    fld,
-                    f"must be a multiple of {group} for {cfg.expert_quant} routed experts, got {width}",
-                )
-    need(cfg.vocab_size >= 2, "vocab_size", "must be at least 2")
-    for tok in ("bos_token_id", "eos_token_id"):
-        value = getattr(cfg, tok)
-        need(
-            value is None or (isinstance(value, int) and 0 <= value < cfg.vocab_size),
-            tok,
-            f"must be null or a token id in 0..vocab_size-1, got {value!r}",
-        )
+    """Raise one ConfigError naming every field of `cfg` that breaks a constraint of its own."""
+    problems = violations(ModelConfig, {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    if problems:
+        raise ConfigError.listing(cfg.name, problems)
 
 
 def _first_id(value: Any) -> int | None:
@@ -398,20 +447,20 @@ def parse_quantization_config(qc: Any, name: str = "custom") -> str | None:
     the weights could not be read."""
     if qc is None:
         return None
-    field = "quantization_config"
+    key = "quantization_config"
     if not isinstance(qc, Mapping):
-        raise ConfigError(f"config field '{field}' must be a mapping (config '{name}')")
+        raise ConfigError(f"config field '{key}' must be a mapping (config '{name}')")
     method = qc.get("quant_method")
     if method != "compressed-tensors":
         raise ConfigError(
-            f"config field '{field}.quant_method': only 'compressed-tensors' is supported, got {method!r} "
+            f"config field '{key}.quant_method': only 'compressed-tensors' is supported, got {method!r} "
             f"(config '{name}')"
         )
     formats: list[Any] = [qc["format"]] if qc.get("format") not in (None, "mixed-precision") else []
     group_sizes: list[Any] = [qc["group_size"]] if "group_size" in qc else []
     groups = qc.get("config_groups") or {}
     if not isinstance(groups, Mapping):
-        raise ConfigError(f"config field '{field}.config_groups' must be a mapping (config '{name}')")
+        raise ConfigError(f"config field '{key}.config_groups' must be a mapping (config '{name}')")
     for group in groups.values():
         if isinstance(group, Mapping):
             if group.get("format") is not None:
@@ -422,23 +471,42 @@ def parse_quantization_config(qc: Any, name: str = "custom") -> str | None:
     kind = next((QUANT_FORMATS[f] for f in formats if f in QUANT_FORMATS), None)
     if kind is None:
         raise ConfigError(
-            f"config field '{field}.format': supported formats are {sorted(QUANT_FORMATS)}, got "
+            f"config field '{key}.format': supported formats are {sorted(QUANT_FORMATS)}, got "
             f"{formats or 'none'} (config '{name}')"
         )
     bad = [g for g in group_sizes if g != QUANT_GROUP_SIZE[kind]]
     if bad:
         raise ConfigError(
-            f"config field '{field}': {kind} needs group size {QUANT_GROUP_SIZE[kind]}, got {bad[0]!r} "
+            f"config field '{key}': {kind} needs group size {QUANT_GROUP_SIZE[kind]}, got {bad[0]!r} "
             f"(config '{name}')"
         )
     return kind
 
 
+REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "kda_layers",
+    "full_attn_layers",
+    "kda_num_heads",
+    "kda_head_dim",
+)
+
+
+def _label(target: str) -> str:
+    """A field's name as a config file writes it (`linear_attn_config.num_heads` for kda_num_heads)."""
+    return next((_lin(k) for k, v in LINEAR_ATTN_KEYS.items() if v == target), target)
+
+
 def from_dict(raw: Mapping[str, Any], *, strict: bool, name: str = "custom") -> ModelConfig:
     """Build a config from a Hugging Face style dict (`strict`: unknown keys are errors).
 
-    A multimodal wrapper (Kimi K3) keeps the text model under `text_config`; its `quantization_config` may
-    sit inside text_config or at the top level and becomes `expert_quant`."""
+    Every bad key (unknown, unsupported, given twice, missing, or a value that breaks its field's
+    constraints) is reported in one ConfigError. A multimodal wrapper (Kimi K3) keeps the text model under
+    `text_config`; its `quantization_config` may sit inside text_config or at the top level and becomes
+    `expert_quant`."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config '{name}' must be a mapping, got {type(raw).__name__}")
     quant_config = raw.get("quantization_config")
@@ -450,6 +518,7 @@ def from_dict(raw: Mapping[str, Any], *, strict: bool, name: str = "custom") -> 
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     kw: dict[str, Any] = {"name": raw.get("name", name)}
     unimpl: dict[str, Any] = {}
+    problems: list[Problem] = []
     for key, value in raw.items():
         if key in ("name", "quantization_config"):
             continue
@@ -464,12 +533,11 @@ def from_dict(raw: Mapping[str, Any], *, strict: bool, name: str = "custom") -> 
                     if sub_value != UNIMPLEMENTED_DEFAULTS[sub]:
                         unimpl[sub] = sub_value
                 elif sub == "kda_layer_index_base" and sub_value not in (1, None):
-                    raise ConfigError(
-                        f"config field 'linear_attn_config.kda_layer_index_base': only 1 "
-                        f"(1-indexed lists) is supported, got {sub_value!r}"
+                    problems.append(
+                        Problem(_lin(sub), f"only 1 (1-indexed lists) is supported, got {sub_value!r}")
                     )
                 elif strict and sub != "kda_layer_index_base":
-                    raise ConfigError(f"config field 'linear_attn_config.{sub}' is unknown (config '{name}')")
+                    problems.append(Problem(_lin(sub), "is unknown"))
             continue
         target = ALIASES.get(key, key)
         if target in ("bos_token_id", "eos_token_id"):
@@ -479,47 +547,40 @@ def from_dict(raw: Mapping[str, Any], *, strict: bool, name: str = "custom") -> 
                 unimpl[target] = value
         elif target in FIXED_VALUES:
             if value != FIXED_VALUES[target]:
-                raise ConfigError(
-                    f"config field '{key}': only {FIXED_VALUES[target]!r} is supported, "
-                    f"got {value!r} (config '{name}')"
-                )
+                problems.append(Problem(key, f"only {FIXED_VALUES[target]!r} is supported, got {value!r}"))
         elif target == "unimplemented" and isinstance(value, Mapping):
             unimpl.update(value)
         elif target in fields:
             if target in kw and key != target:
-                raise ConfigError(f"config field '{target}' is given twice (also as alias '{key}')")
+                problems.append(Problem(target, f"is given twice (also as alias '{key}')"))
             kw[target] = value
         elif strict and key not in IGNORED_HF_KEYS:
-            raise ConfigError(f"config field '{key}' is unknown (config '{name}')")
-    for req in (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "intermediate_size",
-        "kda_layers",
-        "full_attn_layers",
-        "kda_num_heads",
-        "kda_head_dim",
-    ):
-        if req not in kw:
-            label = next((f"linear_attn_config.{k}" for k, v in LINEAR_ATTN_KEYS.items() if v == req), req)
-            raise ConfigError(f"config field '{label}' is required (config '{name}')")
+            problems.append(Problem(key, "is unknown"))
+    missing = [req for req in REQUIRED if req not in kw]
+    problems += [Problem(_label(req), "is required") for req in missing]
     for key, value in list(kw.items()):
         if key in _INT_FIELDS and isinstance(value, float) and value.is_integer():
             kw[key] = int(value)
     if quant_config is not None:
-        parsed = parse_quantization_config(quant_config, kw["name"])
+        parsed = parse_quantization_config(
+            quant_config, kw["name"]
+        )  # the checkpoint's format: unreadable if bad
         if kw.get("expert_quant") not in (None, parsed):
-            raise ConfigError(
-                f"config field 'expert_quant' ({kw['expert_quant']!r}) disagrees with quantization_config "
-                f"({parsed!r}) (config '{kw['name']}')"
+            problems.append(
+                Problem(
+                    "expert_quant",
+                    f"({kw['expert_quant']!r}) disagrees with quantization_config ({parsed!r})",
+                )
             )
         kw["expert_quant"] = parsed
     kw["unimplemented"] = tuple(sorted(unimpl.items()))
-    try:
-        return ModelConfig(**kw)
-    except TypeError as exc:  # a wrongly typed value that the dataclass itself rejects
-        raise ConfigError(f"config '{name}': {exc}") from exc
+    defaults = {
+        f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING
+    }
+    problems += violations(ModelConfig, {**defaults, **kw}, unknown=missing)
+    if problems:
+        raise ConfigError.listing(kw["name"], problems)
+    return ModelConfig(**kw)
 
 
 def configs_dir() -> Path:

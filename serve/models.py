@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ class UsageError(ValueError):
 
 
 def add_dequantize_experts_arg(p: Any) -> None:
-    """`--dequantize-experts`, for every command that loads a model (`load_model` reads it)."""
+    """`--dequantize-experts`, for every command that loads a model (`ModelSettings.dequantize_experts`)."""
     p.add_argument(
         "--dequantize-experts",
         action="store_true",
@@ -41,8 +42,8 @@ def add_dequantize_experts_arg(p: Any) -> None:
 
 
 def add_weight_dtype_arg(p: Any) -> None:
-    """`--weight-dtype`, for the commands that serve or benchmark a model on one device (`load_model` reads
-    it)."""
+    """`--weight-dtype`, for the commands that serve or benchmark a model on one device
+    (`ModelSettings.weight_dtype`)."""
     p.add_argument(
         "--weight-dtype",
         choices=["int8"],
@@ -162,39 +163,71 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _resolve(args: argparse.Namespace) -> Any:
-    """Set `args.model` to the shipped model when neither --model nor --config is given, and `args.dtype` to
-    the `serving_dtype` (the engine's KV dtype follows it); returns the ModelConfig for --config."""
-    if not args.model and not args.config and shipped_model_dir() is not None:
-        args.model = str(shipped_model_dir())
-    if args.model and args.config:
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """The model a command loads, as its flags give it: a checkpoint directory (`model`, --model) or a
+    config's random weights (`config`, --config, from `seed`), in `dtype` (None: `serving_dtype` decides),
+    MXFP4 experts held dense or packed, weights int8 or not, over the `mesh` (--mesh) or one device.
+    `resolve_model` fills in what was left to choose; `dtype_reason` then says why `dtype`."""
+
+    model: str | None = None
+    config: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+    dequantize_experts: bool = False
+    weight_dtype: str | None = None  # "int8": linear weights held as int8 codes with a scale per channel
+    mesh: str | None = None
+    dtype_reason: str | None = None  # set by `resolve_model`
+
+    FLAGS = ("model", "config", "dtype", "seed", "dequantize_experts", "weight_dtype", "mesh")
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any]) -> ModelSettings:
+        """The settings of a command's parsed flags (`vars(args)`, read at the CLI's edge); a flag the command
+        does not have keeps the field's default."""
+        return cls(**{k: flags[k] for k in cls.FLAGS if flags.get(k) is not None})
+
+
+def resolve_model(settings: ModelSettings) -> ModelSettings:
+    """`settings` with its choices made: the shipped model when neither a model nor a config is given (its
+    tokenizer is then used), and the `serving_dtype` with its reason (the engine's KV dtype follows it).
+    Settings already resolved are returned as they are."""
+    if settings.dtype_reason is not None:
+        return settings
+    model = settings.model
+    if not model and not settings.config and shipped_model_dir() is not None:
+        model = str(shipped_model_dir())
+    if model and settings.config:
         raise UsageError("give either --model DIR or --config NAME, not both")
     import jax  # (after a multi-process server started JAX's distributed runtime: the backend is known)
 
-    choice = serving_dtype(args.dtype, args.model, jax.default_backend() if args.model else None)
-    args.dtype, args.dtype_reason = choice.dtype, choice.reason
+    choice = serving_dtype(settings.dtype, model, jax.default_backend() if model else None)
     log.debug("weights and KV cache in %s", choice.describe())
-    return None if args.model else load_config(args.config or "tiny")
+    return dataclasses.replace(settings, model=model, dtype=choice.dtype, dtype_reason=choice.reason)
 
 
-def load_model(args: argparse.Namespace) -> Any:
-    """The model named by --model / --config (random weights from --seed for a config), in the
-    `serving_dtype`. With neither, the shipped model (`jaxhybrid.assets`): `args.model` is set to its
-    directory, so its tokenizer is used."""
-    return _build(args, _resolve(args))
+def load_model(settings: ModelSettings) -> Any:
+    """The model `settings` name (random weights from their seed for a config), in the `serving_dtype`;
+    with neither a model nor a config, the shipped model (`jaxhybrid.assets`)."""
+    return _build(resolve_model(settings))
 
 
-def _build(args: argparse.Namespace, cfg: Any) -> Any:
+def _build(settings: ModelSettings) -> Any:
     import jax.numpy as jnp
     from flax import nnx
 
-    dq = getattr(args, "dequantize_experts", False)
-    if args.model:
+    dq = settings.dequantize_experts
+    if settings.model:
         # a bar on a terminal, log lines otherwise, once the load takes a few seconds
-        model = load_pretrained(args.model, dtype=jnp.dtype(args.dtype), progress=None, dequantize_experts=dq)
+        model = load_pretrained(
+            settings.model, dtype=jnp.dtype(settings.dtype), progress=None, dequantize_experts=dq
+        )
     else:
-        model = HybridLM(cfg, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype), dequantize_experts=dq)
-    if getattr(args, "weight_dtype", None) == "int8":
+        cfg = load_config(settings.config or "tiny")
+        model = HybridLM(
+            cfg, rngs=nnx.Rngs(settings.seed), dtype=jnp.dtype(settings.dtype), dequantize_experts=dq
+        )
+    if settings.weight_dtype == "int8":
         model.to_int8()
         log.info("weights: int8 codes with a float32 scale per output channel")
     return model
@@ -209,36 +242,36 @@ def make_mesh(spec: str | None) -> Any:
     return None if mesh.devices.size == 1 else mesh
 
 
-def load_on_mesh(args: argparse.Namespace, multi: bool) -> tuple[Any, Any]:
-    """(the model of `load_model`, the `--mesh` mesh or None), its parameters sharded over the mesh, expert
-    parallelism installed where the expert axis divides the experts. `--model` is read straight into the
-    shardings (each process reads only its own devices' shards); `--config` random weights are created on
+def load_on_mesh(settings: ModelSettings, multi: bool) -> tuple[Any, Any]:
+    """(the model of `load_model`, the settings' mesh or None), its parameters sharded over the mesh, expert
+    parallelism installed where the expert axis divides the experts. A checkpoint is read straight into the
+    shardings (each process reads only its own devices' shards); a config's random weights are created on
     one device and then sharded. Several processes (`multi`) need a mesh over the devices of all of them."""
-    mesh = make_mesh(args.mesh)
-    if mesh is not None and getattr(args, "weight_dtype", None) == "int8":
+    mesh = make_mesh(settings.mesh)
+    if mesh is not None and settings.weight_dtype == "int8":
         raise UsageError("--weight-dtype int8 runs on one device; drop --mesh")
     if multi and mesh is None:
         raise UsageError(
             "several processes need --mesh over the devices of all of them "
             "(e.g. --mesh data=2,expert=2,tensor=2)"
         )
-    cfg = _resolve(args)
+    settings = resolve_model(settings)
     if mesh is None:
-        return _build(args, cfg), None
-    if args.model:
+        return _build(settings), None
+    if settings.model:
         import jax.numpy as jnp
 
         report: dict[str, Any] = {}
         model = load_pretrained_on_mesh(
-            args.model,
+            settings.model,
             mesh,
-            jnp.dtype(args.dtype),
+            jnp.dtype(settings.dtype),
             progress=None,
             report=report,
-            dequantize_experts=getattr(args, "dequantize_experts", False),
+            dequantize_experts=settings.dequantize_experts,
         )
         if "read_bytes" in report:
             log.info("read %d checkpoint bytes: this process's shards", report["read_bytes"])
         return model, mesh
 
-    return shard_model(_build(args, cfg), mesh), mesh
+    return shard_model(_build(settings), mesh), mesh

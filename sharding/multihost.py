@@ -6,17 +6,20 @@ machine, or CPU hosts) the cross-process collectives use gloo, which must be sel
 backend starts (`jax_cpu_collectives_implementation`), so call `initialize` before any JAX computation.
 
 Sources, first found wins, per value:
-  coordinator    the argument, `--coordinator`, or $JAX_COORDINATOR_ADDRESS ("host:port")
-  num_processes  the argument, `--num-processes`, or $JAX_NUM_PROCESSES
-  process_id     the argument, `--process-id`, or $JAX_PROCESS_ID
+  coordinator    `MultihostSettings` (`--coordinator`), or $JAX_COORDINATOR_ADDRESS ("host:port")
+  num_processes  `MultihostSettings` (`--num-processes`), or $JAX_NUM_PROCESSES
+  process_id     `MultihostSettings` (`--process-id`), or $JAX_PROCESS_ID
 With no coordinator and at most one process, nothing is initialised (single-process run).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 
@@ -46,18 +49,33 @@ def set_cpu_device_count(count: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
+@dataclasses.dataclass(frozen=True)
+class MultihostSettings:
+    """Where this process joins a process group (`--coordinator`, `--num-processes`, `--process-id`); a value
+    left None is read from the environment."""
+
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any]) -> MultihostSettings:
+        """The settings of a command's parsed flags (`vars(args)`, read at the CLI's edge; `add_arguments`
+        defines them); a command without them runs as one process unless the environment says otherwise."""
+        return cls(flags.get("coordinator"), flags.get("num_processes"), flags.get("process_id"))
+
+
 def initialize(
-    coordinator: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
+    settings: MultihostSettings = MultihostSettings(),
     *,
     cpu_collectives: str = "gloo",
     initialization_timeout: int = 300,
 ) -> bool:
     """Join the process group; returns True if `jax.distributed.initialize` ran, False for one process."""
-    coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
+    coordinator = settings.coordinator or os.environ.get(ENV_COORDINATOR) or None
+    num_processes = settings.num_processes
     num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
-    process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
+    process_id = settings.process_id if settings.process_id is not None else _env_int(ENV_PROCESS_ID)
     if coordinator is None:
         if num_processes not in (None, 1):
             raise MultiHostError(
@@ -95,14 +113,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--process-id", type=int, default=None, help=f"this process's id (or ${ENV_PROCESS_ID})"
-    )
-
-
-def initialize_from_args(args: argparse.Namespace) -> bool:
-    return initialize(
-        getattr(args, "coordinator", None),
-        getattr(args, "num_processes", None),
-        getattr(args, "process_id", None),
     )
 
 

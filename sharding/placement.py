@@ -3,8 +3,8 @@ expert parallelism, restore a checkpoint onto a mesh, and the shardings of the e
 
 `serve` may import both `jaxhybrid` and `sharding`; this module is where they meet.
 
-Engine integration (``--mesh``): ``mesh = sharding.mesh.mesh_from_flag(args.mesh)`` (after
-``sharding.multihost.initialize_from_args(args)`` on several hosts); the model from
+Engine integration (``--mesh``): ``mesh = sharding.mesh.mesh_from_flag(spec)`` (after
+``sharding.multihost.initialize(settings)`` on several hosts); the model from
 `create_sharded_model` / `load_sharded_model` / `shard_model` (expert parallelism installed when the
 expert axis divides num_experts); the pools created with ``jax.jit(zeros, out_shardings=pool_shardings(
 ...))`` and passed to the jitted step with the same in/out shardings (donated, so they stay in place);

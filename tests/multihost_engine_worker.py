@@ -36,7 +36,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     jax.config.update("jax_default_matmul_precision", "highest")
-    assert multihost.initialize_from_args(args)
+    assert multihost.initialize(multihost.MultihostSettings.from_flags(vars(args)))
 
     from flax import nnx
 

@@ -38,7 +38,7 @@ def main() -> None:
     from flax import nnx
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    assert multihost.initialize_from_args(args)
+    assert multihost.initialize(multihost.MultihostSettings.from_flags(vars(args)))
 
     from jaxhybrid.config import load_config
     from sharding.mesh import make_mesh

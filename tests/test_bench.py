@@ -164,7 +164,7 @@ def test_bench_speculative_reports_what_each_method_drafted_and_the_same_tokens(
 
 
 def test_copied_is_the_share_reproduced_before_the_first_difference():
-    from serve.bench.speculative import copied, expected, prompts
+    from benchmarks.speculative import copied, expected, prompts
 
     assert copied(["abcx", "abcd and more", "z"], ["abcd", "abcd", "ab"]) == (0.75 + 1.0 + 0.0) / 3
     for prompt, want in zip(prompts("edit", 100_000), expected("edit"), strict=True):
@@ -178,15 +178,9 @@ def test_the_held_out_workloads_share_nothing_with_what_the_shipped_model_learne
     built from them): no held-out function or prose text is in any of those files, nor any of their first
     lines, and the sources lie outside the standard library. The repository's own functions (`edit-repo`)
     are not part of the default workloads."""
+    from benchmarks.speculative import HELD_OUT_FILES, held_out_file, held_out_functions, prompts, register
     from jaxhybrid.assets import SHIPPED_DIR
     from jaxhybrid.train.data import stdlib_documents, stdlib_root
-    from serve.bench.speculative import (
-        HELD_OUT_FILES,
-        held_out_file,
-        held_out_functions,
-        prompts,
-        register,
-    )
 
     assert json.loads((SHIPPED_DIR / "training.json").read_text())["data"] == ["stdlib"]
     functions = held_out_functions()

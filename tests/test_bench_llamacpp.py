@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks import llamacpp
 from jaxhybrid.tokenizer import ByteTokenizer
-from serve.bench import llamacpp
 from serve.cli import main
 
 VOCAB = 600
@@ -91,7 +91,7 @@ def test_locate_says_what_is_missing(tmp_path, monkeypatch):
 
 def test_against_llama_cpp_without_one_is_one_error_line(capsys, monkeypatch, tmp_path):
     """The transformers side is replaced by stand-ins: the error must come from locating llama.cpp."""
-    from serve.bench import reference
+    from benchmarks import reference
 
     monkeypatch.delenv("LLAMA_CPP", raising=False)
     monkeypatch.setattr(reference, "TorchModel", lambda directory: None)

@@ -1,4 +1,4 @@
-"""`bench prefix`'s workload families and lower bound (`serve.bench.workloads`), and the command over all of
+"""`bench prefix`'s workload families and lower bound (`serve.sim.workloads`), and the command over all of
 them with checkpoint budgets, through the simulator (no model: seconds) and once through the engine."""
 
 import argparse
@@ -10,24 +10,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks import prefix
 from jaxhybrid.config import load_config
-from serve.bench import prefix
-from serve.bench.simulate import CostModel, SimEngine, random_answers
-from serve.bench.workloads import (
-    AgenticWorkload,
-    ChatWorkload,
-    DocQAWorkload,
-    LongDocWorkload,
-    PrefixIndex,
-    Served,
-    SysPromptWorkload,
-    lower_bound_tokens,
-    replay,
-)
 from serve.cli import main
 from serve.engine.engine import EngineConfig
 from serve.engine.requests import GenerateResult
 from serve.prefix.store import PrefixStoreConfig
+from serve.sim.cost import CostModel
+from serve.sim.engine import SimEngine
+from serve.sim.replay import PrefixIndex, Served, lower_bound_tokens, replay
+from serve.sim.runner import random_answers
+from serve.sim.workloads import (
+    AgenticWorkload,
+    ChatWorkload,
+    DocQAWorkload,
+    LongDocWorkload,
+    SysPromptWorkload,
+)
 
 CFG = load_config("tiny")
 VOCAB = CFG.vocab_size
@@ -512,7 +511,8 @@ def test_the_offline_placement_is_what_the_store_keeps_and_each_request_resumes_
     """The `dp` setting through the simulator: the store checkpoints where the placement says, within the
     budget, and each request computes its prompt less the deepest placed position at or above its overlap
     depth (what the program assumed): the replay computes the lower bound + the program's predicted cost."""
-    from serve.bench.workloads import FAMILIES, overlap_depths
+    from serve.sim.replay import overlap_depths
+    from serve.sim.workloads import FAMILIES
 
     args = parse(
         "--simulate", "--workload", family, "--budgets", str(budget_kib), "--checkpoint-policy", "dp",

@@ -17,6 +17,9 @@ from jaxhybrid.weights import save_orbax
 from jaxhybrid.weights.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from serve.cli import main
 
+# the quantization accuracy study (`benchmarks.quant`) end to end: slow, and nothing of the product's own
+pytestmark = pytest.mark.lab
+
 ARGS = ["--batch-size", "2", "--seq-len", "16", "--batches", "2", "--val-fraction", "0.5", "--greedy-tokens"]
 
 

@@ -23,12 +23,12 @@ from hypothesis import strategies as st
 from servers import free_port, uvicorn_thread
 from tqdm import tqdm
 
+from benchmarks.compare import KINDS, read_results, table_rows
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from jaxhybrid.tokenizer import ByteTokenizer
 from serve.bench.client import probe
 from serve.bench.common import compile_watch
-from serve.bench.compare import KINDS, read_results, table_rows
 from serve.bench.latency import summarize
 from serve.bench.serve import PassSettings, run_pass
 from serve.bench.workload import Arrivals, WorkloadError, arrival_times, read_dataset, synthetic

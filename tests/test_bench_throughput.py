@@ -7,9 +7,9 @@ import re
 import matplotlib.image
 import pytest
 
+from benchmarks.compare import build_figures, labels_for, read_results
 from jaxhybrid.config import load_config
 from jaxhybrid.counting import count_params
-from serve.bench.compare import build_figures, labels_for, read_results
 from serve.cli import main
 
 TINY_ARGS = [

@@ -3,6 +3,8 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxhybrid.config import ConfigError, available_configs, from_dict, load_config
 
@@ -226,3 +228,52 @@ def test_invalid_k3_fields_name_the_field(changes, field):
     raw.update(changes)
     with pytest.raises(ConfigError, match=field):
         from_dict(raw, strict=True)
+
+
+# Breaks of tiny's fields that leave every other field's constraints as they were: (key as written, its
+# label in the error, a bad value).
+INDEPENDENT_BREAKS = [
+    ("hidden_size", "hidden_size", 0),
+    ("intermediate_size", "intermediate_size", -1),
+    ("num_attention_heads", "num_attention_heads", "4"),
+    ("q_lora_rank", "q_lora_rank", 0),
+    ("v_head_dim", "v_head_dim", 0),
+    ("rms_norm_eps", "rms_norm_eps", -1e-5),
+    ("mla_lora_norm_eps", "mla_lora_norm_eps", 0),
+    ("hidden_act", "hidden_act", "gelu"),
+    ("max_position_embeddings", "max_position_embeddings", 0),
+    ("num_shared_experts", "num_shared_experts", -1),
+    ("expert_quant", "expert_quant", "nf4"),
+    ("mla_use_output_gate", "mla_use_output_gate", "yes"),
+    ("activation_situ_beta", "activation_situ_beta", -1.0),
+    ("lin_short_conv_kernel_size", "linear_attn_config.short_conv_kernel_size", 1),
+    ("lin_gate_lower_bound", "linear_attn_config.gate_lower_bound", 0.5),
+    ("lin_head_dim", "linear_attn_config.head_dim", 0),
+    ("moe_router_activation_func", "moe_router_activation_func", "softmax"),
+    ("an_unknown_key", "an_unknown_key", 1),
+]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from(INDEPENDENT_BREAKS), min_size=2, max_size=8, unique_by=lambda b: b[0]))
+def test_one_error_names_every_broken_field(breaks):
+    """A config with several fields broken independently is refused with one error that names each of
+    them, and no other."""
+    raw = _bad(**{key: value for key, _, value in breaks})
+    with pytest.raises(ConfigError) as caught:
+        from_dict(raw, strict=True, name="broken")
+    assert sorted(p.field for p in caught.value.problems) == sorted(label for _, label, _ in breaks)
+    for _, label, _ in breaks:
+        assert f"'{label}'" in str(caught.value)
+
+
+def test_a_dependent_field_is_judged_only_when_what_it_reads_is_valid():
+    """A bad num_experts is reported once, not again through the fields checked against it (the group
+    count it must divide, the experts a token may pick), and a directly built config lists its bad fields
+    too."""
+    with pytest.raises(ConfigError) as caught:
+        from_dict(_bad(num_experts=-8, eos_token_id=512, vocab_size=1), strict=True)
+    assert [p.field for p in caught.value.problems] == ["vocab_size", "num_experts"]
+    with pytest.raises(ConfigError, match="2 invalid fields") as caught:
+        load_config("tiny").replace(hidden_size=0, topk_group=3)
+    assert [p.field for p in caught.value.problems] == ["hidden_size", "topk_group"]

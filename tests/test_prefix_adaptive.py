@@ -309,8 +309,10 @@ def test_adaptive_interval_checkpoints_take_a_share_of_the_budget(states):
     number at most 1/6 of the states the budget holds (the simulator: the store's own decisions, no model):
     a 390-token prompt under 12 states is checkpointed every 256 tokens (1 interval checkpoint), under 60
     every 64 (6), with room for 10,000 at every 16 (24)."""
-    from serve.bench.simulate import CostModel, SimEngine, random_answers
     from serve.engine.config import EngineShape
+    from serve.sim.cost import CostModel
+    from serve.sim.engine import SimEngine
+    from serve.sim.runner import random_answers
 
     cfg = load_config("tiny")
     probe = EngineConfig(max_slots=1, block_size=16, prefill_chunk=64, max_model_len=512)
@@ -332,7 +334,9 @@ def test_a_queued_request_finds_a_state_where_it_leaves_a_running_one():
     """Queued requests are known future lookups: with one slot, the second of two prompts sharing 200 tokens
     is admitted only after the first has computed past them, and still resumes at exactly the shared length
     (the first was cut there while the second waited), so it computes only its own part."""
-    from serve.bench.simulate import CostModel, SimEngine, random_answers
+    from serve.sim.cost import CostModel
+    from serve.sim.engine import SimEngine
+    from serve.sim.runner import random_answers
 
     cfg = load_config("tiny")
     prefix = PrefixStoreConfig(checkpoint_policy="adaptive", checkpoint_interval=1024)

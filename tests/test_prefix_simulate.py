@@ -16,12 +16,15 @@ from flax import nnx
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from serve.bench.simulate import AnswerDrafts, CostModel, SimEngine
-from serve.bench.workloads import ChatWorkload, Round, replay
 from serve.cli import main
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.speculative import DraftMethod, Speculation, StepCosts
 from serve.prefix.store import PrefixStoreConfig
+from serve.sim.cost import CostModel
+from serve.sim.engine import SimEngine
+from serve.sim.replay import replay
+from serve.sim.runner import AnswerDrafts
+from serve.sim.workloads import ChatWorkload, Round
 
 CFG = load_config("tiny")
 WORKLOAD = ChatWorkload(
@@ -230,7 +233,7 @@ def test_a_request_that_preempts_itself_at_admission_ends_the_admissions_of_that
     Now admission stops for that step, and every request is served."""
     import threading
 
-    from serve.bench.simulate import random_answers
+    from serve.sim.runner import random_answers
 
     workload = ChatWorkload(
         seed=3, conversations=4, turns=3, system_len=8, user_min=2, user_max=5, max_tokens=2, branch_prob=0.5
@@ -249,8 +252,8 @@ def test_a_request_that_preempts_itself_at_admission_ends_the_admissions_of_that
 def test_a_long_replay_reports_each_round_on_stderr_and_a_short_one_stays_quiet(capsys):
     """`replay`'s progress: called after every round with the requests served so far (5 chats x 3 turns);
     `RoundProgress` prints only once its threshold has gone by, and never on stdout (the JSON's)."""
-    from serve.bench.common import RoundProgress
-    from serve.bench.simulate import random_answers
+    from benchmarks.common import RoundProgress
+    from serve.sim.runner import random_answers
 
     config = EngineConfig(**SHAPE, prefix=PrefixStoreConfig(checkpoint_interval=8))
     calls = []

@@ -18,10 +18,10 @@ import pytest
 from flax import nnx
 from servers import free_port, uvicorn_thread, wait_healthy
 
+from benchmarks.route import CharTokenizer
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from jaxhybrid.tokenizer import ByteTokenizer, TokenizerError
-from serve.bench.route import CharTokenizer
 from serve.engine.engine import Engine, EngineConfig
 from serve.http.app import create_app
 from serve.http.kv_events import EventPublisher

@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxhybrid.config import load_config
-from serve.bench.simulate import CostModel, SimRunner
 from serve.engine.blocks import BlockAllocator
 from serve.engine.config import PACK_LENGTHS, EngineShape, decode_buckets, prefill_buckets, table_buckets
 from serve.engine.engine import Engine
@@ -20,6 +19,8 @@ from serve.engine.requests import FinishReason, Request
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import Scheduler
 from serve.prefix.store import PrefixStore, PrefixStoreConfig
+from serve.sim.cost import CostModel
+from serve.sim.runner import SimRunner
 
 BS = 4
 CFG = load_config("tiny")

@@ -16,7 +16,14 @@ from jaxhybrid.weights import load_pretrained, save_hf
 from serve import models
 from serve.cli import build_parser, main
 from serve.cli.generate import engine_config
-from serve.models import DtypeChoice, checkpoint_file_bytes, load_on_mesh, serving_dtype
+from serve.models import (
+    DtypeChoice,
+    ModelSettings,
+    checkpoint_file_bytes,
+    load_on_mesh,
+    resolve_model,
+    serving_dtype,
+)
 
 CFG = load_config("tiny").replace(num_hidden_layers=2, kda_layers=(1,), full_attn_layers=(2,))
 
@@ -32,10 +39,12 @@ def bf16_dir(tmp_path_factory):
 
 
 def loaded(argv):
-    """What `serve` / `generate` load for `argv`: (model, parsed args after loading)."""
+    """What `serve` / `generate` load for `argv`: (model, the engine's settings, the model's settings as
+    resolved)."""
     args = build_parser().parse_args(argv)
-    model, _ = load_on_mesh(args, multi=False)
-    return model, args
+    settings = resolve_model(ModelSettings.from_flags(vars(args)))
+    model, _ = load_on_mesh(settings, multi=False)
+    return model, engine_config(args, settings), settings
 
 
 def param_bytes(model) -> int:
@@ -46,7 +55,7 @@ def param_bytes(model) -> int:
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_a_bf16_checkpoint_serves_in_float32_on_a_cpu_unless_dtype_says_otherwise(bf16_dir, command):
     assert jax.default_backend() == "cpu"
-    model, args = loaded([command, "--model", str(bf16_dir)])
+    model, engine, _ = loaded([command, "--model", str(bf16_dir)])
     want = load_pretrained(bf16_dir, progress=False)  # its own dtype
     assert want.model.embed_tokens.weight[...].dtype == jnp.bfloat16
     got = model.model.layers[0].self_attn.q_proj.weight[...]
@@ -54,12 +63,12 @@ def test_a_bf16_checkpoint_serves_in_float32_on_a_cpu_unless_dtype_says_otherwis
     np.testing.assert_array_equal(  # the stored values, widened exactly
         np.asarray(got), np.asarray(want.model.layers[0].self_attn.q_proj.weight[...], np.float32)
     )
-    assert engine_config(args).kv_dtype == "float32"  # the KV cache follows the weights
-    model, args = loaded([command, "--model", str(bf16_dir), "--dtype", "bfloat16"])
+    assert engine.kv_dtype == "float32"  # the KV cache follows the weights
+    model, engine, _ = loaded([command, "--model", str(bf16_dir), "--dtype", "bfloat16"])
     assert model.model.embed_tokens.weight[...].dtype == jnp.bfloat16
-    assert engine_config(args).kv_dtype == "bfloat16"
-    model, args = loaded([command, "--config", "tiny"])  # random weights: the model's own default
-    assert model.model.embed_tokens.weight[...].dtype == jnp.float32 and args.dtype == "float32"
+    assert engine.kv_dtype == "bfloat16"
+    model, _, settings = loaded([command, "--config", "tiny"])  # random weights: the model's own default
+    assert model.model.embed_tokens.weight[...].dtype == jnp.float32 and settings.dtype == "float32"
 
 
 def test_a_bf16_checkpoint_keeps_its_dtype_off_the_cpu_or_when_float32_would_not_fit(bf16_dir, monkeypatch):

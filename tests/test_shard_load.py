@@ -4,7 +4,6 @@ once), and two processes x 4 devices load a model directory and compute what one
 
 import json
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import jax
@@ -24,7 +23,7 @@ from jaxhybrid.weights import load_pretrained, save_hf, save_orbax
 from jaxhybrid.weights.hf import named_arrays
 from jaxhybrid.weights.safetensors import scan_checkpoint
 from jaxhybrid.weights.slices import slice_ranges
-from serve.models import load_on_mesh
+from serve.models import ModelSettings, load_on_mesh
 from sharding.mesh import make_mesh
 from sharding.placement import load_pretrained_on_mesh
 
@@ -195,8 +194,7 @@ def test_orbax_slice_reads_equal_orbax_restore(model, orbax_ckpt, tmp_path):
 def test_mesh_flag_loads_a_model_directory_into_its_shardings(ckpt):
     """`--model DIR --mesh expert=8` (serve / generate) reads the parameters into their shardings, with
     expert parallelism installed, and equals the model loaded without a mesh."""
-    args = Namespace(model=str(ckpt), config=None, dtype=None, seed=0, mesh="expert=8")
-    model, mesh = load_on_mesh(args, multi=False)
+    model, mesh = load_on_mesh(ModelSettings(model=str(ckpt), mesh="expert=8"), multi=False)
     w1 = model.model.layers[1].block_sparse_moe.experts.w1[...]
     assert mesh.shape["expert"] == 8 and w1.addressable_shards[0].data.shape[0] == 1
     assert model.model.layers[1].block_sparse_moe.experts_fn is not None
@@ -271,7 +269,7 @@ def test_generate_cli_with_a_model_directory_on_two_processes(ckpt, tmp_path):
 def test_bench_load_on_two_processes_counts_each_process_reads(ckpt):
     """`bench load --mesh expert=8 --processes 2 --local-devices 4`: each process's figures, its reads
     those of its own shards (every non-expert tensor once, half of the expert bytes)."""
-    from serve.bench.load import measure
+    from benchmarks.load import measure
 
     row = measure(ckpt, "auto", 1, mesh="expert=8", processes=2, local_devices=4)
     sizes = file_bytes(ckpt)

@@ -14,7 +14,6 @@ import math
 import os
 import subprocess
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import jax
@@ -266,20 +265,20 @@ def test_shipped_model_is_the_default_and_beats_unigram() -> None:
     from jaxhybrid.tokenizer import HFTokenizer, load_tokenizer
     from jaxhybrid.train.data import stdlib_documents
     from jaxhybrid.train.step import next_token_loss
-    from serve.models import load_model
+    from serve.models import ModelSettings, load_model, resolve_model
 
     shipped = shipped_model_dir()
     assert shipped is not None, "jaxhybrid/assets/stdlib-small is missing"
-    args = Namespace(model=None, config=None, dtype="float32", seed=0)
-    model = load_model(args)
-    assert Path(args.model) == shipped and model.config.vocab_size == 4096
-    tok = load_tokenizer(args.model, model.config)
+    settings = resolve_model(ModelSettings(dtype="float32"))
+    model = load_model(settings)
+    assert Path(settings.model) == shipped and model.config.vocab_size == 4096
+    tok = load_tokenizer(settings.model, model.config)
     assert isinstance(tok, HFTokenizer) and tok.eos_token_id == 2 and tok.bos_token_id == 1
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert tok.decode(chat) == "user: hi\nassistant: "
 
-    tiny_args = Namespace(model=None, config="tiny", dtype="float32", seed=0)
-    assert load_model(tiny_args).config.vocab_size == 512 and tiny_args.model is None
+    tiny = resolve_model(ModelSettings(config="tiny", dtype="float32"))
+    assert load_model(tiny).config.vocab_size == 512 and tiny.model is None
 
     info = json.loads((shipped / "training.json").read_text())
     counts = np.asarray(info["train_unigram_counts"], np.float64)

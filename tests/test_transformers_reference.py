@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 from conftest import rel_err
 
+# the transformers reference harness (`benchmarks.reference`): slow, and nothing of the product's own
+pytestmark = pytest.mark.lab
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from benchmarks.reference import OurModel, TorchModel, make_small  # noqa: E402
 from jaxhybrid.config import load_config  # noqa: E402
 from jaxhybrid.weights.hf import write_config  # noqa: E402
-from serve.bench.reference import OurModel, TorchModel, make_small  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-grouped"])

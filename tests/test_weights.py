@@ -376,7 +376,7 @@ def test_generate_with_model_dir_uses_its_tokenizer(hf_dir, tmp_path, capsys):
 def test_peak_rss_while_loading_stays_near_one_copy(tmp_path):
     """A 368 MiB fp32 checkpoint (`small` cut to 2 layers and 8 experts) in 32 MiB shards, loaded in a fresh
     process: peak RSS < 1.25 x N + 300 MiB (a second full copy would exceed it)."""
-    from serve.bench.load import measure
+    from benchmarks.load import measure
 
     cfg = load_config("small").replace(
         name="small-2l", num_hidden_layers=2, kda_layers=(1,), full_attn_layers=(2,), num_experts=8

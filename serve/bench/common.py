@@ -6,13 +6,18 @@ import argparse
 import contextlib
 import json
 import platform
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from serve.models import add_dequantize_experts_arg, add_weight_dtype_arg
+from serve.models import (
+    ModelSettings,
+    add_dequantize_experts_arg,
+    add_weight_dtype_arg,
+    load_model,
+    resolve_model,
+)
 
 
 def environment() -> dict[str, Any]:
@@ -29,25 +34,6 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-
-
-class RoundProgress:
-    """`replay`'s progress for a long run, on stderr: a line per round once `after_s` seconds have gone by
-    (short runs stay quiet; stdout keeps the JSON)."""
-
-    def __init__(self, label: str, rounds: int | None = None, after_s: float = 10.0):
-        self.label, self.rounds, self.after_s = label, rounds, after_s
-        self.t0 = time.perf_counter()
-
-    def __call__(self, done: int, requests: int) -> None:
-        elapsed = time.perf_counter() - self.t0
-        if elapsed >= self.after_s:
-            of = f" of {self.rounds}" if self.rounds else ""
-            print(
-                f"  {self.label}: round {done}{of} served ({requests:,} requests, {elapsed:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
 
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one XLA compilation
@@ -73,19 +59,6 @@ def compile_watch() -> Iterator[dict[str, float]]:
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median / min wall seconds of `fn()` (which must block until its result is ready)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    samples.sort()
-    return {"median_s": samples[len(samples) // 2], "min_s": samples[0], "repeats": repeats}
-
-
 def emit(result: dict[str, Any], args: argparse.Namespace) -> None:
     """Write the JSON result to --out (if given) and print it as one JSON line."""
     text = json.dumps(result)
@@ -103,6 +76,15 @@ def add_model_args(p: argparse.ArgumentParser, default_config: str = "small") ->
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (--config)")
     add_dequantize_experts_arg(p)
     add_weight_dtype_arg(p)
+
+
+def load_bench_model(args: argparse.Namespace) -> Any:
+    """The model a bench's flags name (`serve.models.load_model` on their settings); the choices made are
+    written back to `args.model` (the shipped model when none is given) and `args.dtype`, which the bench
+    reports."""
+    settings = resolve_model(ModelSettings.from_flags(vars(args)))
+    args.model, args.dtype = settings.model, settings.dtype
+    return load_model(settings)
 
 
 def add_out_arg(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ from jaxhybrid.ops import native
 from jaxhybrid.weights import load_pretrained
 from serve.engine.config import engine_default
 from serve.engine.speculative import MAX_SPECULATIVE_TOKENS, DraftMethod, Speculation, SpeculationError
-from serve.models import UsageError, add_checkpoint_dtype_arg
+from serve.models import ModelSettings, UsageError, add_checkpoint_dtype_arg
 from serve.prefix.store import PrefixStoreConfig
 
 log = logging.getLogger("jaxhybrid.cli")
@@ -178,18 +178,18 @@ def speculation(args: argparse.Namespace) -> Any:
         raise UsageError(f"--speculative: {exc}") from None
 
 
-def load_draft_model(args: argparse.Namespace, multi: bool = False) -> Any:
-    """The draft model `--speculative draft:DIR` names (in the model's dtype), or None."""
+def load_draft_model(args: argparse.Namespace, model: ModelSettings, multi: bool = False) -> Any:
+    """The draft model `--speculative draft:DIR` names (in the `model`'s resolved dtype), or None."""
     if not args.speculative.startswith("draft:"):
         return None
-    if multi or getattr(args, "mesh", None):
+    if multi or model.mesh:
         raise UsageError("--speculative draft:DIR runs on one device (not with --mesh or several processes)")
     import jax.numpy as jnp
 
     directory = args.speculative.split(":", 1)[1]
     if not Path(directory).is_dir():
         raise UsageError(f"--speculative draft:{directory}: no such directory")
-    return load_pretrained(directory, dtype=jnp.dtype(args.dtype), progress=None)
+    return load_pretrained(directory, dtype=jnp.dtype(model.dtype), progress=None)
 
 
 def setup_logging(level: str) -> None:

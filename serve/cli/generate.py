@@ -29,14 +29,17 @@ from serve.engine.replicated import ReplicatedEngine, check_engine_config
 from serve.engine.sampling import SamplingError, SamplingParams
 from serve.models import (
     DTYPE_HELP,
+    ModelSettings,
     UsageError,
     add_dequantize_experts_arg,
     add_weight_dtype_arg,
     load_on_mesh,
+    resolve_model,
 )
 from serve.report import DTYPES
 from sharding import multihost
 from sharding.mesh import add_mesh_argument
+from sharding.multihost import MultihostSettings
 
 REQUEST_FIELDS = ("prompt_ids", "cache_salt")
 SAMPLING_FIELDS = (
@@ -73,12 +76,14 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def run_replicated(args: argparse.Namespace, model: Any, mesh: Any, tokenizer: Any) -> list[Any] | None:
+def run_replicated(
+    args: argparse.Namespace, settings: ModelSettings, model: Any, mesh: Any, tokenizer: Any
+) -> list[Any] | None:
     """Several processes (`--coordinator/--num-processes/--process-id`): every process runs the engine on
     the same requests in lockstep (`serve.engine.replicated`); process 0 reads the prompts and gets the
     results, the others follow, print one summary line to stderr and return None."""
-    load_draft_model(args, multi=True)  # refused: one device only
-    rep = ReplicatedEngine(Engine(model, check_engine_config(engine_config(args)), mesh=mesh))
+    load_draft_model(args, settings, multi=True)  # refused: one device only
+    rep = ReplicatedEngine(Engine(model, check_engine_config(engine_config(args, settings)), mesh=mesh))
     if not rep.is_leader:
         steps = rep.follow()
         rep.engine.close()  # this process's part of the prefix store's pending saves
@@ -99,7 +104,9 @@ def run_replicated(args: argparse.Namespace, model: Any, mesh: Any, tokenizer: A
         rep.engine.close()
 
 
-def engine_config(args: argparse.Namespace) -> Any:
+def engine_config(args: argparse.Namespace, settings: ModelSettings) -> Any:
+    """The engine's settings from the engine and prefix-cache flags; its KV cache in the model's resolved
+    dtype."""
     return EngineConfig(
         max_slots=args.slots,
         block_size=args.block_size,
@@ -108,8 +115,8 @@ def engine_config(args: argparse.Namespace) -> Any:
         prefill_chunk=args.prefill_chunk,
         prefill_rows=args.prefill_rows,
         max_model_len=args.max_model_len,
-        kv_dtype=args.dtype,
-        seed=args.seed,
+        kv_dtype=settings.dtype,
+        seed=settings.seed,
         speculative=speculation(args),
         prefix=prefix_config(args),
     )
@@ -179,23 +186,25 @@ def run(args: argparse.Namespace) -> int:
     multi = False
     quiet = contextlib.ExitStack()
     try:
-        multi = multihost.initialize_from_args(args) and jax.process_count() > 1
+        multi = multihost.initialize(MultihostSettings.from_flags(vars(args))) and jax.process_count() > 1
         build_kernels_meanwhile()
         if multi:
             quiet.enter_context(stdout_to_stderr())
-        model, mesh = load_on_mesh(args, multi)
-        tokenizer = load_tokenizer(args.model, model.config)
+        settings = resolve_model(ModelSettings.from_flags(vars(args)))
+        model, mesh = load_on_mesh(settings, multi)
+        tokenizer = load_tokenizer(settings.model, model.config)
         if args.prompt is not None and tokenizer is None:
             raise UsageError(
                 "--prompt needs a tokenizer; this config's vocabulary is too small: use --prompt-ids"
             )
         if multi:
-            results = run_replicated(args, model, mesh, tokenizer)
+            results = run_replicated(args, settings, model, mesh, tokenizer)
             if results is None:  # a follower: process 0 prints the results
                 return 0
         else:
             requests = collect_requests(args, tokenizer)
-            engine = Engine(model, engine_config(args), mesh=mesh, draft_model=load_draft_model(args))
+            draft = load_draft_model(args, settings)
+            engine = Engine(model, engine_config(args, settings), mesh=mesh, draft_model=draft)
             try:
                 for prompt, params, _ in requests:  # validate every line before serving any
                     engine.validate(prompt, params)

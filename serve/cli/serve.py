@@ -39,26 +39,30 @@ from serve.engine.warmup import Warmup, WarmupLevel
 from serve.http.kv_events import EventPublisher
 from serve.models import (
     DTYPE_HELP,
+    ModelSettings,
     UsageError,
     add_dequantize_experts_arg,
     add_weight_dtype_arg,
     load_on_mesh,
+    resolve_model,
 )
 from serve.report import DTYPES
 from sharding import multihost
 from sharding.mesh import add_mesh_argument, describe
+from sharding.multihost import MultihostSettings
 
 log = logging.getLogger("jaxhybrid.serve")
 IDLE_WAIT_S = 0.05  # several processes: an idle leader steps (and wakes the followers) this often
 
 
-def model_name(args: argparse.Namespace) -> str:
+def model_name(args: argparse.Namespace, settings: ModelSettings) -> str:
+    """The name the API gives the model: --served-model-name, else the checkpoint directory's or config's."""
     if args.served_model_name:
         return args.served_model_name
-    if args.model:
-        return Path(args.model.rstrip("/")).name or "model"
-    if args.config:
-        path = Path(args.config)
+    if settings.model:
+        return Path(settings.model.rstrip("/")).name or "model"
+    if settings.config:
+        path = Path(settings.config)
         return path.stem if path.suffix in (".yaml", ".yml", ".json") else path.name
     return "tiny"
 
@@ -103,7 +107,7 @@ def _server_class() -> type:
     return Server
 
 
-def serve_replicated(args: argparse.Namespace, engine: Any, tokenizer: Any) -> int:
+def serve_replicated(args: argparse.Namespace, settings: ModelSettings, engine: Any, tokenizer: Any) -> int:
     """Several processes: every process runs the engine in lockstep (`serve.engine.replicated`). Process 0
     serves HTTP and owns the intake; the others follow until process 0 shuts down. When a peer died, the
     collectives and JAX's distributed shutdown would wait for it: the exit is bounded by
@@ -119,7 +123,7 @@ def serve_replicated(args: argparse.Namespace, engine: Any, tokenizer: Any) -> i
             return 0
         if args.warmup != "none":
             log.info("warm-up is off with several processes: each program compiles on first use")
-        status, failed = serve_http(args, rep, tokenizer)
+        status, failed = serve_http(args, settings, rep, tokenizer)
 
         def release_followers() -> None:
             if not rep.closed:  # the engine thread has stopped: tell the followers (with its last aborts)
@@ -199,34 +203,35 @@ def run(args: argparse.Namespace) -> int:
             )
     multi = False
     try:
-        multi = multihost.initialize_from_args(args) and jax.process_count() > 1
+        multi = multihost.initialize(MultihostSettings.from_flags(vars(args))) and jax.process_count() > 1
         build_kernels_meanwhile()
         if multi and args.kv_events_endpoint:  # only process 0 would publish; the others' logs would grow
             raise UsageError("--kv-events-endpoint serves one process; it is not supported with several yet")
-        model, mesh = load_on_mesh(args, multi)
+        settings = resolve_model(ModelSettings.from_flags(vars(args)))
+        model, mesh = load_on_mesh(settings, multi)
         if mesh is not None:
             log.info("parameters sharded over the mesh %s", describe(mesh))
-        tokenizer = load_tokenizer(args.model, model.config)
+        tokenizer = load_tokenizer(settings.model, model.config)
         if tokenizer is None:
             log.warning("no tokenizer for this model: only token-id prompts on /v1/completions will work")
-        cfg = engine_config(args)
+        cfg = engine_config(args, settings)
         if not multi:  # several processes run each program in lockstep: one tier, compiled where first needed
             cfg = dataclasses.replace(cfg, tiered_compile=True)
         if multi:
             cfg = check_engine_config(cfg)
-        engine = Engine(model, cfg, mesh=mesh, draft_model=load_draft_model(args, multi))
+        engine = Engine(model, cfg, mesh=mesh, draft_model=load_draft_model(args, settings, multi))
     except (UsageError, ConfigError, TokenizerError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if multi:
-        return serve_replicated(args, engine, tokenizer)
+        return serve_replicated(args, settings, engine, tokenizer)
 
     warmup = Warmup(engine, WarmupLevel(args.warmup), args.warmup_timeout)
-    return serve_http(args, engine, tokenizer, warmup)[0]
+    return serve_http(args, settings, engine, tokenizer, warmup)[0]
 
 
 def serve_http(
-    args: argparse.Namespace, engine: Any, tokenizer: Any, warmup: Any = None
+    args: argparse.Namespace, settings: ModelSettings, engine: Any, tokenizer: Any, warmup: Any = None
 ) -> tuple[int, str | None]:
     """Run the HTTP server on `engine` (an Engine, or a ReplicatedEngine on process 0) until shutdown,
     compiling `warmup`'s programs in the background; (exit status, why the engine went down or None)."""
@@ -236,7 +241,7 @@ def serve_http(
     from serve.http.app import create_app
 
     cfg = engine.config
-    name = model_name(args)
+    name = model_name(args, settings)
     events = None
     if args.kv_events_endpoint:
         events = EventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint)
@@ -257,7 +262,7 @@ def serve_http(
     log.info(
         "model '%s' in %s: %d slots, block size %d, context %d tokens, prefix cache %s; listening on http://%s:%d",
         name,
-        f"{args.dtype} ({args.dtype_reason})",
+        f"{settings.dtype} ({settings.dtype_reason})",
         cfg.max_slots,
         cfg.block_size,
         engine.max_model_len,

@@ -4,9 +4,9 @@ The draft model has pools of its own (KDA states by slot, latent KV addressed th
 tables: the same block ids in a pool of its own), and its cache only ever holds real tokens. To draft k
 tokens for a request whose target has computed n tokens and sampled the next, it first runs the tokens its
 cache lacks (the sampled one, and the drafts the target accepted last step) as one prefill-like chunk, whose
-last logits give the first draft, then greedy steps in one program (always the engine's most drafts less
-one, cut to k) that carries its KDA states through the steps without writing them back: so nothing is rolled
-back, the next step starts from real tokens again.
+last logits give the first draft, then k - 1 greedy steps in one program (one program for each of
+`draft_lengths`: a k between two runs the longer one's steps, cut) that carries its KDA states through the
+steps without writing them back: so nothing is rolled back, the next step starts from real tokens again.
 The KV those k - 1 steps write lies beyond the request's length (a position without a block writes into the
 scratch block), where the next catch-up writes over it. Drafts are greedy (a point mass), which the target's
 rejection sampling takes for any temperature.
@@ -28,6 +28,7 @@ from jaxhybrid.cache import KDAPoolRows
 from jaxhybrid.model import HybridLM
 from serve.engine.config import EngineShape
 from serve.engine.runner import Runner, row_caches
+from serve.engine.speculative import draft_lengths
 
 
 @dataclasses.dataclass
@@ -131,8 +132,9 @@ class DraftModel:
         first = int(np.asarray(jnp.argmax(logits[0])))
         if k == 1:
             return [first]
-        # always the engine's most drafts less one: one program per block-table width, whatever k is now
-        ahead = self.runner.run_ahead(view, first, self.shape.speculative_tokens - 1)
+        # the shortest of the lengths with a program that holds k: each drafted token costs a step of it
+        length = min(n for n in draft_lengths(self.shape.speculative_tokens) if n >= k)
+        ahead = self.runner.run_ahead(view, first, length - 1)
         return [first, *ahead[: k - 1]]
 
     def _catch_up_view(self, req: Any) -> _View:

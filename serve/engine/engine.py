@@ -143,7 +143,7 @@ class Engine:
         draft_model: HybridLM | None = None,
     ):
         """With `pools` and `model_config` instead of a model: this step loop over pools whose runner
-        computes nothing, on a `clock` of its own (the simulator: `serve.bench.simulate`). `drafter`: where
+        computes nothing, on a `clock` of its own (the simulator: `serve.sim.engine`). `drafter`: where
         speculating requests' drafts come from (default: prompt lookup); `step_costs`: what decode steps
         cost, with and without drafts (default: measured on the engine's clock, `StepCosts`);
         `draft_model`: a smaller model with the same vocabulary that requests may draft with

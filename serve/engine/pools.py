@@ -44,7 +44,7 @@ def disk_layout(shape: EngineShape) -> str:
 
 class EnginePools:
     """See the module doc. `runner`: a `Runner`, or one with its step interface and no model (the
-    simulator's); `build` makes the allocator and the store around it."""
+    simulator's, `serve.sim.runner`); `build` makes the allocator and the store around it."""
 
     def __init__(
         self, shape: EngineShape, allocator: BlockAllocator, runner: StepRunner, store: PrefixStore | None

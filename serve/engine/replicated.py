@@ -5,8 +5,10 @@ shards of the parameters and the cache pools, and every jitted program is one SP
 processes must call, in the same order, with the same host-side inputs. The engine's scheduler is
 deterministic host code (block allocator, slot lists, request order; request seeds come from the
 request or from the engine's seeded counter), so identical engines fed identical inputs in the same
-order take identical decisions and call identical programs. `ReplicatedEngine` provides the identical
-inputs:
+order take identical decisions and call identical programs. Speculation's decisions (which rows draft, how
+many tokens, whether a step verifies) read what steps cost, which each process would time on its own clock:
+with several processes they follow fixed costs instead (`StepCosts.lockstep`). `ReplicatedEngine` provides
+the identical inputs:
 
 * Process 0 (the leader) owns the request intake. Its `add_request`, `abort` and `forget` act on its own
   engine at once, exactly as on a plain engine (errors reach the caller, the request is visible in
@@ -100,6 +102,8 @@ class ReplicatedEngine:
         self.process_count = jax.process_count()
         self.is_leader = self.process_index == 0
         self.peers = Peers(self.process_index, self.process_count)
+        if self.process_count > 1:  # every process plans the same steps: no decision may read its clock
+            engine.step_costs.lockstep()
         self.closed = False
         self._log: list[list[Any]] = []  # leader: operations applied since the last broadcast
         self._close = False

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from serve.engine.sampling import SamplingError, SamplingParams
-from serve.engine.speculative import AdaptiveK, SpeculationStats
+from serve.engine.speculative import RowDrafting, SpeculationStats
 
 MAX_SALT_CHARS = 256  # a salt enters every block hash of its request: keep it short
 
@@ -115,7 +115,7 @@ class Request:
     checkpoint_base: bytes | None = None  # the prefix store's last checkpoint on its path
     chain: list[bytes] = dataclasses.field(default_factory=list)  # its block hashes so far (prefix store)
     indexed_blocks: int = 0  # its blocks the prefix store has indexed since it got them
-    drafting: AdaptiveK | None = None  # how many tokens it may draft (None: it does not speculate)
+    drafting: RowDrafting | None = None  # how many tokens it may draft (None: it does not speculate)
     speculation: SpeculationStats = dataclasses.field(default_factory=SpeculationStats)
     ngrams: Any = None  # its prompt-lookup index (`serve.engine.speculative.NgramIndex`), once it drafts
 
@@ -167,7 +167,7 @@ def stop_reason(
     req: Request, token: int, eos_token_id: int | None, max_model_len: int
 ) -> FinishReason | None:
     """Why `req` ends after `token` was appended to it (a stop token or EOS, its max_tokens or the
-    context), or None: it goes on. The engine and the simulator (`serve.bench.simulate`) share it."""
+    context), or None: it goes on. The engine and the simulator (`serve.sim.engine`) share it."""
     p = req.params
     if token in stop_tokens(p, eos_token_id):
         return FinishReason.STOP

@@ -30,7 +30,7 @@ from serve.engine.records import Ledger, RequestMemory
 from serve.engine.requests import FinishReason, QueueState, Request, RequestStatus
 from serve.engine.runner import Restore
 from serve.engine.speculative import DraftPlanner, DraftSource, PromptLookup, StepCosts
-from serve.prefix.store import Attachment, Hit, PrefixStore, empty_ledger
+from serve.prefix.store import Attachment, Hit, HitLoads, PrefixStore, empty_ledger
 
 QUEUE_LOOKAHEAD = 64  # queued requests whose shared prefixes with running ones are cut each step
 
@@ -71,49 +71,75 @@ def prefill_calls(shape: EngineShape, jobs: list[PrefillJob]) -> list[list[Prefi
 
 
 class DiskLoads:
-    """The requests waiting for their prefix to be read from disk: when a read ends they go back to the
-    front of the queue (the same on every process, from process 0's observation)."""
+    """The requests waiting for their prefix to be read from disk (`loading`), and those that ended while
+    their read ran (`abandoned`: the read's result is discarded when it is done). The scheduler starts a
+    read (`start`), asks which ended (`observe`, on process 0 or the only process) and gives back to its
+    queue those that go on (`apply`, the same on every process from process 0's observation); the reads
+    themselves are the prefix store's (`loads`, None without a disk tier: then nothing is ever loaded)."""
 
-    store: PrefixStore
-    loading: list[Request]
-    _abandoned: list[Request]
-    running: list[Request]
-    waiting: deque[Request]
+    def __init__(self, loads: HitLoads | None):
+        self.loads = loads
+        self.loading: list[Request] = []
+        self.abandoned: list[Request] = []
 
-    def observe_loads(self) -> list[list[Any]]:
-        """[request id, read ok, failed for a reason that may pass] of every disk read that finished (on
-        process 0, or the only process); with nothing else to do, wait a moment for one first (a caller that
-        can wait for a read to end, `waits_for_reads`, steps only once one has)."""
-        if not self.loading and not self._abandoned:
+    def __len__(self) -> int:
+        return len(self.loading)
+
+    def pending(self) -> list[Request]:
+        """The requests still waiting for a read (not ended meanwhile)."""
+        return [r for r in self.loading if not r.finished]
+
+    def start(self, req: Request, hit: Hit) -> None:
+        """Read `req`'s disk hit in the background; `req` waits here until it is done."""
+        req.load = self.loads.start(hit)
+        self.loading.append(req)
+
+    def abandon(self, req: Request) -> None:
+        """`req` ended: if its read runs, the read goes on and its result is discarded (`apply`)."""
+        if req in self.loading:
+            self.loading.remove(req)
+            self.abandoned.append(req)
+
+    def observe(self, idle: bool) -> list[list[Any]]:
+        """[request id, read ok, failed for a reason that may pass] of every disk read that finished; when
+        the scheduler is `idle` (nothing else to do), wait a moment for one first."""
+        if not self.loading and not self.abandoned:
             return []
-        if self.loading and not self.running and not self.waiting:
-            self.store.wait_loads([r.load for r in self.loading], timeout=0.05)
-        reads = self.loading + self._abandoned
-        done = sorted((r for r in reads if self.store.load_ready(r.load)), key=lambda r: r.arrival)
-        return [[r.id, *self.store.load_outcome(r.load)] for r in done]
+        if self.loading and idle:
+            self.loads.wait([r.load for r in self.loading], timeout=0.05)
+        reads = self.loading + self.abandoned
+        done = sorted((r for r in reads if self.loads.ready(r.load)), key=lambda r: r.arrival)
+        return [[r.id, *self.loads.outcome(r.load)] for r in done]
 
-    def waits_for_reads(self) -> bool:
-        """Requests are unfinished, but none can go on before a disk read ends: a step would do nothing."""
-        reads = self.loading + self._abandoned
-        if not self.loading or self.running or self.waiting:
+    def blocked(self, idle: bool) -> bool:
+        """The scheduler is `idle` but for requests whose reads have not ended: a step would do nothing."""
+        if not self.loading or not idle:
             return False
-        return not any(self.store.load_ready(r.load) for r in reads)
+        return not any(self.loads.ready(r.load) for r in self.loading + self.abandoned)
 
-    def apply_loads(self, done: list[list[Any]]) -> None:
-        """Requests whose prefix was read go back to the front of the queue, in arrival order, with what
-        was read (every process follows process 0's outcome)."""
-        by_id = {r.id: r for r in self.loading + self._abandoned}
+    def apply(self, done: list[list[Any]]) -> list[Request]:
+        """Finish the reads `observe` saw end (every process follows process 0's outcome); returns the
+        requests that go back to the front of the queue, in arrival order, with what was read."""
+        by_id = {r.id: r for r in self.loading + self.abandoned}
+        back = []  # the reads are finished last first, in the same order on every process
         for rid, ok, transient in reversed(done):
             req = by_id[rid]
-            (self.loading if req in self.loading else self._abandoned).remove(req)
-            self.store.finish_load(req.load, leader_ok=ok, leader_transient=transient)
+            (self.loading if req in self.loading else self.abandoned).remove(req)
+            self.loads.finish(req.load, leader_ok=ok, leader_transient=transient)
             if req.finished:  # aborted while it waited
                 req.load = None
                 continue
-            self.waiting.appendleft(req)
+            back.append(req)
+        return back[::-1]
 
 
-class Scheduler(DiskLoads):
+class Scheduler:
+    """Plans each engine step (the module doc says how). It owns the queues (`waiting`, `running`), the free
+    slots and the admission order; its collaborators: `allocator` (BlockAllocator: the pool's blocks), `store`
+    (PrefixStore, optional: matches, restores, checkpoint positions, cached blocks to evict), `loads`
+    (DiskLoads: the requests waiting for their prefix from disk) and `drafts` (DraftPlanner: the drafted
+    tokens of decode rows that speculate)."""
+
     def __init__(
         self,
         shape: EngineShape,
@@ -133,8 +159,7 @@ class Scheduler(DiskLoads):
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.loading: list[Request] = []  # waiting for their prefix to be read from disk
-        self._abandoned: list[Request] = []  # ended while their read runs: its result is discarded when done
+        self.loads = DiskLoads(store.loads if store is not None else None)
         self.free_slots = list(range(shape.slots))
         self._order = itertools.count()
         self._plan: StepPlan | None = None
@@ -144,24 +169,35 @@ class Scheduler(DiskLoads):
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.loads)
 
     def active(self) -> list[Request]:
-        return [*self.running, *self.waiting, *(r for r in self.loading if not r.finished)]
+        return [*self.running, *self.waiting, *self.loads.pending()]
 
     def queue_state(self) -> QueueState:
         """Requests waiting for their prefix from disk count as waiting (they take a slot once read)."""
-        return QueueState(len(self.running), len(self.waiting) + len(self.loading), len(self.free_slots))
+        return QueueState(len(self.running), len(self.waiting) + len(self.loads), len(self.free_slots))
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End `req` (from any state): its slot and blocks are freed."""
         if req in self.waiting:
             self.waiting.remove(req)
-        if req in self.loading:  # its read goes on; `apply_loads` discards the result
-            self.loading.remove(req)
-            self._abandoned.append(req)
+        self.loads.abandon(req)  # its read goes on; `apply_loads` discards the result
         self._release(req)
         req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, self.clock()
+
+    # --- prefixes read from disk: `DiskLoads` ----------------------------------------------------------
+    def observe_loads(self) -> list[list[Any]]:
+        """The disk reads that ended (`DiskLoads.observe`; with nothing else to do, it waits a moment)."""
+        return self.loads.observe(idle=not self.running and not self.waiting)
+
+    def waits_for_reads(self) -> bool:
+        """Requests are unfinished, but none can go on before a disk read ends: a step would do nothing."""
+        return self.loads.blocked(idle=not self.running and not self.waiting)
+
+    def apply_loads(self, done: list[list[Any]]) -> None:
+        """Requests whose prefix was read go back to the front of the queue (`DiskLoads.apply`)."""
+        self.waiting.extendleft(reversed(self.loads.apply(done)))
 
     # --- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -207,7 +243,7 @@ class Scheduler(DiskLoads):
         live_state = len(self.running) * self.shape.state_bytes
         if self.store is None:
             return Ledger(live_kv, live_state, False, empty_ledger())
-        return Ledger(live_kv, live_state, True, self.store.ledger(live_blocks), len(self.loading))
+        return Ledger(live_kv, live_state, True, self.store.ledger(live_blocks), len(self.loads))
 
     def _admit(self, budget: int, planned: list[tuple[Request, int, int]]) -> None:
         deferred: list[Request] = []  # waiting for a running request's checkpoint of a shared prefix
@@ -253,9 +289,8 @@ class Scheduler(DiskLoads):
         load = req.load
         if hit is not None and hit.disk is not None and (load is None or load.hit.disk is not hit.disk):
             self.waiting.popleft()  # the prefix is on disk: read it in the background, the others go on
-            req.load = store.start_load(hit)
+            self.loads.start(req, hit)
             store.record(hit)
-            self.loading.append(req)
             return True, None
         reuse = hit.hit if hit is not None else 0
         n = min(req.pending - reuse, self.shape.prefill_chunk, budget)

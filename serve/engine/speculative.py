@@ -27,6 +27,11 @@ MAX_SPECULATIVE_TOKENS = 15
 
 FIRST_PAUSE = 8  # the steps a request stops drafting for the first time its drafts stop paying
 
+# What steps and drafts are taken to cost, in plain steps, where every process of a replicated engine must
+# decide alike (`StepCosts.lockstep`): a clock's readings differ from process to process.
+LOCKSTEP_STEP = {False: 1.0, True: 2.0}  # a plain step, a verify step
+LOCKSTEP_DRAFT_TOKEN = {"ngram": 0.0, "draft": 0.25}  # one drafted token, by method
+
 
 class DraftMethod(enum.StrEnum):
     OFF = "off"
@@ -82,6 +87,27 @@ def count_programs(source: Any) -> int:
     """How many programs of its own `source` has run so far (`DraftSource`; 0 for one that runs none)."""
     count = getattr(source, "programs_run", None)
     return 0 if count is None else count()
+
+
+def draft_lengths(most: int) -> tuple[int, ...]:
+    """The lengths a draft model drafts at, for an engine whose verify steps carry up to `most` drafts: the
+    powers of two below `most`, and `most`. Its run-ahead has one program per length (and table width), so
+    a shorter draft runs fewer of its steps; a length between two runs the longer one's, cut."""
+    out, n = {most}, 1
+    while n < most:
+        out.add(n)
+        n *= 2
+    return tuple(sorted(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    """A decode row that may draft this step: its `method`, the accepted tokens it expects of n drafts
+    (`expected(n)`), and the lengths it may draft at (ascending)."""
+
+    method: DraftMethod
+    expected: Callable[[int], float]
+    lengths: tuple[int, ...]
 
 
 class Joined(Sequence[int]):
@@ -156,15 +182,20 @@ class PromptLookup:
 class StepCosts:
     """Seconds of a decode step by its rows, with and without drafts (the median of the last `window` steps
     of each: a step slowed by the machine's other work moves it little, a context that grows moves it), and
-    whether a step with drafts pays: its expected tokens per second at least `margin` times a plain step's
-    (a step that merely breaks even gains nothing, and the estimates err both ways). A verify
-    step runs every row over the longest window, so on hardware where that costs much more than one token
-    (a CPU's MoE reads more experts for more tokens) drafts that stand only now and then lose; until both
-    are measured for a row count it tries the missing one. Where drafts do not pay it tries them again
-    after `retry` plain steps, then after twice as many each time a try was all that verified (up to
+    seconds of one row's drafting by method and length (a draft model runs a step of its own per drafted
+    token; a lookup costs next to nothing). From them: how many tokens each row drafts (`lengths`) and
+    whether a step with drafts pays (`pays`): its expected tokens per second at least `margin` times a plain
+    step's (a step that merely breaks even gains nothing, and the estimates err both ways). A verify step
+    runs every row over the longest window, so on hardware where that costs much more than one token (a
+    CPU's MoE reads more experts for more tokens) drafts that stand only now and then lose; until both are
+    measured for a row count it tries the missing one. Where drafts do not pay it tries them again after
+    `retry` plain steps, then after twice as many each time a try was all that verified (up to
     `longest_retry`), and after `retry` again once drafts paid (0: every step with drafts verifies them). A
-    step that compiled (or first loaded) a program is not counted, nor the first step of each kind.
-    Drafting counts toward the step it drafted for (a draft model runs programs of its own)."""
+    step or a drafting that compiled (or first loaded) a program is not counted, nor the first of each kind.
+
+    `lockstep()`: the engine runs in lockstep with other processes (`serve.engine.replicated`), each of which
+    must plan the same steps; the seconds it is told are replaced by fixed ones (`LOCKSTEP_STEP`,
+    `LOCKSTEP_DRAFT_TOKEN`), so its decisions follow the tokens alone."""
 
     def __init__(self, retry: int = 64, margin: float = 1.2, window: int = 9, longest_retry: int = 4096):
         self.retry, self.margin, self.longest_retry = retry, margin, longest_retry
@@ -172,25 +203,54 @@ class StepCosts:
         self._recent: dict[tuple[bool, int], collections.deque[float]] = {}
         self._ratios: dict[int, collections.deque[float]] = {}  # by row count: verify over plain seconds
         self._seen: set[tuple[bool, int]] = set()
+        self._drafts: dict[tuple[DraftMethod, int], collections.deque[float]] = {}  # by (method, length)
+        self._drafts_seen: set[tuple[DraftMethod, int]] = set()
         self._since_verify: dict[int, int] = {}
         self._retry_after: dict[int, int] = {}  # by row count: plain steps before drafts are tried again
-        self._drafting = 0.0
-        self._drafting_compiled = False
         self.decay = 0.9
         self._expected: tuple[int, float] | None = None
         self._drafts_expected = self._drafts_gave = 0.0
+        self.locked = False
 
-    def drafted(self, seconds: float, compiled: bool = False) -> None:
-        """Time spent drafting for the coming step; `compiled`: the drafting first ran a program of its own
-        (the coming step is then not counted, as one that compiled)."""
-        self._drafting += seconds
-        self._drafting_compiled |= compiled
+    def lockstep(self) -> None:
+        """From now on decide from fixed costs, not from the clock (see the class doc)."""
+        self.locked = True
+        self._recent.clear()
+        self._ratios.clear()
+        self._drafts.clear()
+
+    def drafted(self, method: DraftMethod, tokens: int, seconds: float, compiled: bool = False) -> None:
+        """One row's drafting of `tokens` tokens by `method` took `seconds`; `compiled`: it first ran a
+        program of its own (its time went to compiling it)."""
+        if self.locked:
+            seconds, compiled = LOCKSTEP_DRAFT_TOKEN[method.value] * tokens, False
+        key = (method, tokens)
+        if compiled or tokens <= 0:
+            return
+        if key not in self._drafts_seen:  # a request's first drafting reads its whole prompt
+            self._drafts_seen.add(key)
+            return
+        self._drafts.setdefault(key, collections.deque(maxlen=self.window)).append(seconds)
+
+    def draft_seconds(self, method: DraftMethod, tokens: int) -> float:
+        """What one row's drafting of `tokens` tokens by `method` costs: the median of its recent draftings
+        at that length; else a line through the lengths measured (through 0 where one is); 0 before any, so
+        that drafts are tried (and measured)."""
+        if tokens <= 0:
+            return 0.0
+        known = {n: statistics.median(d) for (m, n), d in self._drafts.items() if m is method and d}
+        if tokens in known:
+            return known[tokens]
+        if len(known) < 2:
+            return sum(s * tokens / n for n, s in known.items())
+        slope, intercept = statistics.linear_regression(list(known), list(known.values()))
+        return max(intercept + slope * tokens, 0.0)
 
     def observe(self, verify: bool, rows: int, seconds: float, compiled: bool = False) -> None:
         """A step of `rows` rows (`verify`: with drafts) took `seconds`; `compiled`: it first ran a program
         (its time went mostly to compiling it, not to the step)."""
-        seconds, self._drafting = seconds + self._drafting, 0.0
-        compiled, self._drafting_compiled = compiled or self._drafting_compiled, False
+        if self.locked:
+            seconds, compiled = LOCKSTEP_STEP[verify], False
         key = (verify, rows)
         if verify:  # a try (drafts verified only because it was time to) backs off; drafts that paid reset it
             wait = self._wait(rows)
@@ -218,11 +278,43 @@ class StepCosts:
         plain = self.seconds(False, rows) if ratios else None
         return plain * statistics.median(ratios) if plain else statistics.median(recent)
 
+    def lengths(self, rows: int, running: int, offers: Sequence[Offer]) -> list[int] | None:
+        """How many tokens each of `offers` drafts this step (0: none), for the most tokens per second of a
+        verify step of `rows` rows (its program's; `running` of them requests): its tokens (the requests'
+        one each and the drafts' expected, scaled as in `pays`) over its seconds (the step's and the rows'
+        drafting). That ratio is maximised by Dinkelbach's iteration: each row's length for the current
+        rate (its expected tokens less the rate times its drafting's seconds), then the rate of those
+        lengths, until the rate stops rising. None where the best does not beat a plain step by `margin`.
+        Until a verify step is measured, or when it is time to try drafts again, every row drafts its
+        longest."""
+        verify, plain = self.seconds(True, rows), self.seconds(False, rows)
+        if verify is None or self._since_verify.get(rows, 0) >= self._wait(rows):
+            return [o.lengths[-1] for o in offers]
+        if plain is None:
+            return None
+        scale = self.calibration()
+
+        def net(o: Offer, n: int, rate: float) -> float:
+            return scale * o.expected(n) - rate * self.draft_seconds(o.method, n)
+
+        choice, rate = [o.lengths[-1] for o in offers], 0.0
+        for _ in range(32):  # the rate rises at every round and the choices are finite: a few rounds
+            tokens = running + scale * sum(o.expected(n) for o, n in zip(offers, choice, strict=True))
+            seconds = verify + sum(
+                self.draft_seconds(o.method, n) for o, n in zip(offers, choice, strict=True)
+            )
+            if tokens / seconds <= rate * (1 + 1e-12):
+                break
+            rate = tokens / seconds
+            choice = [max((0, *o.lengths), key=lambda n, o=o: net(o, n, rate)) for o in offers]
+        return choice if rate * plain >= self.margin * running else None
+
     def pays(self, rows: int, expected_tokens: float, running: int | None = None) -> bool:
         """Whether a step of `rows` rows (its program's; `running` of them requests, default all) that are
-        expected to give `expected_tokens` tokens with drafts should verify them (else it decodes one token
-        a request). The tokens drafts are expected to add are scaled by what verified steps gave against
-        what they were expected to (`verified`): the steps chosen are those whose estimate ran high."""
+        expected to give `expected_tokens` tokens with drafts made already should verify them (else it
+        decodes one token a request). The tokens drafts are expected to add are scaled by what verified
+        steps gave against what they were expected to (`verified`): the steps chosen are those whose
+        estimate ran high."""
         running = rows if running is None else running
         verify, plain = self.seconds(True, rows), self.seconds(False, rows)
         if verify is None or self._since_verify.get(rows, 0) >= self._wait(rows):
@@ -279,24 +371,32 @@ class DraftPlanner:
 
     def plan(self, decode: list[Any], budget: int) -> dict[str, list[int]]:
         """Drafted tokens by request id for `decode` rows of requests that speculate (blocks for them taken
-        from the free ones now), or none when verifying them is not expected to pay."""
+        from the free ones now), or none when verifying them is not expected to pay. Each row drafts the
+        length `StepCosts.lengths` chooses for it (a draft model's at one of `draft_lengths`)."""
         out: dict[str, list[int]] = {}
         needs: dict[str, int] = {}
         free, expected = self.allocator.num_free, float(len(decode))
+        offers: dict[str, Offer] = {}
         for req in decode:
             if req.drafting is not None:
                 req.drafting.settle(Joined(req.prompt, req.generated))
-        limits = {r.id: r.drafting.limit() for r in decode if r.drafting is not None}
-        best = len(decode) + sum(r.drafting.expected(limits[r.id]) for r in decode if r.id in limits)
+                k = req.drafting.limit()
+                if k > 0:
+                    offers[req.id] = Offer(req.drafting.method, req.drafting.expected, self._lengths(req, k))
         rows = self.shape.decode_rows(len(decode))
-        if not limits or not self.costs.pays(rows, best, len(decode)):
-            self._shadow(decode)  # not even the drafts' best would pay: only the free lookups, to learn
+        chosen = self.costs.lengths(rows, len(decode), list(offers.values())) if offers else None
+        if chosen is None or not any(chosen):
+            self._shadow(decode)  # drafting is not expected to pay: only the free lookups, to learn
             return out
-        t0, programs = self.clock(), count_programs(self.drafter)
+        lengths = dict(zip(offers, chosen, strict=True))
         for req in decode:
-            if req.id not in limits or budget <= 0:
+            n = min(budget, lengths.get(req.id, 0))
+            if n <= 0:
                 continue
-            drafts = self._drafts(req, min(budget, limits[req.id]), free)
+            t0, programs = self.clock(), count_programs(self.drafter)
+            drafts = self._drafts(req, n, free)
+            compiled = count_programs(self.drafter) != programs
+            self.costs.drafted(req.drafting.method, n, self.clock() - t0, compiled)
             if not drafts:
                 continue
             need = math.ceil((req.num_computed + 1 + len(drafts)) / self.shape.block_size) - len(req.blocks)
@@ -304,7 +404,7 @@ class DraftPlanner:
             out[req.id] = drafts
             budget -= len(drafts)
             expected += req.drafting.expected(len(drafts))
-        self.costs.drafted(self.clock() - t0, compiled=count_programs(self.drafter) != programs)
+        self._shadow([r for r in decode if r.id not in out])
         if not out or not self.costs.pays(rows, expected, len(decode)):
             for req in decode:
                 if req.id in out:
@@ -316,16 +416,23 @@ class DraftPlanner:
         self.costs.expect(len(decode), expected)
         return out
 
-    def _shadow(self, decode: list[Any]) -> None:
-        """Prompt-lookup drafts for the rows that watch none, compared with the tokens that come instead of
-        verified (`AdaptiveK.watch`): what drafts would give keeps being measured while none are verified.
-        A draft model's drafts are not made for this (each costs a step of it)."""
-        t0 = self.clock()
-        for req in decode:
+    def _lengths(self, req: Any, k: int) -> tuple[int, ...]:
+        """The lengths `req` may draft at this step, at most `k`: a lookup's cost does not grow with its
+        length, so its own k; a draft model's, the lengths its run-ahead programs have."""
+        if req.drafting.method is not DraftMethod.DRAFT:
+            return (k,)
+        return tuple(sorted({n for n in draft_lengths(self.shape.speculative_tokens) if n < k} | {k}))
+
+    def _shadow(self, rows: list[Any]) -> None:
+        """Prompt-lookup drafts for `rows` (which carry none this step: paused, or their drafting not
+        expected to pay) that watch none, compared with the tokens that come instead of verified
+        (`RowDrafting.watch`): what drafts would give keeps being measured while none are verified, and a
+        paused row whose drafts stand again drafts again. A draft model's drafts are not made for this
+        (each costs a step of it)."""
+        for req in rows:
             k = req.drafting
             if k is not None and k.method is DraftMethod.NGRAM and k.watching():
                 k.watch(req.num_computed + 1, self._propose(req, k.most))
-        self.costs.drafted(self.clock() - t0)
 
     def _drafts(self, req: Any, budget: int, free: int) -> list[int]:
         k = min(self.shape.speculative_tokens, budget)
@@ -345,14 +452,14 @@ class DraftPlanner:
 
 def drafting(
     params_spec: Speculation | None, default: Speculation, engine: EngineAcceptance | None = None
-) -> AdaptiveK | None:
+) -> RowDrafting | None:
     """A new request's drafting state: from its own settings, else the engine's (None: it does not
     speculate); its acceptance starts from what `engine` measured of its method's drafts."""
     spec = params_spec or default
     if not spec.enabled:
         return None
     base = None if engine is None else engine.of(spec.method)
-    return AdaptiveK(spec.num_tokens, spec.method, acceptance=Acceptance(base=base))
+    return RowDrafting(spec.num_tokens, spec.method, acceptance=Acceptance(base=base))
 
 
 class Drafters:
@@ -421,18 +528,16 @@ class EngineAcceptance:
 
 
 @dataclasses.dataclass
-class AdaptiveK:
-    """A request's draft length and its drafts' acceptance (`Acceptance`). A draft model's length (each
-    drafted token one step of it): after a window accepted in full, one more (up to `most`); after a
-    rejection, one more than it accepted. Prompt lookup's stays `most`: a lookup costs nothing and a verify
-    window runs at its full length whatever a row drafts, so fewer drafts would save nothing. When the
-    acceptance's q falls below `floor` the request stops drafting for `pause` steps, a pause that doubles each
-    time (up to `longest_pause`) and resets once a draft stands again. Whether a step verifies the drafts at
-    all is the step's decision (`StepCosts`), from the tokens they are expected to give."""
+class RowDrafting:
+    """A request's most drafts (`most`) and its drafts' acceptance (`Acceptance`). How many it drafts in a
+    step is the step's choice (`StepCosts.lengths`, from the acceptance and what drafting costs: a lookup
+    next to nothing, a draft model one of its steps a token). When the acceptance's q falls below `floor`
+    the request stops drafting for `pause` steps, a pause that doubles each time (up to `longest_pause`)
+    and resets once a draft stands again. Whether a step verifies the drafts at all is the step's decision
+    (`StepCosts.pays`), from the tokens they are expected to give."""
 
     most: int
     method: DraftMethod = DraftMethod.NGRAM
-    k: int = 0
     acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)
     paused: int = 0
     pause: int = FIRST_PAUSE
@@ -442,15 +547,12 @@ class AdaptiveK:
     shadow: tuple[int, tuple[int, ...]] | None = None
     quiet: int = 0  # steps before the next shadow window (`watching`)
 
-    def __post_init__(self) -> None:
-        self.k = self.k or self.most
-
     def limit(self) -> int:
         """How many tokens this step may draft (0 while paused; each call is one step)."""
         if self.paused > 0:
             self.paused -= 1
             return 0
-        return self.k
+        return self.most
 
     def expected(self, drafts: int) -> float:
         """Accepted tokens expected of `drafts` drafted ones."""
@@ -488,10 +590,6 @@ class AdaptiveK:
         if drafted <= 0:
             return
         self.acceptance.record(drafted, accepted)
-        if self.method is DraftMethod.NGRAM:
-            self.k = self.most
-        else:
-            self.k = min(self.k + 1, self.most) if accepted == drafted else max(1, accepted + 1)
         if self.acceptance.q() < self.floor:
             self.paused = self.pause
             self.pause = min(2 * self.pause, self.longest_pause)

@@ -68,55 +68,11 @@ log = logging.getLogger("jaxhybrid.prefix")
 _LIVE: weakref.WeakSet[DiskTier] = weakref.WeakSet()  # for saves in flight in another tier of this process
 
 
-class EntryLoads:
-    """Reading entries back (DiskTier's loading role): on the reader thread, the outcome on the owning one."""
-
-    reads: DiskReads
-    peers: Peers
-    stats: DiskStats
-    dir: Path
-    entries: OrderedDict[bytes, DiskEntry]
-
-    def _drop(self, entry: DiskEntry) -> None: ...
-
-    def load(self, entry: DiskEntry) -> tuple[list, Any, Any] | None:
-        """(states [(conv, state) per KDA layer], kv [mla, n, block_size, latent] or None, tail or None),
-        checked against the manifest; None (and the entry dropped) when it cannot be read. Blocking: the
-        engine uses `load_async` + `finish_load`."""
-        return self.finish_load(entry, self.load_async(entry))
-
-    def load_async(self, entry: DiskEntry) -> cf.Future:
-        """Start reading `entry` on the reader thread; it cannot be dropped until `finish_load`."""
-        entry.holders += 1
-        return self.reads.submit(entry)
-
-    def finish_load(
-        self, entry: DiskEntry, fut: cf.Future, leader_ok: bool | None = None, leader_transient: bool = False
-    ) -> Any:
-        """`load_async`'s result or None (an entry proven corrupt is dropped, one that may read later kept);
-        on the owning thread. `leader_ok` / `leader_transient`: process 0's outcome, which all follow."""
-        entry.holders -= 1
-        exc = fut.exception()
-        if leader_ok is None:
-            leader_ok = exc is None
-            leader_transient = exc is not None and is_transient(exc)
-        if leader_ok and exc is not None:
-            raise RuntimeError(f"process {self.peers.index} could not read {entry.path}: {exc}") from exc
-        if leader_ok:
-            return fut.result()
-        self.stats.restore_errors += 1
-        self.stats.last_error = (
-            f"{type(exc).__name__}: {exc}" if exc is not None else "unreadable on process 0"
-        )
-        if leader_transient:
-            log.warning("prefix store %s: reading %s failed (%s); kept", self.dir, entry.key.hex(), exc)
-        elif entry.key in self.entries and not entry.holders:
-            self._drop(entry)
-        return None
-
-
-class DiskTier(EntryLoads):
+class DiskTier:
     """Index of the committed entries (LRU order), pending saves, and the byte budget of one namespace.
+    Its collaborators: `reads` (DiskReads) reads entries back on a thread of its own and hands an entry
+    proven corrupt back to be dropped; `space` (DiskFull) says whether saves are paused for a full disk;
+    `skipped` (Unreadable) retries entries that could not be read for now.
     `restore_shardings(name, shape, dtype)`: where a read puts each array with several processes."""
 
     def __init__(
@@ -151,7 +107,9 @@ class DiskTier(EntryLoads):
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk")
         self.space = DiskFull(self.dir, self.stats)
         self._saver: Any = None  # the Orbax checkpointer of the worker thread (the reads have their own)
-        self.reads = DiskReads(self._checkpointer, block_size, self.peers, restore_shardings)
+        self.reads = DiskReads(
+            self._checkpointer, block_size, self.peers, restore_shardings, self.stats, self.dir, self._corrupt
+        )
         self.ignored: list[str] = []  # names in the directory that were not complete entries (at start)
         self.skipped = Unreadable(self.dir, fingerprint, block_size)
         self.collected_bytes = 0  # bytes of those leftovers, removed at start
@@ -232,6 +190,11 @@ class DiskTier(EntryLoads):
                 del self.block_refs[h]
         if self.peers.leader:
             self._jobs.append(self._worker.submit(files.remove, entry.path))
+
+    def _corrupt(self, entry: DiskEntry) -> None:
+        """A read proved `entry` corrupt and nothing holds it: out of the index (unless already dropped)."""
+        if entry.key in self.entries:
+            self._drop(entry)
 
     @property
     def pending_bytes(self) -> int:
@@ -389,16 +352,54 @@ class DiskTier(EntryLoads):
 
 
 class DiskReads:
-    """Entries read back on a thread of their own, with an Orbax checkpointer used only there."""
+    """Entries read back: on a thread of its own, with an Orbax checkpointer used only there, and the outcome
+    taken on the owning thread (counted in `stats`; an entry proven corrupt handed to `corrupt`, one that may
+    read later kept). An entry being read is held (`DiskEntry.holders`): the budget does not drop it."""
 
-    def __init__(self, make_checkpointer: Callable[[], Any], block_size: int, peers: Peers, shardings: Any):
+    def __init__(
+        self,
+        make_checkpointer: Callable[[], Any],
+        block_size: int,
+        peers: Peers,
+        shardings: Any,
+        stats: DiskStats,
+        directory: Path,
+        corrupt: Callable[[DiskEntry], None],
+    ):
         self.make_checkpointer, self.block_size = make_checkpointer, block_size
         self.peers, self.shardings = peers, shardings
+        self.stats, self.dir, self.corrupt = stats, directory, corrupt
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk-read")
         self._loader: Any = None
 
-    def submit(self, entry: DiskEntry) -> cf.Future:
+    def start(self, entry: DiskEntry) -> cf.Future:
+        """Start reading `entry` on the reader thread; it cannot be dropped until `finish`."""
+        entry.holders += 1
         return self._pool.submit(self._read, entry)
+
+    def finish(
+        self, entry: DiskEntry, fut: cf.Future, leader_ok: bool | None = None, leader_transient: bool = False
+    ) -> Any:
+        """`start`'s result or None (an entry proven corrupt is dropped, one that may read later kept); on
+        the owning thread. `leader_ok` / `leader_transient`: process 0's outcome, which all follow."""
+        entry.holders -= 1
+        exc = fut.exception()
+        if leader_ok is None:
+            leader_ok = exc is None
+            leader_transient = exc is not None and is_transient(exc)
+        if leader_ok and exc is not None:
+            raise RuntimeError(f"process {self.peers.index} could not read {entry.path}: {exc}") from exc
+        if leader_ok:
+            return fut.result()
+        self.stats.restore_errors += 1
+        self.stats.last_error = (
+            f"{type(exc).__name__}: {exc}" if exc is not None else "unreadable on process 0"
+        )
+        if leader_transient:
+            log.warning("prefix store %s: reading %s failed (%s); kept", self.dir, entry.key.hex(), exc)
+        elif not entry.holders:
+            self.corrupt(entry)
+        return None
 
     def _read(self, entry: DiskEntry) -> tuple[list, Any, Any]:
         if self._loader is None:

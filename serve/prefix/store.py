@@ -8,7 +8,7 @@ partial last block's KV, so short and unaligned prompts hit too. A hit is the lo
 blocks are present and that ends at a checkpoint.
 
 Policies (`checkpoint_policy`): "fixed" keeps exactly the checkpoints above, evicted least recently used
-first. "adaptive" treats the interval as the finest spacing (coarsened to what the budgets afford, `spacing`)
+first. "adaptive" treats the interval as the finest spacing (coarsened to what the budgets afford)
 and adds junctions: a prompt that shares cached KV blocks beyond the state it resumes from is checkpointed
 where it leaves them (its full blocks are indexed as they are computed, so the next prompt sees them), a
 running request is checkpointed where a queued prompt will leave it (`expect`), and a request whose prompt
@@ -23,19 +23,18 @@ are evicted (LRU, only those no running request holds) when the pool runs out. W
 checkpoint is also written through to disk with the KV of its whole prefix (`serve.prefix.disk`).
 
 The engine talks to the store through these methods only: `find` / `record` (a lookup, counted once per
-admission: `serve.prefix.lookup`), `start_load` / `load_ready` / `finish_load` / `on_read_done` (a disk hit is
-read in the background), `attach` / `attached` / `detach` (a hit given to a request), `junction` /
+admission: `serve.prefix.lookup`), `loads` / `on_read_done` (a disk hit is read in the background:
+`serve.prefix.loads`), `attach` / `attached` / `detach` (a hit given to a request), `junction` /
 `shared_prefix` / `expect` (where the adaptive policy cuts a prefill), `chunk_limit`, `on_computed` /
 `on_finished` (checkpoints and block indexing), `evict_one` / `evictable`, `observe` / `apply` (what finished
 in the background, applied at a step boundary: with several processes process 0 observes and every process
 applies the same), `poll` (both, one process), `ledger`, `forget_blocks`, `close`. The data it keeps comes
-from a CheckpointSource (the runner): the store decides, the source copies (`serve.prefix.writer` takes a
-checkpoint the store decided on).
+from a CheckpointSource (the runner): the store decides where to checkpoint (`serve.prefix.positions`), the
+writer takes the checkpoint (`serve.prefix.writer`), the source copies.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
@@ -43,16 +42,16 @@ from pathlib import Path
 from typing import Any
 
 from jaxhybrid.cache import CHECKPOINT_DTYPES
-from serve.prefix import junctions
 from serve.prefix.checkpoints import CheckpointTiers, KindTally
 from serve.prefix.disk import DiskEntry, DiskTier, namespace
-from serve.prefix.entries import is_transient
 from serve.prefix.events import EventLog
 from serve.prefix.index import BlockIndex, ChainHasher, TailIndex
+from serve.prefix.loads import HitLoads, Load
 from serve.prefix.lookup import Hit, Lookup
 from serve.prefix.policies import POLICIES, make_policy
+from serve.prefix.positions import CheckpointPositions
 from serve.prefix.stats import LookupStats, MemoryStats, flatten
-from serve.prefix.types import Checkpoint, CheckpointKind, CheckpointSource, Sequence_, Tier
+from serve.prefix.types import Checkpoint, CheckpointSource, Sequence_, Tier
 from serve.prefix.writer import CheckpointWriter
 
 CHECKPOINT_POLICIES = ("fixed", "adaptive")
@@ -135,15 +134,6 @@ class PrefixStoreConfig:
 
 
 @dataclasses.dataclass
-class Load:
-    """A disk hit being read in the background."""
-
-    hit: Hit
-    future: Any
-    data: Any = None  # (states, kv of the full blocks, tail kv) once read, or None if unreadable
-
-
-@dataclasses.dataclass
 class Attachment:
     """A hit given to a request: `layout` per full block of the prefix (a shared pool block, or None where
     the request needs a fresh block filled with `fill_kv[:, j]`), and what goes into its slot."""
@@ -168,69 +158,15 @@ def empty_ledger() -> dict[str, Any]:
     }
 
 
-class DiskSide:
-    """The store's side of its disk tier: hits read in the background (started and waited for by the
-    owner), and saves that finished made visible to lookups."""
+class PrefixStore:
+    """The store the engine and the scheduler talk to (the methods the module doc lists). It decides and
+    accounts; its collaborators hold the state and do the work: `blocks` (BlockIndex: cached KV blocks in the
+    engine's pool) and `tails` (TailIndex: partial blocks, for how far a prompt matches), `checkpoints`
+    (CheckpointTiers: states in device and host memory), `disk` (DiskTier, with `store_dir`), `lookup`
+    (Lookup: finding and counting hits), `positions` (CheckpointPositions: where sequences are cut and
+    checkpointed), `writer` (CheckpointWriter: taking those checkpoints), and `loads` (HitLoads, with a disk
+    tier: disk hits read in the background, which the scheduler starts and finishes)."""
 
-    disk: DiskTier | None
-    tails: TailIndex
-    _read_done: Callable[[], None] | None = None
-
-    def on_read_done(self, fn: Callable[[], None] | None) -> None:
-        """Call `fn()` (from the reader thread) whenever a disk read this store starts ends, so that an owner
-        waiting for nothing but reads can wait without polling; None: nobody."""
-        self._read_done = fn
-
-    def start_load(self, hit: Hit) -> Load:
-        """Read a disk hit in the background (`load_ready`, then `finish_load` on the owning thread)."""
-        load = Load(hit, self.disk.load_async(hit.disk))
-        if self._read_done is not None:
-            load.future.add_done_callback(lambda _, fn=self._read_done: fn())
-        return load
-
-    @staticmethod
-    def load_ready(load: Load) -> bool:
-        return load.future.done()
-
-    @staticmethod
-    def wait_loads(loads: list[Load], timeout: float) -> None:
-        """Wait up to `timeout` seconds for one of `loads` to finish."""
-        cf.wait([x.future for x in loads], timeout=timeout, return_when=cf.FIRST_COMPLETED)
-
-    @staticmethod
-    def load_outcome(load: Load) -> tuple[bool, bool]:
-        """(the finished read succeeded, it failed for a reason that may pass: the entry is kept)."""
-        exc = load.future.exception()
-        return exc is None, exc is not None and is_transient(exc)
-
-    def finish_load(self, load: Load, leader_ok: bool | None = None, leader_transient: bool = False) -> Load:
-        """The read's result in `load.data` (None: unreadable; an entry proven corrupt is dropped); waits
-        for it. `leader_ok`, `leader_transient`: process 0's outcome (`load_outcome`), which all follow."""
-        load.data = self.disk.finish_load(load.hit.disk, load.future, leader_ok, leader_transient)
-        return load
-
-    def _note_disk_tail(self, entry: DiskEntry) -> None:
-        if entry.tail:
-            self.tails.add(entry.base, entry.tail)
-
-    def observe(self) -> dict[str, Any] | None:
-        """What finished in the background (disk saves, the disk's state); None without a disk tier."""
-        return None if self.disk is None else self.disk.observe()
-
-    def apply(self, events: dict[str, Any] | None) -> None:
-        """Make what `observe` saw (on process 0) visible to lookups."""
-        if self.disk is not None and events is not None:
-            for entry in self.disk.apply(events):
-                self._note_disk_tail(entry)
-
-    def poll(self, wait: bool = False) -> None:
-        """One process: make finished disk saves visible (waiting for all of them with `wait`)."""
-        if self.disk is not None:
-            for entry in self.disk.poll(wait=wait):
-                self._note_disk_tail(entry)
-
-
-class PrefixStore(DiskSide):
     def __init__(
         self,
         config: PrefixStoreConfig,
@@ -282,7 +218,7 @@ class PrefixStore(DiskSide):
         self.lookup = Lookup(
             self.hasher, self.blocks, self.tails, self.checkpoints, self.disk, self.lookups, config.adaptive
         )
-        self._read_done: Callable[[], None] | None = None
+        self.loads = HitLoads(self.disk.reads) if self.disk is not None else None
         self.writer = CheckpointWriter(
             self.hasher,
             self.blocks,
@@ -293,6 +229,16 @@ class PrefixStore(DiskSide):
             fingerprint,
             block_bytes,
             state_bytes,
+        )
+        self.positions = CheckpointPositions(
+            interval=config.checkpoint_interval,
+            adaptive=config.adaptive,
+            states=(config.device_bytes + config.host_bytes) / state_bytes,
+            block_size=block_size,
+            prompt_end=config.prompt_end_checkpoints,
+            sequence_end=config.sequence_end_checkpoints,
+            placement=config.placement,
+            writer=self.writer,
         )
 
     # --- matching --------------------------------------------------------------------------------------
@@ -371,104 +317,37 @@ class PrefixStore(DiskSide):
         """Count a lookup that reuses nothing (but may have matched tokens that get recomputed)."""
         self.lookups.recomputed_tokens += hit.recomputed
 
-    # --- checkpoints ------------------------------------------------------------------------------------
+    # --- where checkpoints go: `CheckpointPositions` ---------------------------------------------------
     def chunk_limit(self, seq: Sequence_) -> int:
-        """Tokens a prefill of `seq` may compute before its next checkpoint position (an interval multiple,
-        or a junction the adaptive policy cut it at)."""
-        position, interval = seq.num_computed, self.spacing(seq)
-        limit = (position // interval + 1) * interval - position
-        for cut in seq.cuts:
-            if cut > position:
-                limit = min(limit, cut - position)
-        return limit
+        """Tokens a prefill of `seq` may compute before its next checkpoint position."""
+        return self.positions.chunk_limit(seq)
 
-    def spacing(self, seq: Sequence_) -> int:
-        """The interval `seq` is checkpointed at: `checkpoint_interval`, or with the adaptive policy
-        `junctions.adaptive_interval` (what the budgets afford, at that spacing or coarser)."""
-        if not self.config.adaptive:
-            return self.config.checkpoint_interval
-        states = (self.config.device_bytes + self.config.host_bytes) / self.state_bytes
-        return junctions.adaptive_interval(self.config.checkpoint_interval, states, len(seq.prompt))
+    def junction(self, seq: Sequence_, hit: Hit) -> int | None:
+        """Where `seq` leaves the KV held beyond the state it resumes from (adaptive policy: a cut there)."""
+        return self.positions.junction(seq, hit)
+
+    def shared_prefix(self, seq: Sequence_, computing: list[Sequence_]) -> tuple[Sequence_, int] | None:
+        """The running request `seq` should wait for (in-batch sharing), and where."""
+        return self.positions.shared_prefix(seq, computing)
+
+    def expect(self, waiting: Iterable[Sequence_], computing: list[Sequence_]) -> None:
+        """Cut running requests where queued ones will leave them (the adaptive policy)."""
+        self.positions.expect(waiting, computing)
+
+    def on_computed(self, seq: Sequence_, source: CheckpointSource, logits: Any = None) -> None:
+        """After `seq` computed up to seq.num_computed: the checkpoints due there (`logits`: the next-token
+        logits, kept at a prompt end)."""
+        self.positions.on_computed(seq, source, logits)
+
+    def on_finished(self, seq: Sequence_, source: CheckpointSource) -> None:
+        """A sequence ended normally: index its blocks, and keep its end state (sequence-end checkpoints)."""
+        self.positions.on_finished(seq, source)
 
     @property
     def capacity(self) -> int:
         """Checkpoints the device and host budgets hold at most (each one state: a partial block's KV beside
         it is small)."""
         return (self.config.device_bytes + self.config.host_bytes) // self.state_bytes
-
-    def on_computed(self, seq: Sequence_, source: CheckpointSource, logits: Any = None) -> None:
-        """After `seq` computed up to seq.num_computed: checkpoints due there (interval multiples and the
-        prompt end, where the next-token `logits` are kept so an identical prompt needs no prefill; with the
-        adaptive policy also junctions, and its full blocks are indexed as they are computed, so a prompt
-        that shares them finds where it leaves them)."""
-        pos = seq.num_computed
-        if self.config.placement is not None:
-            self._on_placed(seq, source, logits)
-            return
-        at_prompt_end = self.config.prompt_end_checkpoints and pos == len(seq.prompt)
-        keep = logits if at_prompt_end else None
-        if self.config.adaptive and (pos <= len(seq.prompt) or pos % self.block_size == 0):
-            self._index_blocks(seq)  # also where a checkpoint is due: its blocks' tails find exact junctions
-        if pos % self.spacing(seq) == 0:
-            self.writer.write(seq, source, CheckpointKind.INTERVAL, logits=keep)
-        elif at_prompt_end:
-            self.writer.write(seq, source, CheckpointKind.PROMPT_END, logits=keep)
-        elif pos in seq.cuts:
-            self.writer.write(seq, source, CheckpointKind.JUNCTION)
-        seq.cuts.discard(pos)
-
-    def _on_placed(self, seq: Sequence_, source: CheckpointSource, logits: Any) -> None:
-        """With an offline placement: a checkpoint where it places one (cut in the prompt at admission,
-        tested in the answer), keeping the logits at a prompt end."""
-        pos, end, placement = seq.num_computed, len(seq.prompt), self.config.placement
-        if pos in seq.cuts or (pos > end and placement.at(pos) and placement.holds(seq.tokens, pos)):
-            kind = CheckpointKind.PROMPT_END if pos == end else CheckpointKind.JUNCTION
-            self.writer.write(seq, source, kind, logits=logits if pos == end else None)
-        seq.cuts.discard(pos)
-
-    # --- the adaptive policy's junctions -----------------------------------------------------------------
-    def junction(self, seq: Sequence_, hit: Hit) -> int | None:
-        """Where `seq` leaves the KV the store holds beyond the state it resumes from (the adaptive policy
-        checkpoints it there, so the next prompt that leaves at the same point resumes there); None if
-        nowhere or not adaptive. With an offline placement, its positions in the prompt are cut instead."""
-        placement = self.config.placement
-        if placement is not None:
-            seq.cuts.update(p for p in placement.positions(seq.prompt) if p > hit.hit)
-            return None
-        if not self.config.adaptive or hit.matched <= hit.hit or hit.matched >= len(seq.prompt):
-            return None
-        return hit.matched
-
-    def shared_prefix(self, seq: Sequence_, computing: list[Sequence_]) -> tuple[Sequence_, int] | None:
-        """The running request `seq` should wait for (in-batch sharing, adaptive policy or an offline
-        placement, at its deepest position in the shared part), and where:
-        `serve.prefix.junctions.shared_prefix`."""
-        placement = self.config.placement
-        if not self.config.adaptive and placement is None:
-            return None
-        found = junctions.shared_prefix(seq, computing, self.block_size, self.config.prompt_end_checkpoints)
-        if found is None or placement is None:
-            return found
-        point = placement.wait_point(seq.prompt, found[1], found[0].num_computed)
-        return None if point is None else (found[0], point)
-
-    def expect(self, waiting: Iterable[Sequence_], computing: list[Sequence_]) -> None:
-        """Queued requests are known future lookups (adaptive policy): a running request still computing a
-        prefix one of them shares is cut at the end of that prefix (`shared_prefix`), so its state is kept
-        there even when the queued one is admitted only after it has passed that point."""
-        if self.config.adaptive:
-            for seq in waiting:
-                found = self.shared_prefix(seq, computing)
-                if found is not None:
-                    found[0].cuts.add(found[1])
-
-    def _index_blocks(self, seq: Sequence_) -> None:
-        junctions.index_blocks(seq, self.hasher, self.blocks, self.tails)
-
-    def on_finished(self, seq: Sequence_, source: CheckpointSource) -> None:
-        """A sequence ended normally: index its blocks, and keep its end state (sequence-end checkpoints)."""
-        save = self.config.sequence_end_checkpoints
-        self.writer.write(seq, source, CheckpointKind.SEQUENCE_END, save_state=save)
 
     # --- KV blocks --------------------------------------------------------------------------------------
     def evictable(self) -> int:
@@ -499,6 +378,32 @@ class PrefixStore(DiskSide):
     @property
     def held_blocks(self) -> list[int]:
         return self.blocks.held()
+
+    # --- what finished in the background ----------------------------------------------------------------
+    def on_read_done(self, fn: Callable[[], None] | None) -> None:
+        """Call `fn()` (from the reader thread) whenever a disk read this store starts ends (`HitLoads`)."""
+        if self.loads is not None:
+            self.loads.on_done(fn)
+
+    def observe(self) -> dict[str, Any] | None:
+        """What finished in the background (disk saves, the disk's state); None without a disk tier."""
+        return None if self.disk is None else self.disk.observe()
+
+    def apply(self, events: dict[str, Any] | None) -> None:
+        """Make what `observe` saw (on process 0) visible to lookups."""
+        if self.disk is not None and events is not None:
+            for entry in self.disk.apply(events):
+                self._note_disk_tail(entry)
+
+    def poll(self, wait: bool = False) -> None:
+        """One process: make finished disk saves visible (waiting for all of them with `wait`)."""
+        if self.disk is not None:
+            for entry in self.disk.poll(wait=wait):
+                self._note_disk_tail(entry)
+
+    def _note_disk_tail(self, entry: DiskEntry) -> None:
+        if entry.tail:
+            self.tails.add(entry.base, entry.tail)
 
     def take_events(self) -> list[Any]:
         """The KV and state events since the last call, in order (none unless `config.events`)."""

@@ -1,7 +1,7 @@
 """Taking a state checkpoint (the prefix store's write path): at a sequence's computed position, index its
 full KV blocks and its partial last block's tokens, copy its state (and that partial block's KV) from the
 source into the memory tiers, and write it through to the disk tier with the KV of its whole prefix. The
-store decides when (`PrefixStore.on_computed` / `on_finished`); this does it."""
+store's checkpoint policy decides when (`serve.prefix.positions.CheckpointPositions`); this does it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from jaxhybrid.cache import SCRATCH_BLOCK
+from serve.prefix import junctions
 from serve.prefix.checkpoints import CheckpointTiers
 from serve.prefix.disk import DiskTier
 from serve.prefix.entries import entry_meta
@@ -31,6 +32,11 @@ class CheckpointWriter:
     fingerprint: bytes
     block_bytes: int
     state_bytes: int
+
+    def index_blocks(self, seq: Sequence_) -> None:
+        """Index `seq`'s full blocks computed since the last call, and their tokens as tails
+        (`junctions.index_blocks`), without taking a checkpoint."""
+        junctions.index_blocks(seq, self.hasher, self.blocks, self.tails)
 
     def write(
         self,

@@ -10,17 +10,16 @@ store held.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 
+from benchmarks.report import Table, report
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from serve.bench.common import add_out_arg, emit, environment
+from serve.bench.common import add_out_arg, environment
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
 from serve.prefix.store import PrefixStoreConfig
-from serve.report import print_table
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,25 +93,17 @@ def run(args: argparse.Namespace) -> int:
         "environment": environment(),
         "rows": rows,
     }
-    print_table(
-        [
-            {**r, "ttft_ms": f"{r['ttft_ms']:.1f}", "speedup_vs_cold": f"{r['speedup_vs_cold']:.2f}"}
-            for r in rows
-        ],
-        [
-            "variant",
-            "ttft_ms",
-            "speedup_vs_cold",
-            "hit_tokens",
-            "recomputed_tokens",
-            "checkpoints",
-            "checkpoint_bytes",
-            "cached_kv_bytes",
-        ],
-        file=sys.stderr,
-    )
-    emit(result, args)
-    return 0
+    columns = [
+        "variant",
+        "ttft_ms",
+        "speedup_vs_cold",
+        "hit_tokens",
+        "recomputed_tokens",
+        "checkpoints",
+        "checkpoint_bytes",
+        "cached_kv_bytes",
+    ]
+    return report(result, args, Table(rows, columns, {"ttft_ms": ".1f", "speedup_vs_cold": ".2f"}))
 
 
 def register(sub: argparse._SubParsersAction) -> None:

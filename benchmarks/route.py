@@ -3,7 +3,7 @@ per routing policy (`serve.route.policies`): prompt tokens computed (against the
 hit rate, TTFT p50 / p99 and output tokens/s.
 
 `--simulate`: N simulated engines (the engine's scheduler and prefix store with analytic bytes and FLOPs, no
-model: any config, any scale; `serve.bench.simulate`), the router's own index and policies fed each store's
+model: any config, any scale; `serve.sim.engine`), the router's own index and policies fed each store's
 events directly, the requests of a round routed in order before they run (their load counted as the live
 router counts it); answers are seeded by their prompt, so every policy meets the same workload. Without it:
 N `serve` apps of a model in this process (uvicorn threads, each with its own engine and event publisher)
@@ -24,22 +24,26 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.common import RoundProgress
+from benchmarks.prefix import add_engine_shape_args, add_workload_args, engine_config, simulated_kv_bytes
+from benchmarks.report import Table, or_dash, report
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from jaxhybrid.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
-from serve.bench.common import RoundProgress, add_out_arg, compile_watch, emit, environment
-from serve.bench.prefix import add_engine_shape_args, add_workload_args, engine_config, simulated_kv_bytes
-from serve.bench.simulate import CostModel, SimEngine, prompt_answers
-from serve.bench.workloads import FAMILIES, Replay, WorkloadError, replay
+from serve.bench.common import add_out_arg, compile_watch, environment
 from serve.engine.engine import Engine
 from serve.engine.records import Ledger
 from serve.engine.requests import RequestError
 from serve.http.kv_events import EventPublisher
 from serve.http.threaded import free_port, serving
 from serve.prefix.store import PrefixStoreConfig
-from serve.report import print_table
 from serve.route.backends import Backend, BackendSpec
 from serve.route.policies import Chooser, Policy
+from serve.sim.cost import CostModel
+from serve.sim.engine import SimEngine
+from serve.sim.replay import Replay, WorkloadError, replay
+from serve.sim.runner import prompt_answers
+from serve.sim.workloads import FAMILIES
 
 POLICIES = ("state-aware", "kv-only", "round-robin")
 SGLANG = "sglang cache_aware"  # `--sglang-router`: that router in front of the same replicas
@@ -485,57 +489,56 @@ def run(args: argparse.Namespace) -> int:
     except WorkloadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    tables = []
     for w in workloads:
         mine = [r for r in rows if r["workload"] == w.name]
         rr = next((r for r in mine if r["policy"] == "round-robin"), None)
         for r in mine:
             r["vs_round_robin"] = r["prompt_tokens_computed"] / rr["prompt_tokens_computed"] if rr else None
-        print(
-            f"\n{w.name} ({args.replicas} replicas{', simulated' if args.simulate else ''}):", file=sys.stderr
-        )
-        print_table(
-            [
-                {
-                    "policy": r["policy"],
-                    "computed": f"{r['prompt_tokens_computed']:,}",
-                    "vs_round_robin": "-" if r["vs_round_robin"] is None else f"{r['vs_round_robin']:.2f}",
-                    "lower_bound": f"{r['lower_bound_tokens']:,}",
-                    "hit_rate": f"{r['hit_rate']:.3f}",
-                    "ttft_p50_ms": f"{r['ttft_p50_ms']:.1f}",
-                    "ttft_p99_ms": f"{r['ttft_p99_ms']:.1f}",
-                    "out_tok_s": "-"
-                    if r["output_tokens_per_s"] is None
-                    else f"{r['output_tokens_per_s']:.1f}",
-                    "per_replica": r["per_replica"],
-                }
-                for r in mine
-            ],
-            [
-                "policy",
-                "computed",
-                "vs_round_robin",
-                "lower_bound",
-                "hit_rate",
-                "ttft_p50_ms",
-                "ttft_p99_ms",
-                "out_tok_s",
-                "per_replica",
-            ],
-            file=sys.stderr,
-        )
-    emit(
-        {
-            "bench": "route",
-            "config": cfg.name,
-            "simulated": bool(args.simulate),
-            "replicas": args.replicas,
-            "workloads": {w.name: dataclasses.asdict(w) for w in workloads},
-            "environment": environment(),
-            "rows": rows,
-        },
-        args,
-    )
-    return 0
+        cells = [
+            {
+                **r,
+                "computed": r["prompt_tokens_computed"],
+                "lower_bound": r["lower_bound_tokens"],
+                "out_tok_s": r["output_tokens_per_s"],
+            }
+            for r in mine
+        ]
+        title = f"\n{w.name} ({args.replicas} replicas{', simulated' if args.simulate else ''}):"
+        tables.append(Table(cells, TABLE_COLUMNS, TABLE_FORMATS, title=title))
+    result = {
+        "bench": "route",
+        "config": cfg.name,
+        "simulated": bool(args.simulate),
+        "replicas": args.replicas,
+        "workloads": {w.name: dataclasses.asdict(w) for w in workloads},
+        "environment": environment(),
+        "rows": rows,
+    }
+    return report(result, args, *tables)
+
+
+# the table of each workload: a row per policy
+TABLE_COLUMNS = [
+    "policy",
+    "computed",
+    "vs_round_robin",
+    "lower_bound",
+    "hit_rate",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "out_tok_s",
+    "per_replica",
+]
+TABLE_FORMATS = {
+    "computed": ",",
+    "vs_round_robin": or_dash(".2f"),
+    "lower_bound": ",",
+    "hit_rate": ".3f",
+    "ttft_p50_ms": ".1f",
+    "ttft_p99_ms": ".1f",
+    "out_tok_s": or_dash(".1f"),
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:

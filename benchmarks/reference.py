@@ -38,19 +38,21 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.llamacpp import WEIGHT_TYPES as LLAMA_TYPES
+from benchmarks.llamacpp import LlamaCppError, LlamaRuns, build, describe, locate
+from benchmarks.report import Table, report
 from jaxhybrid.config import ConfigError, load_config
 from jaxhybrid.model import pure_fn
 from jaxhybrid.tokenizer import ByteTokenizer
 from jaxhybrid.weights import load_pretrained
 from jaxhybrid.weights.pages import move_to_huge_pages
 from jaxhybrid.weights.safetensors import CheckpointError
-from serve.bench.common import add_out_arg, emit, environment
-from serve.bench.llamacpp import WEIGHT_TYPES as LLAMA_TYPES
-from serve.bench.llamacpp import LlamaCppError, LlamaRuns, build, describe, locate
-from serve.bench.throughput import active_params, decode_bytes, machine_rates, param_bytes, prefill_flops
+from serve.bench.common import add_out_arg, environment
+from serve.bench.throughput import machine_rates
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
-from serve.report import positive_ints, print_table
+from serve.report import positive_ints
+from serve.sim.cost import active_params, decode_bytes, param_bytes, prefill_flops
 
 MISSING = (
     "bench reference needs torch and transformers (>= 5, with KimiLinearForCausalLM): "
@@ -353,19 +355,16 @@ def run(args: argparse.Namespace) -> int:
         **result,
     }
     matmul, read = rates["matmul_flop_per_s"] / 1e9, rates["bandwidth_bytes_per_s"] / 1e9
-    print(
+    title = (
         f"{ours.model.config.name} fp32; jax on {env['platform']} ({env['device_kind']}), transformers on "
         f"{ref.device} (torch {torch.__version__}, {torch.get_num_threads()} threads); machine: matmul "
-        f"{matmul:.1f} GFLOP/s, read {read:.1f} GB/s",
-        file=sys.stderr,
+        f"{matmul:.1f} GFLOP/s, read {read:.1f} GB/s"
     )
     columns = ["kind", "what", "transformers_tok_s", "jaxhybrid_tok_s", "ratio", "of_machine"]
     if llama is not None:
         columns += ["jaxhybrid_int8"] + [f"{p}{w}" for w in LLAMA_TYPES for p in ("llama_", "vs_llama_")]
-    print_table([_shown(r) for r in table], columns, file=sys.stderr)
-    print(f"agreement: {result['agreement']}", file=sys.stderr)
-    emit(result, args)
-    return 0
+    shown = Table([_shown(r) for r in table], columns, title=title)
+    return report(result, args, shown, f"agreement: {result['agreement']}")
 
 
 def _llama_runs(args: argparse.Namespace) -> LlamaRuns | None:

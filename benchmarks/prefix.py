@@ -2,7 +2,7 @@
 report reuse, recompute, prefill work against its lower bound, time to first token and checkpoint bytes.
 
 Workloads (`--workload chat|docqa|agentic|longdoc|sysprompt`, a comma list or `all`, all five; default
-chat; `serve.bench.workloads`, seeded by `--seed`): `chat`, chats behind a shared system prompt whose turns
+chat; `serve.sim.workloads`, seeded by `--seed`): `chat`, chats behind a shared system prompt whose turns
 extend or fork earlier turns; `docqa`, `--questions` questions a round over `--documents` documents of
 `--doc-len` tokens (Zipf-popular, `--doc-skew`); `agentic`, tool-calling traces that grow by
 `--tool-min`..`--tool-max` tokens or fork (`--fork-prob`) at an unaligned position, half of the forks
@@ -24,7 +24,7 @@ it, `--device-cache-mb` / `--host-cache-mb`. The issue's sweep is one block to 3
 16,64,256,1024,32768`.
 
 Each row also reports `lower_bound_tokens`, the prompt tokens its own replay had to compute even with a
-checkpoint at every token and unlimited memory (`serve.bench.workloads.lower_bound_tokens`), and
+checkpoint at every token and unlimited memory (`serve.sim.replay.lower_bound_tokens`), and
 `vs_lower_bound`: `prompt_tokens_computed` (what the requests computed of their prompts past their hits)
 over it. The engine's `prefill_tokens_computed` is beside it; it leaves out a prompt's last token when that
 one runs in a decode row. One table per workload (`prefill` / `computed` are those two); `--plot PATH.png`
@@ -33,7 +33,7 @@ line.
 
 `--simulate`: no model runs and no weights exist, so any config (`--config kimi-k3`) and any scale: the same
 workloads go through the engine's scheduler, prefix store, eviction policy and block allocator with
-analytic checkpoint bytes and prefill FLOPs (`serve.bench.simulate`); answers are seeded random ids, TTFT
+analytic checkpoint bytes and prefill FLOPs (`serve.sim.engine`); answers are seeded random ids, TTFT
 is estimated from the FLOPs at `--flops-per-s`. `--hbm GB` sizes the KV pool as what is left of one
 device's memory after `--weights-gb`, the live states of `--slots` and the checkpoints' device budget
 (`--device-cache-mb`, or the largest of `--budgets`).
@@ -46,20 +46,25 @@ import dataclasses
 import sys
 from typing import Any
 
+from benchmarks.common import RoundProgress
+from benchmarks.prefix_plot import write_plot
+from benchmarks.report import Table, report
 from jaxhybrid.cache import mla_kv_bytes
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from serve.bench.common import RoundProgress, add_out_arg, compile_watch, emit, environment
-from serve.bench.prefix_plot import write_plot
-from serve.bench.simulate import CostModel, SimEngine, random_answers
-from serve.bench.workloads import FAMILIES, Replay, Workload, WorkloadError, overlap_depths, replay
+from serve.bench.common import add_out_arg, compile_watch, environment
 from serve.engine.config import EngineShape, engine_default
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.speculative import Speculation
 from serve.models import add_checkpoint_dtype_arg
 from serve.prefix.placement import digest, place
 from serve.prefix.store import CHECKPOINT_POLICIES, PrefixStoreConfig
-from serve.report import fmt_bytes, print_table
+from serve.report import fmt_bytes
+from serve.sim.cost import CostModel
+from serve.sim.engine import SimEngine
+from serve.sim.replay import Replay, WorkloadError, overlap_depths, replay
+from serve.sim.runner import random_answers
+from serve.sim.workloads import FAMILIES, Workload
 
 HOST_CACHE_MB = 4096.0  # --host-cache-mb without --budgets (with them: 0, the budget is all there is)
 
@@ -235,12 +240,11 @@ def run(args: argparse.Namespace) -> int:
         "environment": environment(),
         "rows": rows,
     }
-    print_tables(rows, [w.name for w in workloads], args.simulate)
+    notes = []
     if args.plot:
         write_plot(rows, [w.name for w in workloads], args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
-    emit(result, args)
-    return 0
+        notes.append(f"wrote {args.plot}")
+    return report(result, args, *tables(rows, [w.name for w in workloads], args.simulate), *notes)
 
 
 def _row(workload: Workload, setting: Setting, rep: Replay) -> dict[str, Any]:
@@ -254,8 +258,8 @@ def _row(workload: Workload, setting: Setting, rep: Replay) -> dict[str, Any]:
     return row
 
 
-def print_tables(rows: list[dict[str, Any]], families: list[str], simulated: bool) -> None:
-    """One table per workload family (stderr): rows are setting x budget."""
+def tables(rows: list[dict[str, Any]], families: list[str], simulated: bool) -> list[Table]:
+    """One table per workload family: rows are setting x budget."""
     columns = [
         "setting",
         "budget",
@@ -268,9 +272,10 @@ def print_tables(rows: list[dict[str, Any]], families: list[str], simulated: boo
     ]
     columns += ["ttft_p50_ms", "ttft_p95_ms", "peak_ckpt_device", "peak_ckpt_host", "dropped"]
     columns += ["prefill_PFLOP", "fit"] if simulated else ["compiles_while_timed"]
-    for family in families:
-        print(f"\n{family}:", file=sys.stderr)
-        print_table([_cells(r) for r in rows if r["workload"] == family], columns, file=sys.stderr)
+    return [
+        Table([_cells(r) for r in rows if r["workload"] == family], columns, title=f"\n{family}:")
+        for family in families
+    ]
 
 
 def _ms(value: float) -> str:

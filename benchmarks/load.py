@@ -20,11 +20,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.common import child_env
+from benchmarks.report import Table, report
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from jaxhybrid.weights import checkpoint_format, load_pretrained, save_hf, save_orbax
-from serve.bench.common import add_out_arg, emit, environment
-from serve.report import DTYPES, fmt_bytes, print_table
+from serve.bench.common import add_out_arg, environment
+from serve.report import DTYPES, fmt_bytes
 from sharding import multihost
 from sharding.mesh import mesh_from_flag
 from sharding.placement import load_pretrained_on_mesh
@@ -116,9 +118,13 @@ def child_make(config: str, directory: str, dtype: str, shard_mb: float, seed: i
 
 
 def _in_child(argv: list[str]) -> dict:
-    """Run `python -m serve.bench.load ARGV` and return the JSON it prints last."""
+    """Run `python -m benchmarks.load ARGV` and return the JSON it prints last."""
     proc = subprocess.run(
-        [sys.executable, "-m", "serve.bench.load", *argv], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "benchmarks.load", *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=child_env(),
     )
     if proc.returncode != 0:
         raise RuntimeError(f"child {' '.join(argv[:2])} failed:\n{proc.stderr[-4000:]}")
@@ -126,18 +132,17 @@ def _in_child(argv: list[str]) -> dict:
 
 
 def _in_processes(argv: list[str], processes: int, local_devices: int) -> list[dict]:
-    """`python -m serve.bench.load ARGV` in `processes` processes of one group (gloo on localhost), each
+    """`python -m benchmarks.load ARGV` in `processes` processes of one group (gloo on localhost), each
     with `local_devices` CPU devices; the JSON each prints last, in process order."""
-    import os
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices}"}
+    env = child_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}")
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "serve.bench.load", *argv, f"127.0.0.1:{port}", str(processes), str(i)],
+            [sys.executable, "-m", "benchmarks.load", *argv, f"127.0.0.1:{port}", str(processes), str(i)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -223,42 +228,29 @@ def run(args: argparse.Namespace) -> int:
                 measure(directory, args.dtype, args.repeats, args.mesh, args.processes, args.local_devices)
             )
     result = {"bench": "load", "dtype": args.dtype, "environment": environment(), "rows": rows}
-    print_table(
+    # table column -> the row's field (bytes shown as sizes)
+    sizes = {
+        "checkpoint": "checkpoint_bytes",
+        "baseline_rss": "baseline_rss_bytes",
+        "peak_rss": "peak_rss_bytes",
+        "peak-baseline": "peak_over_baseline_bytes",
+        "local_shards": "local_shard_bytes",
+        "read": "io_read_bytes",
+    }
+    table = Table(
         [
             {
-                "format": r["format"],
-                "mesh": r["mesh"] or "-",
-                "processes": r["processes"],
-                "checkpoint": fmt_bytes(r["checkpoint_bytes"]),
-                "load_s": f"{r['load_s']:.2f}",
-                "baseline_rss": fmt_bytes(r["baseline_rss_bytes"]),
-                "peak_rss": fmt_bytes(r["peak_rss_bytes"]),
-                "peak-baseline": fmt_bytes(r["peak_over_baseline_bytes"]),
-                "local_shards": fmt_bytes(r["local_shard_bytes"]),
-                "read": fmt_bytes(r["io_read_bytes"]),
-                "peak/N": f"{r['peak_over_checkpoint']:.3f}",
+                **r,
+                **{column: r[field] for column, field in sizes.items()},
+                "peak/N": r["peak_over_checkpoint"],
                 "ok": "yes" if r["within_limit"] else "NO",
             }
             for r in rows
         ],
-        [
-            "format",
-            "mesh",
-            "processes",
-            "checkpoint",
-            "load_s",
-            "baseline_rss",
-            "peak_rss",
-            "peak-baseline",
-            "local_shards",
-            "read",
-            "peak/N",
-            "ok",
-        ],
-        file=sys.stderr,
+        ["format", "mesh", "processes", *list(sizes)[:1], "load_s", *list(sizes)[1:], "peak/N", "ok"],
+        {"mesh": lambda m: m or "-", "load_s": ".2f", "peak/N": ".3f", **dict.fromkeys(sizes, fmt_bytes)},
     )
-    emit(result, args)
-    return 0
+    return report(result, args, table)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -295,10 +287,10 @@ if __name__ == "__main__":
     if sys.argv[1] == "--child-load":
         out = child_load(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "--child-load-mesh":  # DIR DTYPE MESH COORDINATOR NUM_PROCESSES PROCESS_ID
-        multihost.initialize(sys.argv[5], int(sys.argv[6]), int(sys.argv[7]))
+        multihost.initialize(multihost.MultihostSettings(sys.argv[5], int(sys.argv[6]), int(sys.argv[7])))
         out = child_load(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "--child-make":
         out = child_make(sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5]), int(sys.argv[6]))
     else:
-        raise SystemExit("usage: python -m serve.bench.load --child-load DIR DTYPE | --child-make ...")
+        raise SystemExit("usage: python -m benchmarks.load --child-load DIR DTYPE | --child-make ...")
     print(json.dumps(out))

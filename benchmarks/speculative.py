@@ -37,17 +37,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import Table, report
 from jaxhybrid.tokenizer import ByteTokenizer, load_tokenizer
 from jaxhybrid.train.edits import functions, unchanged_completion, unchanged_prompt
 from jaxhybrid.weights import load_pretrained
-from serve.bench.common import add_model_args, add_out_arg, emit, environment
+from serve.bench.common import add_model_args, add_out_arg, environment, load_bench_model
 from serve.engine.config import EngineShape
 from serve.engine.engine import Engine, EngineConfig, draft_source
 from serve.engine.sampling import SamplingParams
 from serve.engine.speculative import PromptLookup, Speculation
 from serve.engine.warmup import Warmup, WarmupLevel
-from serve.models import load_model
-from serve.report import print_table
 
 REPO = Path(__file__).resolve().parents[2]
 # (file, function) pairs of the `edit-repo` workload, all from this repository
@@ -293,7 +292,7 @@ COLUMNS = [
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model(args)
+    model = load_bench_model(args)
     tokenizer = (
         load_tokenizer(args.model, model.config) if args.model else ByteTokenizer(model.config.vocab_size)
     )
@@ -313,9 +312,7 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
         "environment": environment(),
     }
-    print_table(rows, COLUMNS, file=sys.stderr)
-    emit(result, args)
-    return 0
+    return report(result, args, Table(rows, COLUMNS))
 
 
 def register(sub: argparse._SubParsersAction) -> None:

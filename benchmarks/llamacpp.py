@@ -37,8 +37,8 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.quant import agreed_prefix
 from jaxhybrid.tokenizer import ByteTokenizer
-from serve.bench.quant import agreed_prefix
 
 TOOLS = ("llama-bench", "llama-completion", "llama-quantize")
 BUILD_FLAGS = (

@@ -18,13 +18,14 @@ import sys
 
 import numpy as np
 
+from benchmarks.report import Table, report
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM, held_bytes
-from serve.bench.common import add_out_arg, decode_step, emit, environment
-from serve.bench.throughput import decode_bytes, param_bytes
+from serve.bench.common import add_out_arg, decode_step, environment
 from serve.engine.config import engine_default
 from serve.engine.engine import Engine, EngineConfig
-from serve.report import fmt_bytes, print_table
+from serve.report import fmt_bytes
+from serve.sim.cost import decode_bytes, param_bytes
 
 
 def kda_only(cfg):
@@ -139,26 +140,21 @@ def run(args: argparse.Namespace) -> int:
             if d["variant"] == dense_name and d["context"] == r["context"]
         }
         result["packed_over_dequantized_tokens_per_s"] = speed
-    print_table(
-        [
-            {
-                **r,
-                "step_ms": f"{r['step_ms']:.2f}",
-                "tokens_per_s": f"{r['tokens_per_s']:.1f}",
-                "model": fmt_bytes(r["model_bytes"]),
-                "read/step": fmt_bytes(r["bytes_per_step"]),
-            }
-            for r in rows
-        ],
+    table = Table(
+        [{**r, "model": r["model_bytes"], "read/step": r["bytes_per_step"]} for r in rows],
         ["variant", "context", "batch", "step_ms", "tokens_per_s", "model", "read/step"],
-        file=sys.stderr,
+        {"step_ms": ".2f", "tokens_per_s": ".1f", "model": fmt_bytes, "read/step": fmt_bytes},
     )
-    for name, ratio in ratios.items():
-        print(f"{name}: step time at {contexts[-1]} / at {contexts[0]} = {ratio:.2f}", file=sys.stderr)
-    for ctx, ratio in result.get("packed_over_dequantized_tokens_per_s", {}).items():
-        print(f"packed / dequantized tokens/s at {ctx}: {ratio:.2f}", file=sys.stderr)
-    emit(result, args)
-    return 0
+    return report(
+        result,
+        args,
+        table,
+        *(f"{name}: step time at {contexts[-1]} / at {contexts[0]} = {r:.2f}" for name, r in ratios.items()),
+        *(
+            f"packed / dequantized tokens/s at {ctx}: {r:.2f}"
+            for ctx, r in result.get("packed_over_dequantized_tokens_per_s", {}).items()
+        ),
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 import numpy as np
 
+from benchmarks.report import Table, report
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from serve.bench.common import add_out_arg, decode_step, emit, environment
+from serve.bench.common import add_out_arg, decode_step, environment
 from serve.engine.engine import Engine, EngineConfig
-from serve.report import print_table
 from sharding.mesh import describe, mesh_from_flag
 from sharding.placement import shard_model
 
@@ -80,28 +79,16 @@ def run(args: argparse.Namespace) -> int:
         "environment": environment(),
         "rows": rows,
     }
-    print_table(
-        [
-            {
-                **r,
-                "per_device_fraction": f"{r['per_device_fraction']:.3f}",
-                "step_ms": f"{r['step_ms']:.1f}",
-                "decode_tokens_per_s": f"{r['decode_tokens_per_s']:.1f}",
-            }
-            for r in rows
-        ],
-        [
-            "mesh",
-            "devices",
-            "param_bytes_per_device",
-            "per_device_fraction",
-            "step_ms",
-            "decode_tokens_per_s",
-        ],
-        file=sys.stderr,
-    )
-    emit(result, args)
-    return 0
+    columns = [
+        "mesh",
+        "devices",
+        "param_bytes_per_device",
+        "per_device_fraction",
+        "step_ms",
+        "decode_tokens_per_s",
+    ]
+    formats = {"per_device_fraction": ".3f", "step_ms": ".1f", "decode_tokens_per_s": ".1f"}
+    return report(result, args, Table(rows, columns, formats))
 
 
 def register(sub: argparse._SubParsersAction) -> None:

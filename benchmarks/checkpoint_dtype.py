@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.quant import agreed_prefix
+from benchmarks.report import Table, report
 from jaxhybrid.cache import CHECKPOINT_DTYPES, KDACache, narrowed
 from jaxhybrid.tokenizer import load_tokenizer
-from serve.bench.common import add_model_args, add_out_arg, emit, environment
-from serve.bench.quant import agreed_prefix
+from serve.bench.common import add_model_args, add_out_arg, environment, load_bench_model
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
-from serve.models import load_model
 from serve.prefix.store import PrefixStoreConfig
-from serve.report import print_table
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT_SOURCES = (
@@ -131,7 +129,7 @@ def greedy_resumed(
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model(args)
+    model = load_bench_model(args)
     tokens = windows(model, args)
     t0 = time.perf_counter()
     forced = teacher_forced(model, tokens, args)
@@ -167,35 +165,36 @@ def run(args: argparse.Namespace) -> int:
         "greedy_s": round(time.perf_counter() - t1, 1),
         "environment": environment(),
     }
-    print(
-        f"{result['model']}: resumed after {args.resume} tokens from a {args.checkpoint_dtype} checkpoint, "
-        f"{args.windows} windows x {args.continuation} teacher-forced tokens ({result['text']})",
-        file=sys.stderr,
-    )
-    print_table(
+    drift = Table(
         [
             {
-                "max |dlogp|": f"{forced['max_abs_delta_logprob']:.2e}",
-                "mean |dlogp|": f"{forced['mean_abs_delta_logprob']:.2e}",
-                "p99 |dlogp|": f"{forced['p99_abs_delta_logprob']:.2e}",
-                "d nats/token": f"{forced['delta_nats_per_token']:+.2e}",
-                "top-1 agree": f"{forced['top1_agree']:.4f}",
-                "KL nats": f"{forced['kl']:.2e}",
+                "max |dlogp|": forced["max_abs_delta_logprob"],
+                "mean |dlogp|": forced["mean_abs_delta_logprob"],
+                "p99 |dlogp|": forced["p99_abs_delta_logprob"],
+                "d nats/token": forced["delta_nats_per_token"],
+                "top-1 agree": forced["top1_agree"],
+                "KL nats": forced["kl"],
             }
         ],
         ["max |dlogp|", "mean |dlogp|", "p99 |dlogp|", "d nats/token", "top-1 agree", "KL nats"],
-        file=sys.stderr,
+        {
+            "max |dlogp|": ".2e",
+            "mean |dlogp|": ".2e",
+            "p99 |dlogp|": ".2e",
+            "d nats/token": "+.2e",
+            "top-1 agree": ".4f",
+            "KL nats": ".2e",
+        },
+        title=f"{result['model']}: resumed after {args.resume} tokens from a {args.checkpoint_dtype} "
+        f"checkpoint, {args.windows} windows x {args.continuation} teacher-forced tokens ({result['text']})",
     )
-    for g in greedy:
-        print(
-            f"greedy {args.greedy_tokens} tokens, resumed from a {g['checkpoint_dtype']} prompt-end "
-            f"checkpoint: "
-            f"{g['identical']}/{len(g['agreed_tokens'])} identical; equal before the first difference "
-            f"{g['agreed_tokens']}",
-            file=sys.stderr,
-        )
-    emit(result, args)
-    return 0
+    agreement = (
+        f"greedy {args.greedy_tokens} tokens, resumed from a {g['checkpoint_dtype']} prompt-end checkpoint: "
+        f"{g['identical']}/{len(g['agreed_tokens'])} identical; equal before the first difference "
+        f"{g['agreed_tokens']}"
+        for g in greedy
+    )
+    return report(result, args, drift, *agreement)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

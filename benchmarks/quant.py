@@ -20,16 +20,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import Table, report
 from jaxhybrid.assets import shipped_model_dir
 from jaxhybrid.tokenizer import load_tokenizer
 from jaxhybrid.train import data as D
 from jaxhybrid.train.loop import encode_stream, load_corpus
 from jaxhybrid.train.step import next_token_loss
 from jaxhybrid.weights import load_pretrained, save_hf
-from serve.bench.common import add_out_arg, emit, environment
+from serve.bench.common import add_out_arg, environment
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
-from serve.report import print_table
 
 # The prompts of docs/training.md's table of greedy completions.
 PROMPTS = (
@@ -181,14 +181,15 @@ def run(args: argparse.Namespace) -> int:
             "KL nats": f"{val['kl']:.5f}",
         },
     ]
-    print(f"validation: {val['tokens']} target tokens", file=sys.stderr)
-    print_table(rows, ["model", "nats/token", "delta", "top-1 agree", "KL nats"], file=sys.stderr)
+    parts: list[Table | str] = [
+        f"validation: {val['tokens']} target tokens",
+        Table(rows, ["model", "nats/token", "delta", "top-1 agree", "KL nats"]),
+    ]
     if completions:
-        print(f"greedy, {args.greedy_tokens} tokens: equal before the first difference", file=sys.stderr)
-        table = [{"prompt": repr(c["prompt"]), "agreed": c["agreed_tokens"]} for c in completions]
-        print_table(table, ["prompt", "agreed"], file=sys.stderr)
-    emit(result, args)
-    return 0
+        agreed = [{"prompt": repr(c["prompt"]), "agreed": c["agreed_tokens"]} for c in completions]
+        title = f"greedy, {args.greedy_tokens} tokens: equal before the first difference"
+        parts.append(Table(agreed, ["prompt", "agreed"], title=title))
+    return report(result, args, *parts)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -13,12 +13,12 @@ import argparse
 import sys
 import time
 
+from benchmarks.report import Table, report
 from jaxhybrid.config import ConfigError
-from serve.bench.common import add_model_args, add_out_arg, emit, environment
+from serve.bench.common import add_model_args, add_out_arg, environment, load_bench_model
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
-from serve.models import UsageError, load_model
-from serve.report import print_table
+from serve.models import UsageError
 
 
 def _points(text: str) -> list[tuple[int, int]]:
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--new-tokens must be at least 2 and --prompt-len at least 1")
         if args.config is None and args.model is None:
             args.config = "small"
-        model = load_model(args)
+        model = load_bench_model(args)
     except (UsageError, ConfigError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -94,23 +94,17 @@ def run(args: argparse.Namespace) -> int:
         "one_slot": base,
         "points": rows,
     }
-    print_table(
-        [
-            {
-                "slots": r["slots"],
-                "requests": r["requests"],
-                "step_ms": f"{r['step_ms']:.1f}",
-                "tokens_per_s": f"{r['tokens_per_s']:.1f}",
-                "per_request_vs_1_slot": f"{r['vs_1_slot']:.2f}",
-                "aggregate_vs_1_slot": f"{r['aggregate_vs_1_slot']:.2f}",
-            }
-            for r in rows
-        ],
+    table = Table(
+        [{**r, "per_request_vs_1_slot": r["vs_1_slot"]} for r in rows],
         ["slots", "requests", "step_ms", "tokens_per_s", "per_request_vs_1_slot", "aggregate_vs_1_slot"],
-        file=sys.stderr,
+        {
+            "step_ms": ".1f",
+            "tokens_per_s": ".1f",
+            "per_request_vs_1_slot": ".2f",
+            "aggregate_vs_1_slot": ".2f",
+        },
     )
-    emit(result, args)
-    return 0
+    return report(result, args, table)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
