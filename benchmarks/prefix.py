@@ -422,9 +422,7 @@ def _simulated_row(rep: Replay, sim: Any, args: argparse.Namespace) -> dict[str,
     )
     if args.num_speculative_tokens:
         spec = sim.speculation_stats()
-        row.update(
-            drafted_tokens=spec["drafted"], accepted_tokens=spec["accepted"], verify_windows=spec["windows"]
-        )
+        row.update(drafted_tokens=spec.drafted, accepted_tokens=spec.accepted, verify_windows=spec.windows)
     if args.hbm is not None:
         final_round = rep.served[-1].round
         final = [s for s, r in zip(rep.stats, rep.served, strict=True) if r.round == final_round]

@@ -32,6 +32,7 @@ from jaxhybrid.model import HybridLM
 from jaxhybrid.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
 from serve.bench.common import add_out_arg, compile_watch, environment
 from serve.engine.engine import Engine
+from serve.engine.records import Ledger
 from serve.engine.requests import RequestError
 from serve.http.kv_events import EventPublisher
 from serve.http.threaded import free_port, serving
@@ -131,8 +132,8 @@ class RoutedSim:
         self.wall += longest
         return results
 
-    def ledger(self) -> dict[str, Any]:
-        return merge_ledgers([sim.ledger() for sim in self.sims])
+    def ledger(self) -> Ledger:
+        return Ledger.from_json(merge_ledgers([sim.ledger().to_json() for sim in self.sims]))
 
 
 class RoutedLive:
@@ -216,11 +217,11 @@ class RoutedLive:
 
         return httpx.get(f"{self.url}/route/stats", timeout=10).json()
 
-    def ledger(self) -> dict[str, Any]:
-        return merge_ledgers(self.ledgers())
+    def ledger(self) -> Ledger:
+        return Ledger.from_json(merge_ledgers(self.ledgers()))
 
     def ledgers(self) -> list[dict[str, Any]]:
-        return [app.state.server.loop.call(lambda e: e.ledger()).result() for app in self.apps]
+        return [app.state.server.loop.call(lambda e: e.ledger().to_json()).result() for app in self.apps]
 
 
 class CharTokenizer(Tokenizer):

@@ -193,7 +193,7 @@ class Setup:
     def timed_pass(self) -> None:
         """Serve the requests once more; keep the fastest pass (the machine's other work only slows one)."""
         engine, totals = self.engine, {}
-        engine.speculation = type(engine.speculation)()
+        engine.execution.speculation = type(engine.execution.speculation)()  # this pass's counts only
         with (
             timing(engine.runner, "prefill_rows", totals),
             timing(engine.runner, "decode", totals),
@@ -211,7 +211,7 @@ class Setup:
             "draft_s": totals.get("propose", 0.0),
             "verify_s": totals.get("verify", 0.0),
             "plain_decode_s": totals.get("decode", 0.0),
-            **{f"spec_{k}": v for k, v in engine.speculation_stats().items()},
+            **{f"spec_{k}": v for k, v in engine.speculation_stats().to_json().items()},
         }
         if self.best is None or out["decode_s"] < self.best["decode_s"]:
             self.best = out

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         for prompt in (warm_first, warm_follow, first):  # the same shapes once, so no compile is timed
             engine.generate([prompt], one)
         res = engine.generate([follow], one)[0]
-        ledger = engine.ledger()
+        ledger = engine.ledger().to_json()
         rows.append(
             {
                 "variant": name,

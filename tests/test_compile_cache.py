@@ -177,7 +177,7 @@ def test_tiered_compile_serves_the_full_pass_quick_first_then_optimized(model, m
     assert ((1, 16), executables.Tier.OPTIMIZED, True) in compiles  # the prefill program, in the background
     optimized = ((1, 1), executables.Tier.OPTIMIZED, True)  # the decode step's optimized form, after
     assert compiles.index(optimized) > compiles.index(quick)
-    assert eng.runner.optimized_programs() == {prefill, decode}
+    assert eng.runner.compiles.optimized() == {prefill, decode}
     for p in (prompt, list(range(20, 40))):  # the prefill program now; a prompt of two chunks
         (out,) = eng.generate([p], greedy)
         assert_matches_full_pass(full, p, out.token_ids, out.logprobs)
@@ -206,8 +206,8 @@ def test_one_row_decode_programs_compile_without_xnnpack_fusions_and_others_with
     runner = Runner(model, EngineShape.resolve(SMALL, model.config))
 
     def compiled_text(program):
-        name, run, args = runner._ahead_args(program)
-        return runner._executables.get(program, name, run, args)[0].as_text()
+        name, run, args = runner.compiles._ahead_args(program)
+        return runner.compiles.executables.get(program, name, run, args)[0].as_text()
 
     prefill = ProgramShape(1, SMALL.prefill_chunk, DECODE.width)
     if "__ynn_fusion" not in compiled_text(prefill):  # the oracle: XLA's default fuses here

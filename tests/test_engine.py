@@ -47,7 +47,7 @@ def test_continuous_batching_changes_no_token(model, full_pass):
         assert res.finish_reason == "length" and len(res.token_ids) == GREEDY.max_tokens
         assert_matches_full_pass(full_pass, p, res.token_ids, res.logprobs)
     assert_only_the_store_holds_blocks(eng)
-    assert sorted(eng.free_slots) == [0, 1]
+    assert sorted(eng.scheduler.free_slots) == [0, 1]
 
 
 def test_decode_padding_rows_leave_a_prefilling_request_alone(model, full_pass):
@@ -209,10 +209,20 @@ def test_bad_requests_raise_and_corrupt_nothing(model, full_pass, prompt, params
     good = prompts([20], seed=4)[0]
     rid = eng.add_request(good, GREEDY)
     eng.step()
-    before = (eng.allocator.num_free, list(eng.free_slots), len(eng.waiting), len(eng.running))
+    before = (
+        eng.allocator.num_free,
+        list(eng.scheduler.free_slots),
+        len(eng.scheduler.waiting),
+        len(eng.scheduler.running),
+    )
     with pytest.raises(RequestError, match=match):
         eng.add_request(prompt, params)
-    assert (eng.allocator.num_free, list(eng.free_slots), len(eng.waiting), len(eng.running)) == before
+    assert (
+        eng.allocator.num_free,
+        list(eng.scheduler.free_slots),
+        len(eng.scheduler.waiting),
+        len(eng.scheduler.running),
+    ) == before
     while eng.has_unfinished():
         eng.step()
     res = eng.result(rid)
@@ -226,7 +236,7 @@ def test_abort_frees_slot_and_blocks(model):
     assert eng.allocator.num_used > 0
     eng.abort(rid)
     assert_only_the_store_holds_blocks(eng)
-    assert sorted(eng.free_slots) == [0, 1]
+    assert sorted(eng.scheduler.free_slots) == [0, 1]
     assert eng.result(rid).finish_reason == "abort" and not eng.has_unfinished()
 
 
@@ -234,19 +244,19 @@ def test_memory_account_hand_computed(model):
     cfg = model.config
     eng = Engine(model, EngineConfig(max_slots=2, block_size=8, num_blocks=41, prefill_chunk=32))
     # one block: 8 positions x (kv_lora 32 + rope 8) values x 4 bytes (fp32) x 1 MLA layer
-    assert eng.memory()["block_bytes"] == 8 * 40 * 4 * 1
-    assert eng.memory()["kv_bytes_total"] == 40 * 1280
+    assert eng.memory().block_bytes == 8 * 40 * 4 * 1
+    assert eng.memory().kv_bytes_total == 40 * 1280
     rid = eng.add_request(prompts([20])[0], SamplingParams(max_tokens=30, temperature=0.0))
     eng.step()  # prefill of 20 tokens -> 3 blocks
     mem = eng.memory()
-    assert mem["used_blocks"] == 3 and mem["kv_bytes_used"] == 3 * 1280
-    assert mem["requests"][rid]["kv_bytes"] == 3 * 1280
+    assert mem.used_blocks == 3 and mem.kv_bytes_used == 3 * 1280
+    assert mem.requests[rid].kv_bytes == 3 * 1280
     # KDA state per slot: 3 layers x (2 heads x 16 x 16 fp32 + 3 x 32 channels x 3 taps fp32)
-    assert mem["state_bytes_per_slot"] == 3 * (2 * 16 * 16 * 4 + 3 * 32 * 3 * 4)
-    assert mem["state_bytes_live"] == mem["state_bytes_per_slot"]
+    assert mem.state_bytes_per_slot == 3 * (2 * 16 * 16 * 4 + 3 * 32 * 3 * 4)
+    assert mem.state_bytes_live == mem.state_bytes_per_slot
     # a memory budget sizes the pool
     by_budget = Engine(model, EngineConfig(max_slots=2, block_size=8, kv_memory_bytes=10 * 1280 + 5))
-    assert by_budget.memory()["num_blocks"] == 9  # 10 blocks, one is the scratch block
+    assert by_budget.memory().num_blocks == 9  # 10 blocks, one is the scratch block
     del cfg
 
 

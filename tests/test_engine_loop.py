@@ -147,7 +147,14 @@ def test_a_request_that_fails_fails_alone(running, model, monkeypatch):
         assert got[rid][-1].finish_reason == "length" and got[rid][-1].error is None
         assert tokens_of(got[rid]) == serve_alone(model, prompts[rid])
     assert loop.health() is None and loop.step_failures == 0
-    state = loop.call(lambda e: (len(e.running), len(e.free_slots), e.allocator.num_used, len(e.requests)))
+    state = loop.call(
+        lambda e: (
+            len(e.scheduler.running),
+            len(e.scheduler.free_slots),
+            e.allocator.num_used,
+            len(e.requests),
+        )
+    )
     running_n, free, used, held = state.result(10)
     assert running_n == 0 and free == 2 and held == 0
     assert used == len(engine.store.held_blocks)  # no block leaked by the failed request
@@ -269,7 +276,7 @@ def test_a_held_disk_read_makes_the_loop_wait_not_spin(model, tmp_path, monkeypa
         for rid, prompt in (("x", x), ("y", y)):
             assert loop.submit(prompt, GREEDY, rid, None, col.sink(rid)).result(10) == rid
         deadline = time.monotonic() + 60
-        while loop.call(lambda e: e.ledger()["disk_loading"]).result(10) < 2:
+        while loop.call(lambda e: e.ledger().disk_loading).result(10) < 2:
             assert time.monotonic() < deadline, "the reads never started"
             time.sleep(0.01)
         before = steps()
@@ -284,7 +291,7 @@ def test_a_held_disk_read_makes_the_loop_wait_not_spin(model, tmp_path, monkeypa
         for _ in range(5):
             time.sleep(0.05)
             assert steps() == before
-        assert loop.call(lambda e: e.ledger()["disk_loading"]).result(10) == 1  # y still waits for its read
+        assert loop.call(lambda e: e.ledger().disk_loading).result(10) == 1  # y still waits for its read
         release.set()
         got = col.events("y")
     finally:

@@ -70,15 +70,15 @@ def test_live_ledger_matches_the_analytic_report():
 
     ledger, memory = engine.ledger(), engine.memory()
     report = memory_report(cfg, context, interval, jnp.dtype(kv_dtype))
-    assert ledger["live_kv_bytes"] == memory["requests"][rid]["kv_bytes"] == 12 * block_bytes
-    assert ledger["live_state_bytes"] == memory["state_bytes_live"] == slot_bytes
-    assert ledger["checkpoints"]["device"] == len(checkpoints) == report["num_checkpoints"] == 3
+    assert ledger.live_kv_bytes == memory.requests[rid].kv_bytes == 12 * block_bytes
+    assert ledger.live_state_bytes == memory.state_bytes_live == slot_bytes
+    assert ledger.prefix["checkpoints"]["device"] == len(checkpoints) == report["num_checkpoints"] == 3
     assert sorted(ck.position for ck in checkpoints) == [64, 128, 192]
-    assert ledger["checkpoint_bytes"]["device"] == held
+    assert ledger.prefix["checkpoint_bytes"]["device"] == held
     for measured, analytic in (
-        (ledger["live_kv_bytes"], report["kv_bytes"]),
-        (ledger["live_state_bytes"], report["state_bytes"]),
-        (ledger["checkpoint_bytes"]["device"], report["checkpoint_bytes"]),
+        (ledger.live_kv_bytes, report["kv_bytes"]),
+        (ledger.live_state_bytes, report["state_bytes"]),
+        (ledger.prefix["checkpoint_bytes"]["device"], report["checkpoint_bytes"]),
     ):
         assert measured == pytest.approx(analytic, rel=0.01)
 
@@ -88,7 +88,7 @@ def test_live_ledger_matches_the_analytic_report():
         engine.step()
     n = req.num_computed
     assert n == context + 2
-    kv_now = engine.ledger()["live_kv_bytes"]
+    kv_now = engine.ledger().live_kv_bytes
     assert kv_now == -(-n // bs) * block_bytes
     assert kv_now == memory_report(cfg, -(-n // bs) * bs, interval, jnp.dtype(kv_dtype))["kv_bytes"]
 
@@ -113,7 +113,7 @@ def test_chat_ledger_by_kind_matches_a_real_engine():
         prompt = prompt + res.token_ids
 
     report = chat_report(cfg, chat, policy, jnp.float32)
-    ledger = engine.ledger()
+    ledger = engine.ledger().to_json()
     checkpoints = list(engine.store.checkpoints)
     assert {ck.position: ck.kind for ck in checkpoints} == chat_checkpoints(chat, policy)
     assert report["checkpoints_by_kind"] == {"interval": 3, "prompt_end": 2, "sequence_end": 2, "junction": 0}
@@ -144,6 +144,6 @@ def test_bf16_pools_match_the_analytic_split():
     )
     block_bytes, slot_bytes = _pool_bytes(engine)
     report = memory_report(cfg, bs, None, jnp.bfloat16)
-    assert engine.block_bytes == block_bytes == report["kv_bytes"] == 1 * bs * (32 + 8) * 2
-    assert engine.state_bytes_per_slot == slot_bytes == report["state_bytes"]
+    assert engine.shape.block_bytes == block_bytes == report["kv_bytes"] == 1 * bs * (32 + 8) * 2
+    assert engine.shape.state_bytes == slot_bytes == report["state_bytes"]
     assert report["state_bytes"] == 3 * (2 * 16 * 16 * 4 + 3 * 32 * 3 * 2)  # fp32 recurrent, bf16 conv

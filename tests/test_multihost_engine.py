@@ -315,7 +315,7 @@ def test_when_a_peer_dies_the_survivor_reports_it_and_exits(tmp_path, compile_ca
 def test_a_follower_replaying_the_log_keeps_the_leaders_engine_state():
     """In one process: a second engine fed only the leader's broadcast messages (adds with the seed the
     leader resolved, aborts, forgets) takes the leader's decisions step by step, sampled requests too."""
-    from serve.engine.replicated import ReplicatedEngine
+    from serve.engine.replicated import ReplicatedEngine, StepLog
 
     engine, follower_engine = (
         Engine(HybridLM(load_config("tiny"), rngs=nnx.Rngs(0)), EngineConfig(**ENGINE, prefix=None))
@@ -325,8 +325,10 @@ def test_a_follower_replaying_the_log_keeps_the_leaders_engine_state():
     follower.is_leader = False
     sent: list[dict] = []
     exchange = leader._exchange
-    leader._exchange = lambda: sent.append(json.loads(json.dumps(exchange()))) or sent[-1]
-    follower._exchange = lambda: sent[-1]
+    leader._exchange = lambda: StepLog.from_json(
+        sent.append(json.loads(json.dumps(exchange().to_json()))) or sent[-1]
+    )
+    follower._exchange = lambda: StepLog.from_json(sent[-1])
     rng = np.random.default_rng(2)
     sampled = SamplingParams(max_tokens=5, temperature=0.8, top_k=20, ignore_eos=True)  # engine-drawn seed
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -335,13 +337,13 @@ def test_a_follower_replaying_the_log_keeps_the_leaders_engine_state():
             leader.add_request(rng.integers(3, 512, 21).tolist(), sampled)
             leader.add_request(rng.integers(3, 512, 6).tolist(), greedy)
         if step == 3:
-            leader.abort(next(iter(engine.running)).id)
+            leader.abort(next(iter(engine.scheduler.running)).id)
         for out in leader.step():
             if out.finished:
                 leader.forget(out.request_id)
         follower.step()
-        assert [(r.id, r.num_computed, r.generated) for r in engine.running] == [
-            (r.id, r.num_computed, r.generated) for r in follower_engine.running
+        assert [(r.id, r.num_computed, r.generated) for r in engine.scheduler.running] == [
+            (r.id, r.num_computed, r.generated) for r in follower_engine.scheduler.running
         ]
         if not leader.has_unfinished():
             break

@@ -63,7 +63,7 @@ def test_metrics_gauge_reports_the_model_bytes(checkpoint):
     with uvicorn_thread(app) as url:
         text = httpx.get(f"{url}/metrics", timeout=60).text
     (value,) = re.findall(r"^jaxhybrid_model_bytes (\S+)$", text, re.M)
-    assert float(value) == held_bytes(model) == engine.memory()["model_bytes"]
+    assert float(value) == held_bytes(model) == engine.memory().model_bytes
 
 
 def test_fingerprint_covers_the_packed_bytes(checkpoint):

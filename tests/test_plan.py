@@ -79,7 +79,7 @@ def test_plan_bytes_are_what_each_device_holds(planner):
 
     # CONTEXT // 16 interval checkpoints per sequence, each one slot's states as `take` leaves them
     assert plan.checkpoints_per_device == plan.slots * (CONTEXT // 16)
-    taken, _ = engine.runner.take(0, SCRATCH_BLOCK)
+    taken, _ = engine.runner.copies.take(0, SCRATCH_BLOCK)
     one = plan.bytes.checkpoints // plan.checkpoints_per_device
     assert set(per_device(taken).values()) == {one}
     assert plan.device_cache_bytes == plan.checkpoints_per_device * engine.shape.state_bytes

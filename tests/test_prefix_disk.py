@@ -82,7 +82,7 @@ def test_restart_serves_hits_from_disk_with_identical_output(model, full_pass, t
     a = engine(model, cfg)
     a.generate(prompts, greedy())
     a.flush()
-    la = a.ledger()
+    la = a.ledger().to_json()
     assert la["disk_pending"] == 0 and la["disk_save_errors"] == 0
     # write-through: everything the memory tiers got is on disk, each with the KV of its whole prefix
     assert la["checkpoints"]["disk"] == la["saves"] == la["disk_saves"] > 0
@@ -100,7 +100,7 @@ def test_restart_serves_hits_from_disk_with_identical_output(model, full_pass, t
     assert sum(v["disk"] for v in nbytes.values()) == la["checkpoint_bytes"]["disk"]
 
     b = engine(model, cfg)  # a restart: nothing in memory, the store directory indexed
-    lb = b.ledger()
+    lb = b.ledger().to_json()
     assert lb["checkpoints"] == {"device": 0, "host": 0, "disk": la["checkpoints"]["disk"]}
     assert per_tier(lb, "disk") == kinds and lb["checkpoint_bytes_by_kind"] == {
         k: {**v, "device": 0} for k, v in nbytes.items()
@@ -112,12 +112,12 @@ def test_restart_serves_hits_from_disk_with_identical_output(model, full_pass, t
     assert [(r.stats["prefix_hit_tokens"], r.stats["recomputed_tokens"]) for r in got] == [
         (len(p), 0) for p in prompts
     ]
-    lb = b.ledger()
+    lb = b.ledger().to_json()
     assert lb["disk_restores"] == 3 and lb["disk_restore_errors"] == 0 and lb["disk_restore_time_s"] > 0
     # a disk hit is promoted to memory (and its blocks to the pool): the next hit reads nothing from disk
     got = b.generate(again, greedy())
     assert [r.stats["prefix_hit_tokens"] for r in got] == [len(p) for p in prompts]
-    assert b.ledger()["disk_restores"] == 3 and b.ledger()["restores"] == 6
+    assert b.ledger().prefix["disk_restores"] == 3 and b.ledger().prefix["restores"] == 6
 
 
 def test_a_save_is_visible_only_after_it_completed_and_decoding_does_not_wait(model, tmp_path, monkeypatch):
@@ -135,21 +135,23 @@ def test_a_save_is_visible_only_after_it_completed_and_decoding_does_not_wait(mo
     a = engine(model, cfg)
     try:
         a.generate(prompts, greedy())  # finishes while every save is blocked
-        ledger = a.ledger()
+        ledger = a.ledger().to_json()
         assert ledger["checkpoints"]["disk"] == 0 and ledger["disk_pending"] == 2
         assert ledger["disk_skipped"] == 1 and ledger["disk_pending_bytes"] > 0
         a.step()  # polls: still nothing finished
-        assert a.ledger()["checkpoints"]["disk"] == 0
-        assert engine(model, cfg).ledger()["checkpoints"]["disk"] == 0  # nothing committed for a restart
+        assert a.ledger().prefix["checkpoints"]["disk"] == 0
+        assert (
+            engine(model, cfg).ledger().prefix["checkpoints"]["disk"] == 0
+        )  # nothing committed for a restart
         # the same prompt now: no disk hit (invisible), but the memory tier has it
         r = a.generate([prompts[0] + [5, 6]], greedy(1))[0]
-        assert r.stats["prefix_hit_tokens"] == len(prompts[0]) and a.ledger()["disk_restores"] == 0
+        assert r.stats["prefix_hit_tokens"] == len(prompts[0]) and a.ledger().prefix["disk_restores"] == 0
     finally:
         release.set()
     a.flush()
-    ledger = a.ledger()
+    ledger = a.ledger().to_json()
     assert ledger["disk_pending"] == 0 and ledger["checkpoints"]["disk"] == ledger["disk_saves"] >= 2
-    assert engine(model, cfg).ledger()["checkpoints"]["disk"] == ledger["checkpoints"]["disk"]
+    assert engine(model, cfg).ledger().prefix["checkpoints"]["disk"] == ledger["checkpoints"]["disk"]
 
 
 def test_crash_leftovers_are_ignored_and_everything_else_hits(model, full_pass, tmp_path):
@@ -191,7 +193,7 @@ def test_crash_leftovers_are_ignored_and_everything_else_hits(model, full_pass, 
     (found[35].parent / "stray.txt").write_text("x")
 
     b = engine(model, cfg)
-    ledger = b.ledger()
+    ledger = b.ledger().to_json()
     assert ledger["checkpoints"]["disk"] == 2 and ledger["disk_ignored"] == 6  # 30 and 35 indexed
     # the leftovers are collected at open: a crash-looping server does not grow the directory
     left = sorted(p.name for p in found[35].parent.iterdir())
@@ -201,7 +203,7 @@ def test_crash_leftovers_are_ignored_and_everything_else_hits(model, full_pass, 
     for prompt, res in zip(extended, got, strict=True):  # resumed from states read back from disk
         assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
     assert [r.stats["prefix_hit_tokens"] for r in got] == [0, 0, 0, 0, 35]
-    ledger = b.ledger()
+    ledger = b.ledger().to_json()
     assert ledger["disk_restores"] == 1 and ledger["disk_restore_errors"] == 1
     # serving the damaged prompts again writes them anew over the leftovers
     b.generate(prompts[:4], greedy())
@@ -219,11 +221,11 @@ def test_other_models_and_layouts_never_match(model, tmp_path):
     a.flush()
     other = HybridLM(load_config("tiny"), rngs=nnx.Rngs(1), dtype=jnp.float32)  # other weights
     b = engine(other, cfg)
-    assert b.ledger()["checkpoints"]["disk"] == 0
+    assert b.ledger().prefix["checkpoints"]["disk"] == 0
     got = b.generate([prompt + [7, 8]], greedy())[0]
     assert got.stats["prefix_hit_tokens"] == 0
     assert got.token_ids == engine(other, None).generate([prompt + [7, 8]], greedy())[0].token_ids
-    shape = dict(block_size=BS, block_bytes=a.block_bytes, state_bytes=a.state_bytes_per_slot)
+    shape = dict(block_size=BS, block_bytes=a.shape.block_bytes, state_bytes=a.shape.state_bytes)
 
     def store(layout):
         fp = a.store.fingerprint
@@ -253,14 +255,14 @@ def test_budgets_demote_then_drop_and_disk_keeps_serving(model, tmp_path):
         got = eng.generate(chats, greedy())
         assert ids(got) == ids(ref.generate(chats, greedy()))
         eng.flush()
-        ledger = eng.ledger()
+        ledger = eng.ledger().to_json()
         assert ledger["checkpoint_bytes"]["device"] <= cfg.device_bytes
         assert ledger["checkpoint_bytes"]["host"] <= cfg.host_bytes
         assert ledger["checkpoint_bytes"]["disk"] <= disk_bytes
         on_disk = sum(p.stat().st_size for p in Path(tmp_path).rglob("*") if p.is_file() and p.name != LOCK)
         assert on_disk == ledger["checkpoint_bytes"]["disk"]  # dropped entries are gone from the disk
         chats = [c + tokens(rng, 6) for c in chats]
-    ledger = eng.ledger()
+    ledger = eng.ledger().to_json()
     assert ledger["demotions"] > 0 and ledger["dropped_checkpoints"] > 0 and ledger["disk_dropped"] > 0
     assert ledger["disk_restores"] > 0  # dropped from memory, served from disk
 
@@ -322,7 +324,7 @@ def test_a_full_disk_stops_writing_warns_once_and_keeps_serving(model, tmp_path,
         eng.generate([tokens(rng, 23)], greedy())  # within the retry delay: not even tried
         eng.flush()
     assert ids(got) == ids(engine(model, None).generate(prompts, greedy()))
-    ledger = eng.ledger()
+    ledger = eng.ledger().to_json()
     assert ledger["checkpoints"]["disk"] == 0 and ledger["disk_full"] >= 1 and ledger["disk_skipped"] >= 1
     assert len([r for r in caplog.records if "disk is full" in r.message]) == 1
     assert [p.name for p in eng.store.disk.dir.iterdir()] == [LOCK]  # no half-written save left behind
@@ -332,7 +334,7 @@ def test_a_full_disk_stops_writing_warns_once_and_keeps_serving(model, tmp_path,
     monkeypatch.setattr(eng.store.disk.space, "until", 0.0)  # the retry delay is over, space is back
     eng.generate([tokens(rng, 21)], greedy())
     eng.flush()
-    assert eng.ledger()["checkpoints"]["disk"] == 1
+    assert eng.ledger().prefix["checkpoints"]["disk"] == 1
 
 
 def test_a_request_waiting_for_its_prefix_from_disk_stalls_nobody(model, tmp_path, monkeypatch):
@@ -351,7 +353,7 @@ def test_a_request_waiting_for_its_prefix_from_disk_stalls_nobody(model, tmp_pat
     for _ in range(12):  # the other request is served to the end while the read is blocked
         b.step()
     assert b.requests[busy].finish_reason == "length" and b.requests[waiting].generated == []
-    assert b.ledger()["disk_loading"] == 1
+    assert b.ledger().disk_loading == 1
     release.set()
     deadline = time.monotonic() + 60
     while b.has_unfinished():
@@ -389,11 +391,11 @@ def test_a_transient_error_keeps_the_entry_and_it_is_retried(model, tmp_path, mo
     monkeypatch.setattr(pd, "RETRY_S", 0.0, raising=False)
     with caplog.at_level(logging.WARNING, logger="jaxhybrid.prefix"):
         b = engine(model, cfg)
-    assert b.ledger()["checkpoints"]["disk"] == 1 and (target / MANIFEST).exists()
+    assert b.ledger().prefix["checkpoints"]["disk"] == 1 and (target / MANIFEST).exists()
     assert any("will retry" in r.getMessage() for r in caplog.records)
     monkeypatch.setattr(Path, "read_text", read_text)  # the disk is back
     b.store.poll()
-    assert b.ledger()["checkpoints"]["disk"] == 2
+    assert b.ledger().prefix["checkpoints"]["disk"] == 2
     # a read that fails with EIO: served from scratch, the entry stays and serves the next request
     read_arrays = DiskReads._read
     failures = []
@@ -408,7 +410,7 @@ def test_a_transient_error_keeps_the_entry_and_it_is_retried(model, tmp_path, mo
     extended = prompts[0] + tokens(rng, 3)
     first = b.generate([extended], greedy(2))[0]
     assert failures == [17] and first.stats["prefix_hit_tokens"] == 0
-    assert b.ledger()["checkpoints"]["disk"] == 2 and (target / MANIFEST).exists()
+    assert b.ledger().prefix["checkpoints"]["disk"] == 2 and (target / MANIFEST).exists()
     again = b.generate([extended], greedy(2))[0]
     assert again.token_ids == first.token_ids
     b.close()
@@ -463,7 +465,7 @@ def test_a_request_reading_its_prefix_counts_as_waiting_and_an_abort_ends_it_at_
     b = engine(model, cfg)
     rid = b.add_request(stored + [9, 10], greedy())
     b.step()
-    assert b.ledger()["disk_loading"] == 1 and b.queue_state().waiting == 1
+    assert b.ledger().disk_loading == 1 and b.queue_state().waiting == 1
     b.abort(rid)
     assert not b.has_unfinished() and b.queue_state().waiting == 0
     release.set()
@@ -472,7 +474,7 @@ def test_a_request_reading_its_prefix_counts_as_waiting_and_an_abort_ends_it_at_
         assert time.monotonic() < deadline, "the abandoned read is never finished"
         b.step()
         time.sleep(0.01)
-    assert b.ledger()["checkpoints"]["disk"] == 1
+    assert b.ledger().prefix["checkpoints"]["disk"] == 1
     b.close()
 
 
@@ -497,7 +499,7 @@ def test_a_request_that_preempts_itself_at_admission_keeps_its_disk_read(model, 
     monkeypatch.setattr(DiskReads, "_read", counting)
     b = engine(model, cfg, num_blocks=20)  # 19 usable blocks
     b.generate([stored[:16] + tokens(rng, 5)], greedy(1))  # caches the stored prompt's first 2 blocks
-    assert b.ledger()["cached_kv_blocks"] == 2 and reads == []
+    assert b.ledger().prefix["cached_kv_blocks"] == 2 and reads == []
     holder = tokens(rng, 16 * BS + 1)
     h = b.add_request(holder, greedy(7))  # 17 blocks, the rest of the pool, for as long as it runs
     while b.requests[h].pending > 1:
@@ -505,14 +507,14 @@ def test_a_request_that_preempts_itself_at_admission_keeps_its_disk_read(model, 
     x = b.add_request(stored + [9, 10], greedy())
     b.step()  # a disk hit: its read starts
     deadline = time.monotonic() + 60
-    while not (events := b.observe())["loaded"]:
+    while not (events := b.observe()).loaded:
         assert time.monotonic() < deadline, "the read never ends"
         time.sleep(0.01)
     b.step(events)  # read: admitted, it needs 2 blocks beyond the 2 cached ones it pins, and none is free
     assert b.requests[x].preemptions == 1 and b.requests[h].running and reads == [29]
     while b.has_unfinished():
         b.step()
-    assert reads == [29] and b.ledger()["disk_restores"] == 1
+    assert reads == [29] and b.ledger().prefix["disk_restores"] == 1
     got = [b.result(h).token_ids, b.result(x).token_ids]
     assert b.result(x).stats["prefix_hit_tokens"] == len(stored)
     ref = engine(model, None, num_blocks=20).generate([holder, stored + [9, 10]], [greedy(7), greedy()])

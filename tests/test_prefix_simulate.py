@@ -113,7 +113,7 @@ def test_the_simulator_agrees_with_the_engine_when_requests_speculate(model):
     assert engine.answers == plain.answers
     counts = engine.engine.speculation_stats()
     assert sim_engine.speculation_stats() == counts
-    assert 0 < counts["accepted"] < counts["drafted"]
+    assert 0 < counts.accepted < counts.drafted
 
 
 def fail_at(store, prompt, position):

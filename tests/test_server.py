@@ -42,13 +42,13 @@ class Served:
     def engine_state(self) -> dict:
         def take(e):
             return {
-                "running": len(e.running),
-                "waiting": len(e.waiting),
-                "free_slots": len(e.free_slots),
+                "running": len(e.scheduler.running),
+                "waiting": len(e.scheduler.waiting),
+                "free_slots": len(e.scheduler.free_slots),
                 "used_blocks": e.allocator.num_used,
                 "store_blocks": len(set(e.store.held_blocks)) if e.store is not None else 0,
-                "live_kv_bytes": e.ledger()["live_kv_bytes"],
-                "live_requests": len(e.memory()["requests"]),
+                "live_kv_bytes": e.ledger().live_kv_bytes,
+                "live_requests": len(e.memory().requests),
                 "steps": e.steps,
                 "requests": len(e.requests),
             }

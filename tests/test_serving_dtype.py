@@ -146,9 +146,9 @@ def test_info_of_a_model_directory_counts_what_serve_holds_and_allocates(bf16_di
     engine = Engine(model, EngineConfig(max_slots=1, max_model_len=context, prefix=None))
     try:
         memory = engine.memory()
-        assert info["model"]["held_bytes"] == memory["model_bytes"]
-        assert info["cache_per_sequence"]["kv_bytes"] == memory["kv_bytes_total"]
-        assert info["cache_per_sequence"]["state_bytes"] == memory["state_bytes_per_slot"]
+        assert info["model"]["held_bytes"] == memory.model_bytes
+        assert info["cache_per_sequence"]["kv_bytes"] == memory.kv_bytes_total
+        assert info["cache_per_sequence"]["state_bytes"] == memory.state_bytes_per_slot
     finally:
         engine.close()
     assert main(["info", "--model", str(bf16_dir)]) == 0

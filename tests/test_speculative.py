@@ -319,7 +319,7 @@ def test_a_row_drafts_again_after_a_window_that_missed(model):
 
     eng = priced_engine(model, MissOnce([p + want]), verify_cost=1.6)
     assert eng.generate([p], greedy(40))[0].token_ids == want
-    assert eng.speculation.windows >= 6
+    assert eng.speculation_stats().windows >= 6
 
 
 def test_step_costs_verify_only_what_pays():
@@ -417,7 +417,7 @@ def test_drafts_that_do_not_pay_are_not_verified(model):
 
     eng = priced_engine(model, drafter, verify_cost=3.0)
     assert eng.generate([p], greedy(40))[0].token_ids == want
-    assert 2 <= eng.speculation.windows <= 4 < drafter.proposed
+    assert 2 <= eng.speculation_stats().windows <= 4 < drafter.proposed
 
 
 def test_a_step_that_compiled_a_program_does_not_count_as_what_verifying_costs(model):
@@ -447,7 +447,8 @@ def test_a_step_that_compiled_a_program_does_not_count_as_what_verifying_costs(m
     widths = {x.width for x in runner.compiled_programs() if x.verify}
     assert len(widths) >= 2  # a verify program compiled after the first one (counted before the fix)
     # every draft stands (k = 4): about 110 / 5 windows; with the compile counted, speculation stopped there
-    assert eng.speculation.windows >= 18 and eng.speculation.accepted == eng.speculation.drafted
+    spec = eng.speculation_stats()
+    assert spec.windows >= 18 and spec.accepted == spec.drafted
 
 
 def test_a_draft_model_compiling_does_not_count_as_what_verifying_costs(model):
@@ -490,7 +491,8 @@ def test_a_draft_model_compiling_does_not_count_as_what_verifying_costs(model):
     assert charged[0] >= 2  # the draft ran a program for the first time after its first drafting
     # every draft stands (the model drafts for itself): about 110 / 5 windows; with a compile counted,
     # speculation stopped there
-    assert eng.speculation.windows >= 18 and eng.speculation.accepted == eng.speculation.drafted
+    spec = eng.speculation_stats()
+    assert spec.windows >= 18 and spec.accepted == spec.drafted
 
 
 def priced_draft_engine(model, per_token):
@@ -538,7 +540,7 @@ def test_a_draft_model_drafts_only_what_pays_for_its_steps(model, per_token, lea
     eng, now, lengths = priced_draft_engine(model, per_token)
     out = eng.generate([p], greedy(110, spec=Speculation(DraftMethod.DRAFT, 4)))[0]
     assert out.token_ids == want
-    assert 110 / now[0] >= least and windows[0] <= eng.speculation.windows <= windows[1]
+    assert 110 / now[0] >= least and windows[0] <= eng.speculation_stats().windows <= windows[1]
     assert set(lengths) <= set(draft_lengths(4))
 
 
@@ -560,7 +562,7 @@ def test_replicated_engines_plan_alike_whatever_their_clocks_say(model):
         eng = Engine(model, config, drafter=Continuations([p + want], wrong=3), clock=clock)
         eng.step_costs.lockstep()
         assert eng.generate([p], greedy(80))[0].token_ids == want
-        runs.append(dataclasses.astuple(eng.speculation))
+        runs.append(dataclasses.astuple(eng.speculation_stats()))
     assert runs[0] == runs[1] and runs[0][0] > 0
 
 
@@ -583,7 +585,7 @@ def test_the_warm_up_compiles_the_verify_programs_a_step_then_finds(model):
         eng.compile_program(x)
     before = eng.compiled_programs()
     assert eng.generate([p], greedy(12, None))[0].token_ids == want[0].token_ids
-    assert eng.speculation.windows > 0 and eng.compiled_programs() == before
+    assert eng.speculation_stats().windows > 0 and eng.compiled_programs() == before
 
 
 def test_settings_are_checked():
@@ -625,7 +627,7 @@ def test_greedy_tokens_and_logprobs_are_those_without_speculation(model, full_pa
     for p, a, b in zip(ps, off, on, strict=True):
         assert b.token_ids == a.token_ids
         assert_matches_full_pass(full_pass, p, b.token_ids, b.logprobs)
-    counts = on_engine.speculation
+    counts = on_engine.speculation_stats()
     assert counts.drafted == verified[0] > 0
     assert (counts.accepted == counts.drafted) == (wrong == 0) and counts.accepted > 0
     assert on_engine.steps < off_engine.steps
@@ -662,7 +664,7 @@ def test_a_draft_model_changes_no_token(model, full_pass):
         cfg = draft.config
         pools = 4 * kda_state_bytes(cfg, jnp.float32)["total"]
         pools += eng.shape.num_blocks * mla_kv_bytes(cfg, 8, jnp.float32)
-        assert eng.memory()["draft_model_bytes"] == held_bytes(draft) + pools
+        assert eng.memory().draft_model_bytes == held_bytes(draft) + pools
         if draft is model and num_blocks is None:
             assert stats["accepted_tokens"] == stats["drafted_tokens"] >= 12  # 19 tokens in windows of 5
         if num_blocks:
@@ -690,7 +692,7 @@ def test_prompt_lookup_drafts_change_no_token(model, full_pass):
     assert [r.token_ids for r in on] == [r.token_ids for r in off]
     for p, r in zip(ps, on, strict=True):
         assert_matches_full_pass(full_pass, p, r.token_ids, r.logprobs)
-    assert eng.speculation.drafted > 0
+    assert eng.speculation_stats().drafted > 0
 
 
 def test_a_stop_token_ends_a_request_where_it_would_have(model):
@@ -703,7 +705,7 @@ def test_a_stop_token_ends_a_request_where_it_would_have(model):
     eng = engine(model, Continuations([p + reference]))
     got = eng.generate([p], greedy(16, stop_token_ids=(stop,)))[0]
     assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
-    assert eng.speculation.drafted > 0
+    assert eng.speculation_stats().drafted > 0
 
 
 def test_abort_and_preemption_inside_speculation(model, full_pass):
@@ -756,7 +758,8 @@ def test_sampled_tokens_keep_the_model_distribution(model, full_pass):
         for s in range(n)
     ]
     got = np.asarray([r.token_ids for r in eng.generate([p] * n, params)])
-    assert eng.speculation.accepted > 0 and eng.speculation.accepted < eng.speculation.drafted
+    spec = eng.speculation_stats()
+    assert spec.accepted > 0 and spec.accepted < spec.drafted
     first = filtered_probs(p)
     marginal2, marginal3 = np.zeros(VOCAB), np.zeros(VOCAB)
     for t1 in np.flatnonzero(first):
@@ -855,7 +858,7 @@ def test_speculation_on_equals_off_with_the_store(
         for p, r, w in zip(ps, on.generate(ps, greedy(10)), want, strict=True):
             assert_same_greedy_tokens(full_pass, p, r.token_ids, w)
         sequences += drafter.sequences
-    assert on.speculation.drafted > 0
+    assert on.speculation_stats().drafted > 0
 
 
 # --- what drafting is expected to give, and when to try again ------------------------------------------
@@ -888,10 +891,10 @@ def test_a_new_row_expects_what_the_engine_saw_drafts_do(model):
     want = engine(model).generate([p], greedy(40, spec=None))[0].token_ids
     eng = priced_engine(model, Continuations([p + want], wrong=1), verify_cost=3.0)
     assert eng.generate([p], greedy(40))[0].token_ids == want
-    first = eng.speculation.windows
+    first = eng.speculation_stats().windows
     assert first >= 1
     assert eng.generate([p], greedy(40))[0].token_ids == want
-    assert eng.speculation.windows == first
+    assert eng.speculation_stats().windows == first
 
 
 def test_retries_back_off_while_drafts_never_pay():
@@ -922,7 +925,7 @@ def test_a_row_whose_drafts_never_stand_soon_stops_drafting(model):
     want = engine(model).generate([p], greedy(96, spec=None))[0].token_ids
     eng = priced_engine(model, Continuations([p + want], wrong=1), verify_cost=1.6)
     assert eng.generate([p], greedy(96))[0].token_ids == want
-    assert 1 <= eng.speculation.windows <= 4
+    assert 1 <= eng.speculation_stats().windows <= 4
 
 
 def test_drafts_must_pay_by_a_margin_and_one_slow_step_moves_no_estimate():
@@ -954,7 +957,7 @@ def test_a_row_learns_that_its_drafts_stand_again_without_verifying_them(model):
     eng = priced_engine(model, WrongAtFirst([p + want]), verify_cost=2.0)
     assert eng.generate([p], greedy(80))[0].token_ids == want
     # verifying again within 16 tokens of the drafts' standing: of the last 48 tokens, 4 of each 5 drafted
-    assert eng.speculation.accepted >= 36
+    assert eng.speculation_stats().accepted >= 36
 
 
 @settings(max_examples=200, deadline=None)

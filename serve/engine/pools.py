@@ -1,19 +1,20 @@
 """What an engine holds on its devices: the KV block allocator, the runner (cache pools and compiled model
-programs) and the prefix store wired to both; compiling programs ahead of use, rebuilding the pools after a
-program call that consumed them, and the bytes they hold. The engine's step loop uses these; this keeps
-them and their account."""
+programs) and the prefix store wired to both; compiling programs ahead of use, and rebuilding the pools
+after a program call that consumed them. `EnginePools.build` makes them for the engine and the simulator
+alike; the engine's step loop uses them."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from jaxhybrid.model import HybridLM
 from serve.engine.blocks import BlockAllocator
 from serve.engine.config import EngineShape, ProgramShape
-from serve.engine.requests import Request
-from serve.engine.runner import Runner
+from serve.engine.executables import Tier
+from serve.engine.runner import Runner, StepRunner
 from serve.prefix.fingerprint import model_fingerprint
 from serve.prefix.store import PrefixStore, PrefixStoreConfig
 from sharding.multihost import Peers
@@ -42,33 +43,52 @@ def disk_layout(shape: EngineShape) -> str:
 
 
 class EnginePools:
-    """See the module doc. `mesh`: the mesh the model is sharded over (the pools are laid out on it)."""
+    """See the module doc. `runner`: a `Runner`, or one with its step interface and no model (the
+    simulator's, `serve.sim.runner`); `build` makes the allocator and the store around it."""
 
-    def __init__(self, shape: EngineShape, allocator: BlockAllocator, runner: Any, store: PrefixStore | None):
-        """`runner`: a `Runner`, or one with its step interface and no model (`serve.sim.runner`)."""
+    def __init__(
+        self, shape: EngineShape, allocator: BlockAllocator, runner: StepRunner, store: PrefixStore | None
+    ):
         self.shape, self.allocator, self.runner, self.store = shape, allocator, runner, store
 
     @classmethod
     def for_model(
         cls, model: HybridLM, shape: EngineShape, prefix: PrefixStoreConfig | None, mesh: Any
     ) -> EnginePools:
-        allocator = BlockAllocator(shape.num_blocks)
+        """A `Runner` of `model` (on `mesh`, the mesh the model is sharded over) and what `build` adds."""
         runner = Runner(model, shape, mesh)
+        peers = Peers()
+        if prefix is not None and prefix.enabled and peers.several and prefix.store_dir is not None:
+            runner.copies.init_restore_shardings()
+        fingerprint = model_fingerprint(model)
+        return cls.build(shape, runner, prefix, fingerprint, peers, runner.copies.restore_sharding)
+
+    @classmethod
+    def build(
+        cls,
+        shape: EngineShape,
+        runner: StepRunner,
+        prefix: PrefixStoreConfig | None,
+        fingerprint: bytes,
+        peers: Peers | None = None,
+        restore_shardings: Callable[[str, tuple[int, ...], str], Any] | None = None,
+    ) -> EnginePools:
+        """The block allocator, and with `prefix` enabled the prefix store over it, around `runner`: the
+        engine's and the simulator's. `fingerprint`: what the store's keys (and disk entries) are valid for;
+        `peers` and `restore_shardings`: a disk tier shared by several processes (`serve.prefix.disk`)."""
+        allocator = BlockAllocator(shape.num_blocks)
         store = None
         if prefix is not None and prefix.enabled:
-            peers = Peers()
-            if peers.several and prefix.store_dir is not None:
-                runner.init_restore_shardings()
             store = PrefixStore(
                 prefix,
                 block_size=shape.block_size,
                 block_bytes=shape.block_bytes,
                 state_bytes=shape.checkpoint_bytes,
-                fingerprint=model_fingerprint(model),
+                fingerprint=fingerprint,
                 allocator=allocator,
                 layout=disk_layout(shape),
                 peers=peers,
-                restore_shardings=runner.restore_sharding,
+                restore_shardings=restore_shardings,
             )
         return cls(shape, allocator, runner, store)
 
@@ -85,6 +105,10 @@ class EnginePools:
         """`Runner.compile_program`, the pools rebuilt if the run took them."""
         return self._ahead(lambda: self.runner.compile_program(program, run_once=run_once))
 
+    def compile_in_background(self, program: ProgramShape, tier: Tier) -> Future:
+        """`Runner.compile_in_background`: `program` compiled on the background compile thread."""
+        return self.runner.compile_in_background(program, tier)
+
     def compile_helpers(
         self, rows: tuple[int, ...] | None, run_once: bool, slot_programs: bool = True
     ) -> None:
@@ -98,23 +122,3 @@ class EnginePools:
         except Exception:
             self.rebuild_lost()  # a failed run took the (idle) pools with it
             raise
-
-    def memory(self, running: list[Request], memory_of: Callable[[Request], dict]) -> dict[str, Any]:
-        """Bytes held: KV blocks (used/free), live KDA states, and per running request (`memory_of`)."""
-        alloc, shape, live = self.allocator, self.shape, len(running)
-        return {
-            "block_size": shape.block_size,
-            "block_bytes": shape.block_bytes,
-            "num_blocks": alloc.usable,
-            "used_blocks": alloc.num_used,
-            "free_blocks": alloc.num_free,
-            "kv_bytes_total": alloc.usable * shape.block_bytes,
-            "kv_bytes_used": alloc.num_used * shape.block_bytes,
-            "kv_bytes_free": alloc.num_free * shape.block_bytes,
-            "slots": shape.slots,
-            "state_bytes_per_slot": shape.state_bytes,
-            "state_pool_bytes": shape.slots * shape.state_bytes,
-            "live_states": live,
-            "state_bytes_live": live * shape.state_bytes,
-            "requests": {r.id: memory_of(r) for r in running},
-        }

@@ -29,7 +29,8 @@ engine's programs), its seed and its step (`serve.engine.sampling.request_key`).
 The prefix store is replicated the same way: its decisions are deterministic host code over identical
 inputs, its checkpoints stay sharded on the devices (the host tier keeps each process's shards), and what
 finishes in the background at a time of its own (disk saves and reads) is observed by the leader and
-applied by every process at the same step, from the leader's observations in the step log (`events`).
+applied by every process at the same step, from the leader's observations in the step log (`StepLog`,
+`StepEvents`: typed here, JSON only on the wire).
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ from typing import Any
 import jax
 
 from serve.engine.engine import Engine, EngineConfig, GenerateResult, RequestOutput
+from serve.engine.records import NO_EVENTS, Ledger, MemoryReport, StepEvents
 from serve.engine.requests import QueueState
 from serve.engine.sampling import SamplingParams
+from serve.engine.speculative import SpeculationStats
 from sharding.multihost import Peers
 
 
@@ -57,13 +60,29 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
     return config
 
 
-NO_EVENTS: dict[str, Any] = {"disk": None, "loaded": []}  # nothing finished in the background
+@dataclasses.dataclass
+class StepLog:
+    """What process 0 sends every process before a step: the intake operations since the last step (in
+    order: ["add", id, prompt, sampling fields, cache salt], ["abort", id], ["forget", id]), whether to
+    close, and what its engine observed finishing in the background. JSON on the wire only."""
 
+    ops: list[list[Any]] = dataclasses.field(default_factory=list)
+    close: bool = False
+    events: StepEvents = NO_EVENTS
 
-def _disk_news(disk: dict[str, Any] | None) -> bool:
-    if disk is None:
-        return False
-    return any(disk.get(k) for k in ("saved", "failed", "found", "corrupt")) or disk["full"] is not None
+    def says_something(self) -> bool:
+        return bool(self.ops) or self.close or self.events.has_news()
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"log": self.ops, "close": self.close}
+        if self.events.has_news():
+            out["events"] = self.events.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StepLog:
+        events = StepEvents.from_json(data["events"]) if "events" in data else NO_EVENTS
+        return cls(data["log"], data["close"], events)
 
 
 class ReplicatedEngine:
@@ -122,13 +141,13 @@ class ReplicatedEngine:
     def flush(self) -> None:
         self.engine.flush()
 
-    def ledger(self) -> dict[str, Any]:
+    def ledger(self) -> Ledger:
         return self.engine.ledger()
 
-    def memory(self) -> dict[str, Any]:
+    def memory(self) -> MemoryReport:
         return self.engine.memory()
 
-    def speculation_stats(self) -> dict[str, Any]:
+    def speculation_stats(self) -> SpeculationStats:
         return self.engine.speculation_stats()
 
     # --- intake (leader only) -------------------------------------------------------------------------
@@ -191,25 +210,23 @@ class ReplicatedEngine:
         self.engine.on_read_done(fn)
 
     # --- the lockstep -------------------------------------------------------------------------------
-    def _exchange(self) -> dict[str, Any]:
+    def _exchange(self) -> StepLog:
         """The leader's log since the last step, its close flag, and what its engine observed finishing in
         the background (`Engine.observe`), on every process. Nothing to say costs one small collective."""
         sent = None
         if self.is_leader:
-            message: dict[str, Any] = {"log": self._log, "close": self._close}
-            self._log = []
             events = self.engine.observe()
-            if events is not None and (events["loaded"] or _disk_news(events["disk"])):
-                message["events"] = events
+            log = StepLog(self._log, self._close, NO_EVENTS if events is None else events)
+            self._log = []
             if self.process_count == 1:
-                return message
-            if message["log"] or message["close"] or "events" in message:
-                sent = message
+                return log
+            if log.says_something():
+                sent = log.to_json()
         got = self.peers.broadcast(sent)
         if got is None:
-            return {"log": [], "close": False}
+            return StepLog()
         self.broadcast_bytes += len(json.dumps(got))  # payload bytes (without padding), alike everywhere
-        return got
+        return StepLog.from_json(got)
 
     def _replay(self, log: list[list[Any]]) -> None:
         """A follower applies the leader's operations in the leader's order."""
@@ -233,13 +250,13 @@ class ReplicatedEngine:
         idle = self.is_leader and not (self._log or self._close or self.engine.has_unfinished())
         if idle and self.idle_wait_s is not None:
             time.sleep(self.idle_wait_s)
-        message = self._exchange()
+        log = self._exchange()
         if not self.is_leader:
-            self._replay(message["log"])
-        if message["close"]:
+            self._replay(log.ops)
+        if log.close:
             self.closed = True
             return []
-        return self.engine.step(message.get("events", NO_EVENTS))
+        return self.engine.step(log.events if log.events.has_news() else NO_EVENTS)
 
     def recover(self, reason: str) -> list[RequestOutput]:
         """A failed step cannot be recovered with several processes (the lockstep is broken, a collective

@@ -9,9 +9,10 @@ program per bucketed chunk length, each per block-table width bucket.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -35,12 +36,13 @@ from jaxhybrid.ops.stacks import set_rows
 from jaxhybrid.scan import ScanDefs, forward_scanned, scan_layout, split_for_scan
 from jaxhybrid.weights.pages import move_to_huge_pages
 from serve.engine import copies
-from serve.engine.ahead import AheadOfTime
+from serve.engine.compiles import Compiles, Programs, split_pools
 from serve.engine.config import EngineShape, ProgramShape, scan_mode
 from serve.engine.executables import ExecutableCache, ModelExecutables, Tier, spec
 from serve.engine.requests import Request
 from serve.engine.sampling import batch_arrays, greedy, sample, verify
 from serve.engine.store_copies import HostShards, StoreCopies, to_device
+from serve.prefix.store import CheckpointSource
 from sharding.placement import pool_shardings
 
 # The longest prompt chunk that runs through the decode program while its prefill program compiles
@@ -84,27 +86,27 @@ class Verified:
     accepted: np.ndarray
 
 
-@dataclasses.dataclass(frozen=True)
-class Programs:
-    """The compiled programs of one model structure: `run` (the model over a batch of rows: reads the KDA
-    pools, donates and returns the MLA pools, returns the rows' `Last` and new KDA states), `write_rows`
-    (those states into their slots of the donated KDA pools) and `sample`. Each model program returns
-    (`Last`, rows' KDA states or (), new KDA pools or (), MLA pools).
+class StepRunner(Protocol):
+    """What the engine's step loop needs of a runner: this module's `Runner`, or one that computes nothing
+    (the simulator's `SimRunner`). `copies`: where the prefix store takes its checkpoints from."""
 
-    `run_in_place`, where kernels can (one CPU device, float32 pools), is `run` for one token per row that
-    donates the KDA pools too and writes its rows' states into them itself (`KDAPoolInPlace`): no rows' write;
-    there `verify` too sets its rows' accepted states into the pools it donates (`stacks.set_rows`). Other
-    programs leave the rows to `write_rows`: in one program with the model, XLA fuses the read of a
-    layer's old conv window into its scatter of the new one, cannot then update the pool in place and copies
-    every KDA pool twice per step (the cost grows with the slots); a program that returned the pools it did
-    not change would copy each once."""
+    copies: CheckpointSource
 
-    run: Any
-    write_rows: Any
-    sample: Any
-    verify: Any  # `run` for rows that carry drafted tokens (`_verify_fn`; in place with `run_in_place`)
-    run_scanned: Any = None  # `run` over the scanned form (`jaxhybrid.scan`), when the engine scans
-    run_in_place: Any = None
+    def reset_slot(self, slot: int) -> None: ...
+
+    def restore(self, r: Restore) -> None: ...
+
+    def decode(self, reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def verify(self, reqs: list[Request], drafts: list[list[int]]) -> Verified: ...
+
+    def prefill_rows(self, reqs: list[Request], ns: list[int]) -> Any: ...
+
+    def sample(self, logits: Any, rows: list[Request | None]) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def compiled_programs(self) -> frozenset[ProgramShape]: ...
+
+    def pools_lost(self) -> bool: ...
 
 
 def _write_rows(kda_pools: tuple[KDACache, ...], slot_ids: jax.Array, rows: tuple[KDACache, ...]) -> Any:
@@ -288,9 +290,37 @@ def empty_pools(cfg: Any, shape: EngineShape) -> tuple[Any, ...]:
     )
 
 
-class Runner(AheadOfTime, StoreCopies):
+def _table(req: Any, width: int) -> np.ndarray:
+    """`req`'s block table padded to `width` with the scratch block."""
+    row = np.full((width,), SCRATCH_BLOCK, np.int32)
+    row[: len(req.blocks)] = req.blocks
+    return row
+
+
+def _row_inputs(
+    slots: int, reqs: list[Request], chunks: list[list[int]], program: ProgramShape
+) -> tuple[np.ndarray, ...]:
+    """(tokens, slot ids, block tables, start, valid) of `program` with row i holding `chunks[i]`, the
+    tokens at `reqs[i]`'s next positions. Padding rows take distinct slots outside the call with no real
+    token and scratch tables: their state and cache stay unchanged. `slots`: the engine's."""
+    busy = [r.slot for r in reqs]
+    others = [s for s in range(slots) if s not in busy]
+    slot_ids = np.asarray(busy + others[: program.rows - len(reqs)], np.int32)
+    tokens = np.zeros((program.rows, program.length), np.int32)
+    tables = np.full((program.rows, program.width), SCRATCH_BLOCK, np.int32)
+    start = np.zeros((program.rows,), np.int32)
+    valid = np.zeros((program.rows,), np.int32)
+    for i, (req, chunk) in enumerate(zip(reqs, chunks, strict=True)):
+        tokens[i, : len(chunk)] = chunk
+        tables[i] = _table(req, program.width)
+        start[i], valid[i] = req.num_computed, len(chunk)
+    return tokens, slot_ids, tables, start, valid
+
+
+class Runner:
     """Pools + programs for one model and one EngineShape (on `mesh` when given: the pools are laid out by
-    `sharding.placement.pool_shardings` and the programs keep them there)."""
+    `sharding.placement.pool_shardings` and the programs keep them there). It owns the pools; `compiles`
+    (which compiled program runs a shape) and `copies` (the prefix store's copies) are its collaborators."""
 
     def __init__(self, model: HybridLM, shape: EngineShape, mesh: Any = None):
         self.shape = shape
@@ -320,18 +350,23 @@ class Runner(AheadOfTime, StoreCopies):
         in_place = self.pool_shardings is None and steps_into_pools(platform_of(self.pools))
         in_place = in_place and all(p.conv.dtype == p.state.dtype == jnp.float32 for p in kda_pools)
         self.programs = _programs(graphdef, cfg.layer_types, self.pool_shardings, scan_defs, in_place)
-        self._pool_specs = spec(self.pools)  # what a compile needs of the pools, on any thread
-        self._compiling: set[ProgramShape] = set()  # programs handed to the background compile
         self._greedy: dict[int, tuple[Any, ...]] = {}  # `_greedy_arrays` by size
-        self._restore_shardings: list[tuple[Any, Any]] | None = None
         # the compiled model programs by shape, read from the compile cache's executables when it has them
         structure = lambda: repr((graphdef, scan_defs, cfg.layer_types))  # noqa: E731
-        self._executables = ModelExecutables(
-            self.programs.write_rows,
-            structure,
-            ExecutableCache.from_jax_config(),
-            tiered=shape.tiered_compile,
+        cache = ExecutableCache.from_jax_config()
+        executables = ModelExecutables(
+            self.programs.write_rows, structure, cache, tiered=shape.tiered_compile
         )
+        self.compiles = Compiles(
+            self.programs,
+            self.params,
+            self.scan_params,
+            self.scan_mode,
+            cfg.layer_types,
+            spec(self.pools),  # what a compile needs of the pools, on any thread
+            executables,
+        )
+        self.copies = StoreCopies(shape, self.pool_shardings, lambda: self.pools)
 
     def _new_pools(self) -> tuple[Any, ...]:
         pools = empty_pools(self.model_config, self.shape)
@@ -376,7 +411,7 @@ class Runner(AheadOfTime, StoreCopies):
         tokens per row); updates the pools, returns what the program gives for each row's last real token."""
         program = ProgramShape(*tokens.shape, tables.shape[1])
         host = (tokens, slot_ids, tables, start, valid)
-        return self._execute(program, self._program(program.length), host)
+        return self._execute(program, self.compiles.select(program.length), host)
 
     def _execute(
         self, program: ProgramShape, fn: tuple[Any, Any], host: tuple[np.ndarray, ...], extra: tuple = ()
@@ -392,7 +427,7 @@ class Runner(AheadOfTime, StoreCopies):
             ints = tuple(jnp.asarray(a) for a in ints)
         tokens_, slots, tables_, start_, valid_ = ints
         inputs = (*fn, kda, mla, tokens_, slots, tables_, start_, valid_, *extra)
-        run, write_rows = self._compiled_program(program, inputs)
+        run, write_rows = self.compiles.get(program, inputs)
         out, rows, written, mla = run(*inputs[1:])
         self._set_pools(write_rows(kda, slots, rows) if rows else written, mla)
         return out
@@ -404,46 +439,9 @@ class Runner(AheadOfTime, StoreCopies):
             next(kda_it) if kind == "kda" else next(mla_it) for kind in self.model_config.layer_types
         )
 
-    def _compiled_program(self, program: ProgramShape, inputs: tuple[Any, ...]) -> tuple[Any, Any]:
-        """(model program, rows' write) compiled for `program`; `inputs`: the jitted model function, then
-        its arguments."""
-        run, *args = inputs
-        return self._executables.get(program, self._program_name(run), run, tuple(args))
-
-    def _program_name(self, run: Any) -> str:
-        """The name of jitted model function `run` (part of its programs' key)."""
-        if run is self.programs.verify:
-            return "verify" if self.programs.run_in_place is None else "verify_in_place"
-        if run is self.programs.run_in_place:
-            return "run_in_place"
-        return "run_scanned" if run is self.programs.run_scanned else "run"
-
-    def _program(self, length: int) -> tuple[Any, Any]:
-        """(jitted model function, its parameters) for chunks of `length` tokens: scanned over the layer
-        groups when the engine's `scan_layers` says so for this length, else unrolled (one token per row:
-        writing its rows' KDA states in place where the programs can)."""
-        scanned = self.scan_params is not None and (self.scan_mode == "all" or length > 1)
-        if scanned:
-            return self.programs.run_scanned, self.scan_params
-        if length == 1 and self.programs.run_in_place is not None:
-            return self.programs.run_in_place, self.params
-        return self.programs.run, self.params
-
-    def _split_pools(self, pools: tuple[Any, ...] | None = None) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        """(KDA state pools, MLA latent pools) of `pools` (default: the engine's), each in layer order: what
-        `run` reads and donates."""
-        kinds, pools = self.model_config.layer_types, self.pools if pools is None else pools
-        kda = tuple(p for kind, p in zip(kinds, pools, strict=True) if kind == "kda")
-        mla = tuple(p for kind, p in zip(kinds, pools, strict=True) if kind != "kda")
-        return kda, mla
-
-    def _split_specs(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        return self._split_pools(self._pool_specs)
-
-    def _table(self, req: Request, width: int) -> np.ndarray:
-        row = np.full((width,), SCRATCH_BLOCK, np.int32)
-        row[: len(req.blocks)] = req.blocks
-        return row
+    def _split_pools(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """(KDA state pools, MLA latent pools), each in layer order (what a model program reads, donates)."""
+        return split_pools(self.model_config.layer_types, self.pools)
 
     def decode(self, reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
         """One decode step for `reqs`: the sampled id and its logprob per request, in order.
@@ -453,7 +451,9 @@ class Runner(AheadOfTime, StoreCopies):
         rows = self.shape.decode_rows(len(reqs))
         width = self.shape.table_width(max(len(r.blocks) for r in reqs))
         program = ProgramShape(rows, 1, width)
-        last = self.run_program(*self._row_inputs(reqs, [[r.tokens[r.num_computed]] for r in reqs], program))
+        last = self.run_program(
+            *_row_inputs(self.shape.slots, reqs, [[r.tokens[r.num_computed]] for r in reqs], program)
+        )
         if all(r.params.greedy for r in reqs):
             ids, logps = jax.device_get((last.greedy_ids, last.greedy_logprobs))
         else:
@@ -468,8 +468,11 @@ class Runner(AheadOfTime, StoreCopies):
         rows = shape.decode_rows(n)
         width = shape.table_width(max(len(r.blocks) for r in reqs))
         program = ProgramShape(rows, shape.speculative_tokens + 1, width, verify=True)
-        host = self._row_inputs(
-            reqs, [[r.tokens[r.num_computed], *d] for r, d in zip(reqs, drafts, strict=True)], program
+        host = _row_inputs(
+            self.shape.slots,
+            reqs,
+            [[r.tokens[r.num_computed], *d] for r, d in zip(reqs, drafts, strict=True)],
+            program,
         )
         if all(r.params.greedy for r in reqs):  # no key, filter or temperature changes a greedy row's tokens
             sampling = self._greedy_arrays(rows * program.length)
@@ -498,7 +501,7 @@ class Runner(AheadOfTime, StoreCopies):
         if len(reqs) == 1:
             program = ProgramShape(1, self.shape.bucket(ns[0]), self.shape.table_width(len(reqs[0].blocks)))
             tiered = self.shape.tiered_compile and ns[0] <= STEP_PREFILL_MAX
-            if tiered and not self._executables.ready(program):
+            if tiered and not self.compiles.ready(program):
                 return self._prefill_by_steps(reqs[0], ns[0], program)
         else:
             if len(reqs) > self.shape.prefill_rows or not all(
@@ -512,10 +515,8 @@ class Runner(AheadOfTime, StoreCopies):
         """A short chunk whose prefill program is not ready: its `n` tokens one at a time through the one-row
         decode program (the same states and KV, within round-off), while `program` compiles in the
         background. The logits [1, V] after its last token."""
-        if program not in self._compiling:
-            self._compiling.add(program)
-            self.compile_in_background(program, Tier.OPTIMIZED)
-        table, slot, one = self._table(req, program.width)[None], np.asarray([req.slot]), np.ones(1, np.int32)
+        self.compiles.soon(program)
+        table, slot, one = _table(req, program.width)[None], np.asarray([req.slot]), np.ones(1, np.int32)
         for position in range(req.num_computed, req.num_computed + n):
             token = np.asarray([[req.tokens[position]]], np.int32)
             logits = self.run_program(token, slot, table, np.asarray([position]), one).logits
@@ -524,26 +525,7 @@ class Runner(AheadOfTime, StoreCopies):
     def _run_rows(self, reqs: list[Request], ns: list[int], program: ProgramShape) -> jax.Array:
         """Run `program` with row i holding the next `ns[i]` tokens of `reqs[i]`."""
         chunks = [r.tokens[r.num_computed : r.num_computed + n] for r, n in zip(reqs, ns, strict=True)]
-        return self.run_program(*self._row_inputs(reqs, chunks, program)).logits
-
-    def _row_inputs(
-        self, reqs: list[Request], chunks: list[list[int]], program: ProgramShape
-    ) -> tuple[np.ndarray, ...]:
-        """(tokens, slot ids, block tables, start, valid) of `program` with row i holding `chunks[i]`, the
-        tokens at `reqs[i]`'s next positions. Padding rows take distinct slots outside the call with no real
-        token and scratch tables: their state and cache stay unchanged."""
-        busy = [r.slot for r in reqs]
-        others = [s for s in range(self.shape.slots) if s not in busy]
-        slot_ids = np.asarray(busy + others[: program.rows - len(reqs)], np.int32)
-        tokens = np.zeros((program.rows, program.length), np.int32)
-        tables = np.full((program.rows, program.width), SCRATCH_BLOCK, np.int32)
-        start = np.zeros((program.rows,), np.int32)
-        valid = np.zeros((program.rows,), np.int32)
-        for i, (req, chunk) in enumerate(zip(reqs, chunks, strict=True)):
-            tokens[i, : len(chunk)] = chunk
-            tables[i] = self._table(req, program.width)
-            start[i], valid[i] = req.num_computed, len(chunk)
-        return tokens, slot_ids, tables, start, valid
+        return self.run_program(*_row_inputs(self.shape.slots, reqs, chunks, program)).logits
 
     def sample(self, logits: jax.Array, rows: list[Request | None]) -> tuple[np.ndarray, np.ndarray]:
         params = [None if r is None else r.params for r in rows]
@@ -552,6 +534,70 @@ class Runner(AheadOfTime, StoreCopies):
         temperature, top_k, top_p, keys = batch_arrays(params, seeds, steps)
         ids, logps = self.programs.sample(logits, temperature, top_k, top_p, keys)
         return np.asarray(ids), np.asarray(logps)
+
+    # --- ahead of use (the warm-up) --------------------------------------------------------------------
+    def compiled_programs(self) -> frozenset[ProgramShape]:
+        """The model-program shapes this runner has run or compiled (calling one compiles nothing)."""
+        return self.compiles.shapes()
+
+    def compile_in_background(self, program: ProgramShape, tier: Tier) -> concurrent.futures.Future:
+        """Trace `program` here and compile it at `tier` on the background compile thread: a future of
+        `compile_program`'s bool (done at once when nothing was left to compile)."""
+        return self.compiles.compile(program, tier, background=True)
+
+    def compile_program(
+        self, program: ProgramShape, run_once: bool = False, tier: Tier = Tier.OPTIMIZED
+    ) -> bool:
+        """Compile the model program of `program`'s shape at `tier` (or better) ahead of its first use; False
+        if it already was. With `run_once` (only while no request holds a slot) the program also runs once,
+        on rows with no real token whose block tables point at the scratch block: XLA:CPU's first run of a
+        program costs more than later ones, and the first request should not pay that either."""
+        fresh = self.compiles.compile(program, tier)
+        if fresh and run_once and not program.verify:
+            rows = program.rows
+            jax.block_until_ready(
+                self.run_program(
+                    np.zeros((rows, program.length), np.int32),
+                    np.arange(rows, dtype=np.int32),  # distinct slots, as a decode step's padding rows take
+                    np.full((rows, program.width), SCRATCH_BLOCK, np.int32),
+                    np.zeros((rows,), np.int32),
+                    np.zeros((rows,), np.int32),  # no real token in any row
+                )
+            )
+        return fresh
+
+    def compile_helpers(
+        self, sample_rows: tuple[int, ...], run_once: bool = False, slot_programs: bool = True
+    ) -> None:
+        """Compile the small programs around the model program: sampling for each batch of `sample_rows` (and
+        its verify window's keys where requests speculate by default), logits slicing, and with
+        `slot_programs` a checkpoint's copy, a slot reset and a restore (the last two also run on slot 0 with
+        `run_once`, only while no request holds a slot)."""
+        for rows in sample_rows:
+            logits = self._zero_logits(rows)
+            self.sample(logits, [None] * rows)
+            if self.shape.speculates:  # a verify step's sampling keys: one per position of its window
+                self._greedy_arrays(rows * (self.shape.speculative_tokens + 1))
+            # a prompt-end checkpoint keeps logits[0]; a full hit samples [None] of that
+            jax.block_until_ready(logits[0][None])
+        if not slot_programs:
+            return
+        slot, scratch = jnp.int32(0), jnp.int32(SCRATCH_BLOCK)
+        states, kv = self.copies.take(0, SCRATCH_BLOCK)
+        if run_once:
+            self.pools = copies.put(copies.zero_slot(self.pools, slot), slot, states, scratch, kv)
+            jax.block_until_ready(self.pools)
+        else:
+            copies.zero_slot.lower(self.pools, slot).compile()
+            copies.put.lower(self.pools, slot, states, scratch, kv).compile()
+
+    def _zero_logits(self, rows: int) -> jax.Array:
+        """Zero logits [rows, vocab] placed as the model program leaves them (replicated on a mesh)."""
+        logits = jnp.zeros((rows, self.model_config.vocab_size), jnp.float32)
+        if self.pool_shardings is None:
+            return jax.device_put(logits, jax.devices()[0])
+        mesh = jax.tree.leaves(self.pool_shardings)[0].mesh
+        return jax.device_put(logits, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
     # --- failures --------------------------------------------------------------------------------------
     def pools_lost(self) -> bool:

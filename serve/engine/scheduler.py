@@ -26,6 +26,7 @@ from typing import Any
 from jaxhybrid.cache import SCRATCH_BLOCK
 from serve.engine.blocks import BlockAllocator
 from serve.engine.config import EngineShape
+from serve.engine.records import Ledger, RequestMemory
 from serve.engine.requests import FinishReason, QueueState, Request, RequestStatus
 from serve.engine.runner import Restore
 from serve.engine.speculative import DraftPlanner, DraftSource, PromptLookup, StepCosts
@@ -234,20 +235,15 @@ class Scheduler:
         self._plan = None
         return plan
 
-    def ledger(self) -> dict[str, Any]:
+    def ledger(self) -> Ledger:
         """Every byte the running requests and the prefix store hold, and what reuse saved or cost (the
         engine's ledger, and the simulator's)."""
         live_blocks = {b for r in self.running for b in r.blocks}
-        out: dict[str, Any] = {
-            "live_kv_bytes": len(live_blocks) * self.shape.block_bytes,
-            "live_state_bytes": len(self.running) * self.shape.state_bytes,
-            "prefix_cache": self.store is not None,
-            **empty_ledger(),
-        }
-        if self.store is not None:
-            out.update(self.store.ledger(live_blocks))
-            out["disk_loading"] = len(self.loads)
-        return out
+        live_kv = len(live_blocks) * self.shape.block_bytes
+        live_state = len(self.running) * self.shape.state_bytes
+        if self.store is None:
+            return Ledger(live_kv, live_state, False, empty_ledger())
+        return Ledger(live_kv, live_state, True, self.store.ledger(live_blocks), len(self.loads))
 
     def _admit(self, budget: int, planned: list[tuple[Request, int, int]]) -> None:
         deferred: list[Request] = []  # waiting for a running request's checkpoint of a shared prefix
@@ -417,10 +413,6 @@ class Scheduler:
             self.finish(req, FinishReason.ERROR)
         return ended
 
-    def memory_of(self, req: Any) -> dict[str, int]:
-        return {
-            "blocks": len(req.blocks),
-            "kv_bytes": len(req.blocks) * self.shape.block_bytes,
-            "state_bytes": self.shape.state_bytes,
-            "tokens": req.num_computed,
-        }
+    def memory_of(self, req: Any) -> RequestMemory:
+        kv_bytes = len(req.blocks) * self.shape.block_bytes
+        return RequestMemory(len(req.blocks), kv_bytes, self.shape.state_bytes, req.num_computed)

@@ -614,3 +614,7 @@ class SpeculationStats:
     def mean_accepted(self) -> float:
         """Accepted drafts per verify step (the tokens a step gave beyond one)."""
         return self.accepted / self.windows if self.windows else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The counts and `mean_accepted`, for the HTTP server, the metrics and the benchmarks' rows."""
+        return {**dataclasses.asdict(self), "mean_accepted": self.mean_accepted}

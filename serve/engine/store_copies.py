@@ -1,10 +1,11 @@
 """The runner's side of the prefix store (its CheckpointSource): copies of a slot's KDA states and of latent
 KV blocks for the store to keep, their host form (this process's shards where an array spans processes),
-and where a disk read puts them on the mesh. `StoreCopies` is `Runner`'s base, as `AheadOfTime` is."""
+and where a disk read puts them on the mesh. The runner holds one `StoreCopies` over its pools."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -13,6 +14,7 @@ import numpy as np
 
 from jaxhybrid.cache import SCRATCH_BLOCK
 from serve.engine import copies
+from serve.engine.config import EngineShape
 
 
 @dataclasses.dataclass
@@ -44,22 +46,22 @@ def to_device(x: Any) -> Any:
 
 
 class StoreCopies:
-    """The copies the prefix store keeps, from a runner's pools (`pools`, `shape`, `pool_shardings`)."""
+    """The copies the prefix store keeps (its `CheckpointSource`), from a runner's pools: `pools()` gives them
+    as they are now (every program call replaces them), `pool_shardings` their layout on a mesh (or None)."""
 
-    pools: Any
-    shape: Any
-    pool_shardings: Any
-    _restore_shardings: list[tuple[Any, Any]] | None = None
+    def __init__(self, shape: EngineShape, pool_shardings: Any, pools: Callable[[], tuple[Any, ...]]):
+        self.shape, self.pool_shardings, self._pools = shape, pool_shardings, pools
+        self._restore_shardings: list[tuple[Any, Any]] | None = None  # `init_restore_shardings`
 
     def take(self, slot: int, block: int) -> tuple[Any, Any]:
         """(KDA states of `slot`, latent KV of `block`) as new device arrays."""
-        return copies.take(self.pools, jnp.int32(slot), jnp.int32(block), self.shape.checkpoint_dtype)
+        return copies.take(self._pools(), jnp.int32(slot), jnp.int32(block), self.shape.checkpoint_dtype)
 
     def gather(self, blocks: list[int]) -> tuple[Any, ...]:
         """Per MLA layer the KV of `blocks` (rows beyond len(blocks) are padding up to a table width)."""
         ids = np.full((self.shape.table_width(len(blocks)),), SCRATCH_BLOCK, np.int32)
         ids[: len(blocks)] = blocks
-        return copies.gather(self.pools, jnp.asarray(ids))
+        return copies.gather(self._pools(), jnp.asarray(ids))
 
     def gathered_bytes(self, blocks: int) -> int:
         """Device bytes one `gather` of `blocks` blocks holds (with its padding)."""

@@ -122,7 +122,7 @@ class TokenRate:
 
 def snapshot(engine: Any, rate: TokenRate, healthy: bool) -> dict[str, Any]:
     """What `/metrics` and `/health` show of the engine: queue lengths, token rate, ledger and memory."""
-    memory = engine.memory()
+    memory = engine.memory().to_json()
     memory.pop("requests", None)
     q = engine.queue_state()
     return {
@@ -131,9 +131,9 @@ def snapshot(engine: Any, rate: TokenRate, healthy: bool) -> dict[str, Any]:
         "tokens_per_second": rate.per_second(),
         "generated_tokens": rate.total,
         "healthy": healthy,
-        "ledger": engine.ledger(),
+        "ledger": engine.ledger().to_json(),
         "memory": memory,
-        "speculation": engine.speculation_stats(),
+        "speculation": engine.speculation_stats().to_json(),
     }
 
 

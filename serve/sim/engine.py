@@ -25,19 +25,17 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from jaxhybrid.config import ModelConfig
-from serve.engine.blocks import BlockAllocator
 from serve.engine.config import EngineConfig, EngineShape
 from serve.engine.engine import Engine
 from serve.engine.pools import EnginePools
+from serve.engine.records import Ledger
 from serve.engine.requests import GenerateResult, Request, RequestError
 from serve.engine.sampling import SamplingParams
-from serve.engine.speculative import StepCosts, drafting
-from serve.prefix.store import PrefixStore
+from serve.engine.speculative import SpeculationStats, StepCosts, drafting
 from serve.sim.cost import CostModel
 from serve.sim.runner import AnswerDrafts, Answers, SimRunner
 
@@ -60,21 +58,12 @@ class SimEngine:
         self.model_config, self.config = cfg, config
         self.shape = shape = EngineShape.resolve(config, cfg)
         self.max_model_len = shape.max_model_len
-        self.allocator = BlockAllocator(shape.num_blocks)
         self.runner = SimRunner(answers, cost)
-        self.store: PrefixStore | None = None
-        if config.prefix is not None and config.prefix.enabled:
-            if config.prefix.store_dir is not None:
-                raise ValueError("the simulator has no disk tier (drop store_dir)")
-            self.store = PrefixStore(
-                config.prefix,
-                block_size=shape.block_size,
-                block_bytes=shape.block_bytes,
-                state_bytes=shape.checkpoint_bytes,
-                fingerprint=hashlib.sha256(f"simulated:{cfg.name}".encode()).digest(),
-                allocator=self.allocator,
-            )
-        pools = EnginePools(shape, self.allocator, self.runner, self.store)
+        if config.prefix is not None and config.prefix.enabled and config.prefix.store_dir is not None:
+            raise ValueError("the simulator has no disk tier (drop store_dir)")
+        fingerprint = hashlib.sha256(f"simulated:{cfg.name}".encode()).digest()
+        pools = EnginePools.build(shape, self.runner, config.prefix, fingerprint)
+        self.allocator, self.store = pools.allocator, pools.store
         accept = 1.0 if draft_acceptance is None else draft_acceptance
         drafter = AnswerDrafts(self.runner.answer, accept, cfg.vocab_size, seed)
         # every draft is verified: a clock of FLOPs cannot tell when a verify step pays (a real one reads
@@ -104,7 +93,7 @@ class SimEngine:
     def steps(self) -> int:
         return self.engine.steps
 
-    def speculation_stats(self) -> dict[str, Any]:
+    def speculation_stats(self) -> SpeculationStats:
         return self.engine.speculation_stats()
 
     # --- what a replay uses ------------------------------------------------------------------------------
@@ -131,7 +120,7 @@ class SimEngine:
             out.append(GenerateResult(req.id, list(req.generated), None, str(req.finish_reason), req.stats()))
         return out
 
-    def ledger(self) -> dict[str, Any]:
+    def ledger(self) -> Ledger:
         """The engine's ledger (`Engine.ledger`): live bytes, and the store's accounts."""
         return self.engine.ledger()
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from serve.engine.records import Ledger
 from serve.engine.requests import GenerateResult, RequestError
 from serve.engine.sampling import SamplingParams
 from serve.sim.workloads import Workload
@@ -29,7 +30,7 @@ class Server(Protocol):
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> list[GenerateResult]: ...
 
-    def ledger(self) -> dict[str, Any]: ...
+    def ledger(self) -> Ledger: ...
 
 
 # the ledger's checkpoint accounts (per tier, and per kind and tier)
@@ -138,7 +139,7 @@ def replay(
             sequences.append(seq)
             out.served.append(Served(index, len(prompt), seq))
             out.stats.append(res.stats)
-        ledger = server.ledger()
+        ledger = server.ledger().to_json()
         out.ledgers.append({k: ledger[k] for k in LEDGER_KEYS if k in ledger})
         if progress is not None:
             progress(index + 1, len(out.served))

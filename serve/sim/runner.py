@@ -20,6 +20,27 @@ from serve.sim.cost import CostModel
 Answers = Callable[[list[int], int], list[int]]
 
 
+class SimSource:
+    """The prefix store's CheckpointSource in a simulation (`SimRunner.copies`): nothing to copy, so
+    placeholders (the store accounts the byte sizes it was built with, not what the source returns)."""
+
+    def take(self, slot: int, block: int) -> tuple[Any, Any]:
+        return (), None
+
+    def gather(self, blocks: list[int]) -> Any:
+        return None
+
+    def gathered_bytes(self, blocks: int) -> int:
+        return 0
+
+    def pack(self, states: Any, kv_full: Any, num_full: int, tail: Any) -> dict[str, Any]:
+        return {}
+
+    @staticmethod
+    def to_host(tree: Any) -> Any:
+        return tree
+
+
 class AnswerDrafts:
     """A seeded acceptance model of speculative decoding: a request's drafts are the next k tokens of its
     answer (`answer_of(request)`), each replaced by another token with probability 1 - `accept`, decided by a
@@ -70,6 +91,7 @@ class SimRunner:
 
     def __init__(self, answers: Answers, cost: CostModel):
         self.answers, self.cost = answers, cost
+        self.copies = SimSource()  # what the prefix store takes its checkpoints from
         self.clock = 0.0  # simulated seconds
         self.flops = {"prefill": 0.0, "decode": 0.0}
         self._answers: dict[str, list[int]] = {}
@@ -140,20 +162,3 @@ class SimRunner:
 
     def sample(self, logits: Any, rows: list[Request | None]) -> tuple[np.ndarray, np.ndarray]:
         return self._next(rows)
-
-    # --- the prefix store's CheckpointSource: placeholders -----------------------------------------------
-    def take(self, slot: int, block: int) -> tuple[Any, Any]:
-        return (), None
-
-    def gather(self, blocks: list[int]) -> Any:
-        return None
-
-    def gathered_bytes(self, blocks: int) -> int:
-        return 0
-
-    def pack(self, states: Any, kv_full: Any, num_full: int, tail: Any) -> dict[str, Any]:
-        return {}
-
-    @staticmethod
-    def to_host(tree: Any) -> Any:
-        return tree
