@@ -21,6 +21,7 @@ import numpy as np
 from benchmarks.report import Table, report
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM, held_bytes
+from jaxhybrid.weights.pages import move_to_huge_pages
 from serve.bench.common import add_out_arg, decode_step, environment
 from serve.engine.config import engine_default
 from serve.engine.engine import Engine, EngineConfig
@@ -52,6 +53,7 @@ def measure(
 
     longest = max(contexts)
     model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(dtype), dequantize_experts=dequantize_experts)
+    move_to_huge_pages(model)  # as the server's loader does
     held, params = held_bytes(model), param_bytes(model)
     blocks_per_seq = math.ceil((longest + 1) / block_size)
     engine = Engine(

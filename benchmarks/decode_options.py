@@ -20,6 +20,7 @@ from benchmarks.report import Table, report
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from jaxhybrid.weights import load_pretrained
+from jaxhybrid.weights.pages import move_to_huge_pages
 from serve.bench.common import environment
 from serve.engine.config import ProgramShape
 from serve.engine.engine import Engine, EngineConfig
@@ -48,6 +49,7 @@ def main() -> None:
         model = load_pretrained(args.model, dtype=jnp.float32, progress=None)
     else:
         model = HybridLM(load_config(args.config), rngs=nnx.Rngs(0), dtype=jnp.float32)
+        move_to_huge_pages(model)  # as the server's loader does
     if args.weight_dtype == "int8":
         model.to_int8()
     block = 16

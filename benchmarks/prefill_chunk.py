@@ -19,6 +19,7 @@ import time
 from benchmarks.report import Table, report
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
+from jaxhybrid.weights.pages import move_to_huge_pages
 from serve.bench.throughput import machine_rates
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
@@ -41,6 +42,7 @@ def main() -> None:
 
     cfg = load_config(args.config)
     model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    move_to_huge_pages(model)  # as the server's loader does
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(0)
     prompts = lambda: [rng.integers(3, cfg.vocab_size, args.prompt).tolist() for _ in range(args.prompts)]  # noqa: E731

@@ -52,6 +52,7 @@ from benchmarks.report import Table, report
 from jaxhybrid.cache import mla_kv_bytes
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
+from jaxhybrid.weights.pages import move_to_huge_pages
 from serve.bench.common import add_out_arg, compile_watch, environment
 from serve.engine.config import EngineShape, engine_default
 from serve.engine.engine import Engine, EngineConfig
@@ -308,7 +309,9 @@ def _model(cfg: Any, args: argparse.Namespace) -> Any:
     import jax.numpy as jnp
     from flax import nnx
 
-    return HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))
+    model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))
+    move_to_huge_pages(model)  # as the server's loader does
+    return model
 
 
 def _engine_rows(

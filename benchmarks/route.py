@@ -30,6 +30,7 @@ from benchmarks.report import Table, or_dash, report
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from jaxhybrid.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
+from jaxhybrid.weights.pages import move_to_huge_pages
 from serve.bench.common import add_out_arg, compile_watch, environment
 from serve.engine.engine import Engine
 from serve.engine.records import Ledger
@@ -471,6 +472,8 @@ def run(args: argparse.Namespace) -> int:
         from flax import nnx
 
         model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))
+
+        move_to_huge_pages(model)  # as the server's loader does
         tokenizer = ByteTokenizer(cfg.vocab_size) if cfg.vocab_size >= 259 else None
     rows = []
     try:

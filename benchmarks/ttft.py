@@ -16,6 +16,7 @@ import numpy as np
 from benchmarks.report import Table, report
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
+from jaxhybrid.weights.pages import move_to_huge_pages
 from serve.bench.common import add_out_arg, environment
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
@@ -29,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     model = HybridLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))
+    move_to_huge_pages(model)  # as the server's loader does
     rng = np.random.default_rng(args.seed)
     first = rng.integers(3, cfg.vocab_size, args.prompt_len).tolist()
     follow = first + rng.integers(3, cfg.vocab_size, args.suffix).tolist()

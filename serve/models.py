@@ -16,6 +16,7 @@ from jaxhybrid.cache import CHECKPOINT_DTYPES
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from jaxhybrid.weights import CheckpointError, checkpoint_format, load_pretrained, stored_dtype
+from jaxhybrid.weights.pages import move_to_huge_pages
 from sharding.mesh import mesh_from_flag
 from sharding.placement import load_pretrained_on_mesh, shard_model
 
@@ -230,6 +231,8 @@ def _build(settings: ModelSettings) -> Any:
     if settings.weight_dtype == "int8":
         model.to_int8()
         log.info("weights: int8 codes with a float32 scale per output channel")
+    # a decode step streams every weight: on the CPU it reads them faster from 2 MB pages (same values)
+    move_to_huge_pages(model)
     return model
 
 

@@ -86,3 +86,14 @@ def test_an_engine_on_moved_weights_equals_one_on_xla_buffers(monkeypatch):
     assert pages.move_to_huge_pages(moved) > 0
     monkeypatch.setattr(pages, "available", lambda: False)
     assert run(moved) == run(wide_tiny())  # same seed, weights left where XLA put them
+
+
+def test_an_engine_leaves_its_callers_model_as_it_was(monkeypatch):
+    """Moving the weights is the loader's (`serve.models`), not the engine's: an engine built on a model
+    takes its arrays as they are and replaces none of them."""
+    monkeypatch.setattr(pages, "available", lambda: True)
+    model = wide_tiny()
+    before = {k: v.get_value() for k, v in nnx.to_flat_state(nnx.state(model))}
+    Engine(model, EngineConfig(max_slots=1, block_size=8, prefill_chunk=16))
+    after = {k: v.get_value() for k, v in nnx.to_flat_state(nnx.state(model))}
+    assert all(after[k] is before[k] for k in before)

@@ -27,7 +27,7 @@ PROGRAMS = [ProgramShape(2, 1, WIDTH), ProgramShape(1, 32, WIDTH), ProgramShape(
 
 def lowered_texts(runner: Runner, program: ProgramShape) -> dict[str, str]:
     """`program` traced once from shapes alone (no device in them) and lowered for each platform."""
-    _, run, args = runner._ahead_args(program)
+    _, run, args = runner.compiles._ahead_args(program)
     bare = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
     traced = run.trace(*bare)
     return {p: traced.lower(lowering_platforms=(p,)).as_text() for p in ("cpu", "tpu")}

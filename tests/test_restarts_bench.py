@@ -1,6 +1,7 @@
 """Benchmarks run one after another, each in a fresh process, sharing one compile cache directory (as a
 user's commands share it), report what they computed on an empty cache: `tests/test_restarts.py` has the
-story and the commands and servers."""
+story and the commands and servers. Both benchmarks are research ones (`benchmarks/`): `-m lab` runs
+these."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ SPECULATIVE_KEEP = ("workload", "method", "requests", "prompt_tokens", "identica
                 "4",
             ),
             id="prefix",
+            marks=pytest.mark.lab,
         ),
         pytest.param(
             SPECULATIVE_KEEP,
@@ -73,6 +75,7 @@ SPECULATIVE_KEEP = ("workload", "method", "requests", "prompt_tokens", "identica
                 "self",
             ),
             id="speculative",
+            marks=pytest.mark.lab,
         ),
     ],
 )

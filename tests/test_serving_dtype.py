@@ -100,7 +100,7 @@ def test_info_and_memory_count_what_serve_allocates(bf16_dir, capsys):
     """`info --config DIR` counts the parameters at the dtype `serve --model DIR` holds them in (a bf16
     checkpoint on this CPU: float32), exactly its bytes; `memory` counts the KV in it too; a config alone
     counts float32, as `serve --config` does. Each says which dtype and why."""
-    model, _ = loaded(["serve", "--model", str(bf16_dir)])
+    model, *_ = loaded(["serve", "--model", str(bf16_dir)])
     assert main(["info", "--config", str(bf16_dir), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["dtype"] == "float32" and info["dtype_reason"].startswith("a bfloat16 checkpoint on the CPU")
@@ -118,7 +118,7 @@ def test_info_and_memory_count_what_serve_allocates(bf16_dir, capsys):
     assert main(["memory", "--config", str(bf16_dir), "--context", "64"]) == 0
     assert "KV dtype float32 (a bfloat16 checkpoint on the CPU" in capsys.readouterr().out
     # a config alone: float32, as `serve --config tiny` allocates
-    tiny, _ = loaded(["serve", "--config", "tiny"])
+    tiny, *_ = loaded(["serve", "--config", "tiny"])
     assert main(["info", "--config", "tiny", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["dtype"] == "float32" and info["param_bytes"] == param_bytes(tiny)
@@ -138,7 +138,7 @@ def test_info_of_a_model_directory_counts_what_serve_holds_and_allocates(bf16_di
     tokens whatever the model's context."""
     from serve.engine.engine import Engine, EngineConfig
 
-    model, _ = loaded(["serve", "--model", str(bf16_dir)])
+    model, *_ = loaded(["serve", "--model", str(bf16_dir)])
     assert main(["info", "--model", str(bf16_dir), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     context = CFG.max_position_embeddings

@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 from conftest import rel_err
 
-# the transformers reference harness (`benchmarks.reference`): slow, and nothing of the product's own
-pytestmark = pytest.mark.lab
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from jaxhybrid.ops import native
 from jaxhybrid.weights import load_pretrained
+from jaxhybrid.weights.pages import move_to_huge_pages
 from serve.engine.config import engine_default
 from serve.engine.speculative import MAX_SPECULATIVE_TOKENS, DraftMethod, Speculation, SpeculationError
 from serve.models import ModelSettings, UsageError, add_checkpoint_dtype_arg
@@ -189,7 +190,9 @@ def load_draft_model(args: argparse.Namespace, model: ModelSettings, multi: bool
     directory = args.speculative.split(":", 1)[1]
     if not Path(directory).is_dir():
         raise UsageError(f"--speculative draft:{directory}: no such directory")
-    return load_pretrained(directory, dtype=jnp.dtype(model.dtype), progress=None)
+    draft = load_pretrained(directory, dtype=jnp.dtype(model.dtype), progress=None)
+    move_to_huge_pages(draft)  # as `serve.models` does the model's
+    return draft
 
 
 def setup_logging(level: str) -> None:

@@ -34,7 +34,6 @@ from jaxhybrid.ops.kda import steps_into_pools
 from jaxhybrid.ops.placement import platform_of
 from jaxhybrid.ops.stacks import set_rows
 from jaxhybrid.scan import ScanDefs, forward_scanned, scan_layout, split_for_scan
-from jaxhybrid.weights.pages import move_to_huge_pages
 from serve.engine import copies
 from serve.engine.compiles import Compiles, Programs, split_pools
 from serve.engine.config import EngineShape, ProgramShape, scan_mode
@@ -325,8 +324,6 @@ class Runner:
     def __init__(self, model: HybridLM, shape: EngineShape, mesh: Any = None):
         self.shape = shape
         self.model_config = cfg = model.config
-        # a decode step streams every weight: on the CPU it reads them faster from 2 MB pages (same values)
-        move_to_huge_pages(model)
         graphdef, state = nnx.split(model)
         self.graphdef = graphdef  # the model's static structure (a subclass's programs merge it too)
         # plain nested dicts of arrays: a call flattens them in C++, where a State of nnx Variables is

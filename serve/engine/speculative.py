@@ -292,22 +292,24 @@ class StepCosts:
             return [o.lengths[-1] for o in offers]
         if plain is None:
             return None
-        scale = self.calibration()
-
-        def net(o: Offer, n: int, rate: float) -> float:
-            return scale * o.expected(n) - rate * self.draft_seconds(o.method, n)
-
-        choice, rate = [o.lengths[-1] for o in offers], 0.0
+        scale, costs = self.calibration(), {}
+        for o in offers:  # what each (method, length) costs, once a step
+            for n in o.lengths:
+                if (o.method, n) not in costs:
+                    costs[o.method, n] = self.draft_seconds(o.method, n)
+        # each row's candidates: (length, tokens it is expected to add, seconds its drafting costs)
+        tables = [
+            [(0, 0.0, 0.0)] + [(n, scale * o.expected(n), costs[o.method, n]) for n in o.lengths]
+            for o in offers
+        ]
+        picks, rate = [t[-1] for t in tables], 0.0
         for _ in range(32):  # the rate rises at every round and the choices are finite: a few rounds
-            tokens = running + scale * sum(o.expected(n) for o, n in zip(offers, choice, strict=True))
-            seconds = verify + sum(
-                self.draft_seconds(o.method, n) for o, n in zip(offers, choice, strict=True)
-            )
-            if tokens / seconds <= rate * (1 + 1e-12):
+            new = (running + sum(p[1] for p in picks)) / (verify + sum(p[2] for p in picks))
+            if new <= rate * (1 + 1e-12):
                 break
-            rate = tokens / seconds
-            choice = [max((0, *o.lengths), key=lambda n, o=o: net(o, n, rate)) for o in offers]
-        return choice if rate * plain >= self.margin * running else None
+            rate = new
+            picks = [max(t, key=lambda p: p[1] - rate * p[2]) for t in tables]
+        return [p[0] for p in picks] if rate * plain >= self.margin * running else None
 
     def pays(self, rows: int, expected_tokens: float, running: int | None = None) -> bool:
         """Whether a step of `rows` rows (its program's; `running` of them requests, default all) that are
