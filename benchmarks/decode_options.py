@@ -59,7 +59,7 @@ def main() -> None:
     )
     runner = Engine(model, config).runner
     program = ProgramShape(1, 1, runner.shape.table_width(blocks))
-    _, fn, specs = runner._ahead_args(program)
+    _, fn, specs = runner.compiles._ahead_args(program)
     lowered = fn.lower(*specs)
     variants = {"default": lowered.compile(), "options": lowered.compile(compiler_options=options)}
     kda, mla = runner._split_pools()
