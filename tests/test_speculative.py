@@ -269,12 +269,21 @@ def _latest_match(tokens, k, sizes=range(2, 5)):
     return []
 
 
-@settings(max_examples=50, deadline=None)
-@given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 5))
-def test_the_ngram_index_kept_up_to_date_finds_the_latest_match(tokens, k):
-    index = NgramIndex(range(2, 5))
-    for end in range(1, len(tokens) + 1):  # as a request grows, one step at a time
-        assert index.lookup(tokens[:end], k) == _latest_match(tokens[:end], k)
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(0, 5), min_size=1, max_size=60),
+    st.integers(1, 5),
+    st.lists(st.integers(1, 6), min_size=1, max_size=60),
+    st.integers(0, 60),
+)
+def test_the_ngram_index_kept_up_to_date_finds_the_latest_match(tokens, k, steps, prompt):
+    """As a request grows (by a token, a verified window, or several steps between lookups), read as its
+    prompt and what it generated (`Joined`)."""
+    index, end = NgramIndex(range(2, 5)), 0
+    for step in steps:
+        end = min(end + step, len(tokens))
+        view = Joined(tokens[: min(prompt, end)], tokens[min(prompt, end) : end])
+        assert index.lookup(view, k) == _latest_match(tokens[:end], k)
 
 
 def test_drafts_stop_before_a_stop_token():

@@ -146,15 +146,20 @@ class NgramIndex:
     size: int = 0  # the list's length when last brought up to date
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
-        """The k tokens after the latest earlier occurrence of the longest suffix of `tokens` that has one."""
+        """The k tokens after the latest earlier occurrence of the longest suffix of `tokens` that has one.
+        `tokens` only grows from call to call; what is read of it is one slice (the tokens since the last
+        call and the few before them) and the drafts."""
+        size = len(tokens)
+        base = max(0, self.size - self.sizes[-1])
+        recent = list(tokens[base:size])  # every n-gram that ends in a new token, and the suffixes
         for n in self.sizes:
-            lo, hi = max(0, self.size - n), max(0, len(tokens) - n)
+            lo, hi = max(0, self.size - n), max(0, size - n)
             if hi > lo:  # each n-gram starting in [lo, hi) by its start, later ones over earlier
-                grams = zip(*(tokens[lo + j : hi + j] for j in range(n)), strict=True)
+                grams = zip(*(recent[lo - base + j : hi - base + j] for j in range(n)), strict=True)
                 self.latest.update(zip(grams, range(lo, hi), strict=True))
-        self.size = len(tokens)
+        self.size = size
         for n in reversed(self.sizes):
-            start = self.latest.get(tuple(tokens[len(tokens) - n :])) if len(tokens) > n else None
+            start = self.latest.get(tuple(recent[len(recent) - n :])) if size > n else None
             if start is not None:
                 return [int(t) for t in tokens[start + n : start + n + k]]
         return []
