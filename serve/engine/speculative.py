@@ -196,7 +196,8 @@ class StepCosts:
     measured for a row count it tries the missing one. Where drafts do not pay it tries them again after
     `retry` plain steps, then after twice as many each time a try was all that verified (up to
     `longest_retry`), and after `retry` again once drafts paid (0: every step with drafts verifies them). A
-    step or a drafting that compiled (or first loaded) a program is not counted, nor the first of each kind.
+    step that compiled (or first loaded) a program is not counted, nor its draftings, nor the first of each
+    kind.
 
     `lockstep()`: the engine runs in lockstep with other processes (`serve.engine.replicated`), each of which
     must plan the same steps; the seconds it is told are replaced by fixed ones (`LOCKSTEP_STEP`,
@@ -232,7 +233,7 @@ class StepCosts:
         key = (method, tokens)
         if compiled or tokens <= 0:
             return
-        if key not in self._drafts_seen:  # a request's first drafting reads its whole prompt
+        if key not in self._drafts_seen:  # the first of each kind, as with steps
             self._drafts_seen.add(key)
             return
         self._drafts.setdefault(key, collections.deque(maxlen=self.window)).append(seconds)
@@ -396,14 +397,15 @@ class DraftPlanner:
             self._shadow(decode)  # drafting is not expected to pay: only the free lookups, to learn
             return out
         lengths = dict(zip(offers, chosen, strict=True))
+        timed: list[tuple[DraftMethod, int, float]] = []  # each row's drafting: (method, length, seconds)
+        programs = count_programs(self.drafter)
         for req in decode:
             n = min(budget, lengths.get(req.id, 0))
             if n <= 0:
                 continue
-            t0, programs = self.clock(), count_programs(self.drafter)
+            t0 = self.clock()
             drafts = self._drafts(req, n, free)
-            compiled = count_programs(self.drafter) != programs
-            self.costs.drafted(req.drafting.method, n, self.clock() - t0, compiled)
+            timed.append((req.drafting.method, n, self.clock() - t0))
             if not drafts:
                 continue
             need = math.ceil((req.num_computed + 1 + len(drafts)) / self.shape.block_size) - len(req.blocks)
@@ -411,6 +413,9 @@ class DraftPlanner:
             out[req.id] = drafts
             budget -= len(drafts)
             expected += req.drafting.expected(len(drafts))
+        compiled = count_programs(self.drafter) != programs  # then no drafting of this step is what it costs
+        for method, n, seconds in timed:
+            self.costs.drafted(method, n, seconds, compiled)
         self._shadow([r for r in decode if r.id not in out])
         if not out or not self.costs.pays(rows, expected, len(decode)):
             for req in decode:
