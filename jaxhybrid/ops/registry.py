@@ -1,0 +1,356 @@
+"""Which implementation of an op runs: every op with more than one implementation declares them here, each
+with its kind, the platforms it is for and a predicate on the op's arguments, and :func:`call` picks one.
+
+Kinds (:class:`Kind`):
+
+- ``reference``: the plain JAX reference, the oracle of every other (it runs everywhere);
+- ``xla``: an XLA formulation for a platform where it differs from the reference (the CPU's expert loop,
+  the accelerators' grouped ``ragged_dot``);
+- ``native``: a CPU kernel of `jaxhybrid.ops.native`, an XLA FFI custom call;
+- ``pallas``: a Pallas TPU / GPU kernel; it takes ``interpret=`` and, asked for where it is not compiled
+  (the CPU, in tests), runs interpreted.
+
+Where an op runs is placement's rule (`jaxhybrid.ops.placement`): the platform of its first argument's
+devices or of the mesh; where neither says (a program traced from shapes alone), the choice for each
+platform is traced and ``jax.lax.platform_dependent`` keeps the one for the platform the program is
+lowered for (a TPU program holds no CPU custom call).
+
+The kernels mode (:class:`Mode`) says which kinds may run, in this order of preference, the first entry of
+its platform whose predicate holds winning (the reference always holds):
+
+- ``auto`` (the default): native, pallas, xla, reference;
+- ``pallas``: pallas (interpreted off its platforms), then xla, then reference;
+- ``xla``: xla, then reference;
+- ``reference``: the reference only.
+
+The mode comes from ``$JAXHYBRID_KERNELS`` (for tests), the command line's ``--kernels`` (:func:`set_mode`)
+or the block of ``with registry.kernels("reference"):``. It is a JAX configuration option that is part of
+jit's cache key, so a trace made under one mode is never reused under another, and the engine's
+compiled-program cache keys on it too (`serve.engine.executables`).
+
+Registering a Pallas kernel is one entry in :func:`_declare`'s list for its op, e.g. the in-place KDA
+decode (a kernel of the op's signature plus ``interpret``)::
+
+    from jaxhybrid.ops.pallas import kda as kda_pallas
+
+    Implementation(
+        "kda_decode_into_pool",
+        Kind.PALLAS,
+        kda_pallas.kda_decode_into_pool_pallas,  # (q, k, v, g, beta, pool, rows, *, interpret=False)
+        platforms=TPU,
+        applies=kda.kda_decode_into_pool_pallas_applies,  # e.g. T == 1 and a float32 pool
+    ),
+
+and the same for ``kda_decode_states`` (`kda_decode_states_pallas`: its `initial_state` is the pool, so
+the entry takes rows it is given, a wrapper where `rows` is None) and for the MoE experts (a grouped MXFP4
+matmul in `jaxhybrid.ops.pallas.moe`, wrapped to the signature of ``moe_experts_dropless``). The chunked
+prefill (`kda_chunked_pallas`) needs `kda.kda_chunked` made an op here first (its reference: the body of
+today's `kda_chunked`). The parametrized test of tests/test_registry.py then runs it, interpreted, against
+the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import functools
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+from jax._src import config as jax_config  # a configuration option of our own, part of jit's cache key
+
+from jaxhybrid.ops import placement
+
+__all__ = [
+    "ENV",
+    "Kind",
+    "Mode",
+    "Implementation",
+    "KernelsError",
+    "allows",
+    "call",
+    "choose",
+    "from_env",
+    "implementations",
+    "kernels",
+    "mode",
+    "set_mode",
+]
+
+ENV = "JAXHYBRID_KERNELS"
+CPU = frozenset({placement.CPU})
+TPU = frozenset({"tpu"})
+ACCELERATORS = frozenset({"tpu", "gpu"})
+PLATFORMS = ("cpu", "tpu", "gpu")  # as `jax.Device.platform` says; `platform_dependent` names gpu cuda/rocm
+
+
+class Kind(enum.Enum):
+    """What an implementation is (module docstring)."""
+
+    REFERENCE = "reference"
+    XLA = "xla"
+    NATIVE = "native"
+    PALLAS = "pallas"
+
+
+class Mode(enum.Enum):
+    """Which kinds may run (module docstring)."""
+
+    AUTO = "auto"
+    REFERENCE = "reference"
+    XLA = "xla"
+    PALLAS = "pallas"
+
+
+PREFERENCE: dict[Mode, tuple[Kind, ...]] = {
+    Mode.AUTO: (Kind.NATIVE, Kind.PALLAS, Kind.XLA, Kind.REFERENCE),
+    Mode.PALLAS: (Kind.PALLAS, Kind.XLA, Kind.REFERENCE),
+    Mode.XLA: (Kind.XLA, Kind.REFERENCE),
+    Mode.REFERENCE: (Kind.REFERENCE,),
+}
+
+
+class KernelsError(ValueError):
+    """A kernels mode that is not one of :class:`Mode`'s."""
+
+
+def _always(*_: Any, **__: Any) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One implementation of op `op`: `fn` takes the op's arguments (a Pallas one also ``interpret=``);
+    `platforms` are where it runs (None: everywhere); `applies` says from the op's arguments (shapes,
+    dtypes, whether a kernel is built) whether it takes them."""
+
+    op: str
+    kind: Kind
+    fn: Callable[..., Any]
+    platforms: frozenset[str] | None = None
+    applies: Callable[..., bool] = _always
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}:{self.kind.value}:{self.fn.__name__}"
+
+    def usable(self, platform: str, mode: Mode) -> bool:
+        """Whether it may run in a program on `platform` under `mode` (whatever the arguments)."""
+        if self.kind not in PREFERENCE[mode]:
+            return False
+        if self.platforms is None or platform in self.platforms:
+            return True
+        return self.kind is Kind.PALLAS and mode is Mode.PALLAS  # interpreted
+
+    def interpreted(self, platform: str) -> bool:
+        """Whether it runs interpreted on `platform`: a Pallas kernel off its platforms."""
+        return self.kind is Kind.PALLAS and self.platforms is not None and platform not in self.platforms
+
+    def bound(self, platform: str) -> Callable[..., Any]:
+        """`fn` as it runs on `platform` (a Pallas kernel told whether it is interpreted)."""
+        if self.kind is Kind.PALLAS:
+            return functools.partial(self.fn, interpret=self.interpreted(platform))
+        return self.fn
+
+
+def _declare() -> list[Implementation]:
+    """Every op's implementations, the reference first."""
+    from jaxhybrid.ops import conv, dense, int8, kda, mla, moe, stacks
+
+    return [
+        Implementation("kda_decode", Kind.REFERENCE, kda.kda_decode_reference),
+        Implementation("kda_decode", Kind.NATIVE, kda.kda_decode_native, CPU, kda.kda_decode_native_applies),
+        Implementation("kda_decode_into_pool", Kind.REFERENCE, kda.kda_decode_into_pool_reference),
+        Implementation(
+            "kda_decode_into_pool",
+            Kind.NATIVE,
+            kda.kda_decode_into_pool_native,
+            CPU,
+            kda.kda_decode_into_pool_native_applies,
+        ),
+        Implementation("kda_decode_states", Kind.REFERENCE, kda.kda_decode_states_reference),
+        Implementation(
+            "kda_decode_states",
+            Kind.NATIVE,
+            kda.kda_decode_states_native,
+            CPU,
+            kda.kda_decode_states_native_applies,
+        ),
+        Implementation("causal_conv1d_into_pool", Kind.REFERENCE, conv.causal_conv1d_into_pool_reference),
+        Implementation(
+            "causal_conv1d_into_pool",
+            Kind.NATIVE,
+            conv.causal_conv1d_into_pool_native,
+            CPU,
+            conv.causal_conv1d_into_pool_native_applies,
+        ),
+        Implementation("set_rows", Kind.REFERENCE, stacks.set_rows_reference),
+        Implementation("set_rows", Kind.NATIVE, stacks.set_rows_native, CPU, stacks.set_rows_native_applies),
+        Implementation("mla_attention_paged", Kind.REFERENCE, mla.mla_attention_paged_reference),
+        Implementation(
+            "mla_attention_paged", Kind.NATIVE, mla.mla_attention_paged_native, CPU, mla.paged_kernel_takes
+        ),
+        Implementation("moe_experts_dropless", Kind.REFERENCE, moe.moe_experts_dense),
+        Implementation("moe_experts_dropless", Kind.XLA, moe.moe_experts_skipping, CPU),
+        Implementation("moe_experts_dropless", Kind.XLA, moe.moe_experts_grouped, ACCELERATORS),
+        Implementation("moe_experts_dropless_stacked", Kind.REFERENCE, moe.moe_experts_dense_stacked),
+        Implementation("moe_experts_dropless_stacked", Kind.XLA, moe.moe_experts_skipping_stacked, CPU),
+        Implementation(
+            "moe_experts_dropless_stacked", Kind.XLA, moe.moe_experts_grouped_stacked, ACCELERATORS
+        ),
+        Implementation("dense.matmul", Kind.REFERENCE, dense.matmul_reference),
+        Implementation("dense.matmul", Kind.NATIVE, dense.matmul_native, CPU, dense.matmul_native_applies),
+        Implementation("dense.matmul_many", Kind.REFERENCE, dense.matmul_many_reference),
+        Implementation(
+            "dense.matmul_many", Kind.NATIVE, dense.matmul_many_native, CPU, dense.matmul_many_native_applies
+        ),
+        Implementation("dense.matmul_pairs_many", Kind.REFERENCE, dense.matmul_pairs_many_reference),
+        Implementation(
+            "dense.matmul_pairs_many",
+            Kind.NATIVE,
+            dense.matmul_pairs_many_native,
+            CPU,
+            dense.matmul_pairs_many_native_applies,
+        ),
+        Implementation("int8.matmul", Kind.REFERENCE, int8.matmul_reference),
+        Implementation("int8.matmul", Kind.XLA, int8.matmul_blocked, CPU),
+        Implementation("int8.matmul", Kind.NATIVE, int8.matmul_native, CPU, int8.matmul_native_applies),
+        Implementation("int8.matmul_many", Kind.REFERENCE, int8.matmul_many_reference),
+        Implementation("int8.matmul_many", Kind.XLA, int8.matmul_many_each, CPU),
+        Implementation(
+            "int8.matmul_many", Kind.NATIVE, int8.matmul_many_native, CPU, int8.matmul_many_native_applies
+        ),
+        Implementation("int8.matmul_pairs_many", Kind.REFERENCE, int8.matmul_pairs_many_reference),
+        Implementation(
+            "int8.matmul_pairs_many",
+            Kind.NATIVE,
+            int8.matmul_pairs_many_native,
+            CPU,
+            int8.matmul_pairs_many_native_applies,
+        ),
+    ]
+
+
+@functools.cache
+def _table() -> Mapping[str, tuple[Implementation, ...]]:
+    table: dict[str, list[Implementation]] = {}
+    for entry in _declare():
+        table.setdefault(entry.op, []).append(entry)
+    for op, entries in table.items():
+        if [e.kind for e in entries].count(Kind.REFERENCE) != 1 or entries[0].kind is not Kind.REFERENCE:
+            raise AssertionError(f"op {op}: one reference, declared first")
+    return {op: tuple(entries) for op, entries in table.items()}
+
+
+def implementations() -> tuple[Implementation, ...]:
+    """Every declared implementation of every op."""
+    return tuple(e for entries in _table().values() for e in entries)
+
+
+def reference(op: str) -> Implementation:
+    """Op `op`'s reference."""
+    return _table()[op][0]
+
+
+def choose(op: str, platform: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Implementation:
+    """The implementation of `op` that runs `args`/`kwargs` in a program on `platform` under the current
+    mode (module docstring)."""
+    entries, now = _table()[op], mode()
+    for kind in PREFERENCE[now]:
+        for entry in entries:
+            if entry.kind is kind and entry.usable(platform, now) and entry.applies(*args, **kwargs):
+                return entry
+    return entries[0]
+
+
+def call(op: str, *args: Any, **kwargs: Any) -> Any:
+    """Op `op` on `args`/`kwargs` through the implementation :func:`choose` picks; where the first argument
+    does not say its platform, one per platform, kept by ``platform_dependent`` at lowering."""
+    known = placement.platform_of(args[0])
+    if known is not None:
+        return choose(op, known, args, kwargs).bound(known)(*args, **kwargs)
+    picks = {p: choose(op, p, args, kwargs) for p in PLATFORMS}
+    forms = {p: functools.partial(entry.bound(p), *args, **kwargs) for p, entry in picks.items()}
+    # the TPU's form is the default: a branch is traced only where a platform's form differs from it
+    default = (picks["tpu"], picks["tpu"].interpreted("tpu"))
+    branches = {p: forms[p] for p, entry in picks.items() if (entry, entry.interpreted(p)) != default}
+    if not branches:
+        return forms["tpu"]()
+    if "gpu" in branches:
+        branches["cuda"] = branches["rocm"] = branches.pop("gpu")
+    return jax.lax.platform_dependent(**branches, default=forms["tpu"])
+
+
+def allows(kind: Kind) -> bool:
+    """Whether the current mode lets implementations of `kind` run (for a caller that chooses a whole path
+    by whether an op will take its kernel, e.g. the engine's in-place pool updates)."""
+    return kind in PREFERENCE[mode()]
+
+
+def from_env(environ: Mapping[str, str] = os.environ) -> Mode:
+    """The mode `$JAXHYBRID_KERNELS` names (unset or empty: auto); KernelsError for any other value."""
+    return parse(environ.get(ENV) or Mode.AUTO.value, f"${ENV}")
+
+
+def parse(value: str, source: str) -> Mode:
+    """`value` as a Mode; KernelsError naming `source` (a flag, a variable) otherwise."""
+    try:
+        return Mode(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in Mode)
+        raise KernelsError(f"{source}={value!r}: the kernels mode is one of {choices}") from None
+
+
+def _initial() -> tuple[Mode, str | None]:
+    try:
+        return from_env(), None
+    except KernelsError as e:
+        return Mode.AUTO, str(e)
+
+
+_START, _ENV_PROBLEM = _initial()
+# JAX reads an option's default from the variable of its name in capitals: not $JAXHYBRID_KERNELS, which
+# this module reads itself (a bad value then fails the first op, with the choices, not the import)
+_STATE = jax_config.enum_state(
+    "jaxhybrid_kernels_mode",
+    [m.value for m in Mode],
+    _START.value,
+    help="which op implementations run (jaxhybrid.ops.registry)",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+_set_explicitly = False
+
+
+def mode() -> Mode:
+    """The current kernels mode. A bad `$JAXHYBRID_KERNELS` raises KernelsError here (importing never
+    fails) unless a mode was set explicitly."""
+    if _ENV_PROBLEM is not None and not _set_explicitly:
+        raise KernelsError(_ENV_PROBLEM)
+    return Mode(_STATE.value)
+
+
+def set_mode(value: Mode | str | None) -> Mode:
+    """Set the process's mode (every thread: the engine compiles on others): `value`, or with None the one
+    `$JAXHYBRID_KERNELS` names now (KernelsError for a bad one). Returns it."""
+    global _set_explicitly
+    chosen = from_env() if value is None else value if isinstance(value, Mode) else parse(value, "--kernels")
+    jax.config.update(_STATE.name, chosen.value)
+    _set_explicitly = True
+    return chosen
+
+
+@contextlib.contextmanager
+def kernels(value: Mode | str) -> Iterator[Mode]:
+    """The block runs under mode `value` (process-wide, as :func:`set_mode`); the previous mode after."""
+    global _set_explicitly
+    before, explicitly = _STATE.get_global(), _set_explicitly
+    chosen = set_mode(value)
+    try:
+        yield chosen
+    finally:
+        jax.config.update(_STATE.name, before)
+        _set_explicitly = explicitly
