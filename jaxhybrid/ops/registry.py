@@ -29,24 +29,25 @@ jit's cache key, so a trace made under one mode is never reused under another, a
 compiled-program cache keys on it too (`serve.engine.executables`).
 
 Registering a Pallas kernel is one entry in :func:`_declare`'s list for its op, e.g. the in-place KDA
-decode (a kernel of the op's signature plus ``interpret``)::
+decode, a kernel of the op's signature plus ``interpret``::
 
-    from jaxhybrid.ops.pallas import kda as kda_pallas
+    from jaxhybrid.ops.pallas import kda as kda_pallas  # inside _declare, with the other op modules
 
     Implementation(
         "kda_decode_into_pool",
         Kind.PALLAS,
         kda_pallas.kda_decode_into_pool_pallas,  # (q, k, v, g, beta, pool, rows, *, interpret=False)
-        platforms=TPU,
-        applies=kda.kda_decode_into_pool_pallas_applies,  # e.g. T == 1 and a float32 pool
+        platforms=TPU,  # compiled there (auto picks it there); interpreted elsewhere under `pallas`
+        applies=kda_pallas.takes,  # the op's arguments -> bool: e.g. T == 1 and a float32 pool
     ),
 
-and the same for ``kda_decode_states`` (`kda_decode_states_pallas`: its `initial_state` is the pool, so
-the entry takes rows it is given, a wrapper where `rows` is None) and for the MoE experts (a grouped MXFP4
-matmul in `jaxhybrid.ops.pallas.moe`, wrapped to the signature of ``moe_experts_dropless``). The chunked
-prefill (`kda_chunked_pallas`) needs `kda.kda_chunked` made an op here first (its reference: the body of
-today's `kda_chunked`). The parametrized test of tests/test_registry.py then runs it, interpreted, against
-the reference.
+``kda_decode_states_pallas(q, k, v, g, beta, pool, rows, *, interpret=False)`` registers the same way under
+``kda_decode_states`` (whose ``initial_state, rows`` are then the pool and its rows), with a predicate that
+asks for ``rows is not None``; the grouped MXFP4 expert matmul of `jaxhybrid.ops.pallas.moe` under
+``moe_experts_dropless`` through a function of that op's signature around it. The chunked prefill
+(``kda_chunked_pallas``) needs ``kda.kda_chunked`` made an op here first (its reference: today's
+``kda_chunked``). tests/test_registry.py then runs each, interpreted on the CPU, against its op's
+reference (an op new to the registry adds its example arguments there).
 """
 
 from __future__ import annotations
@@ -160,76 +161,56 @@ def _declare() -> list[Implementation]:
     """Every op's implementations, the reference first."""
     from jaxhybrid.ops import conv, dense, int8, kda, mla, moe, stacks
 
+    def ref(op: str, fn: Callable[..., Any]) -> Implementation:
+        return Implementation(op, Kind.REFERENCE, fn)
+
+    def cpu_kernel(op: str, fn: Callable[..., Any], applies: Callable[..., bool]) -> Implementation:
+        return Implementation(op, Kind.NATIVE, fn, CPU, applies)
+
     return [
-        Implementation("kda_decode", Kind.REFERENCE, kda.kda_decode_reference),
-        Implementation("kda_decode", Kind.NATIVE, kda.kda_decode_native, CPU, kda.kda_decode_native_applies),
-        Implementation("kda_decode_into_pool", Kind.REFERENCE, kda.kda_decode_into_pool_reference),
-        Implementation(
-            "kda_decode_into_pool",
-            Kind.NATIVE,
-            kda.kda_decode_into_pool_native,
-            CPU,
-            kda.kda_decode_into_pool_native_applies,
+        ref("kda_decode", kda.kda_decode_reference),
+        cpu_kernel("kda_decode", kda.kda_decode_native, kda.kda_decode_native_applies),
+        ref("kda_decode_into_pool", kda.kda_decode_into_pool_reference),
+        cpu_kernel(
+            "kda_decode_into_pool", kda.kda_decode_into_pool_native, kda.kda_decode_into_pool_native_applies
         ),
-        Implementation("kda_decode_states", Kind.REFERENCE, kda.kda_decode_states_reference),
-        Implementation(
-            "kda_decode_states",
-            Kind.NATIVE,
-            kda.kda_decode_states_native,
-            CPU,
-            kda.kda_decode_states_native_applies,
-        ),
-        Implementation("causal_conv1d_into_pool", Kind.REFERENCE, conv.causal_conv1d_into_pool_reference),
-        Implementation(
+        ref("kda_decode_states", kda.kda_decode_states_reference),
+        cpu_kernel("kda_decode_states", kda.kda_decode_states_native, kda.kda_decode_states_native_applies),
+        ref("causal_conv1d_into_pool", conv.causal_conv1d_into_pool_reference),
+        cpu_kernel(
             "causal_conv1d_into_pool",
-            Kind.NATIVE,
             conv.causal_conv1d_into_pool_native,
-            CPU,
             conv.causal_conv1d_into_pool_native_applies,
         ),
-        Implementation("set_rows", Kind.REFERENCE, stacks.set_rows_reference),
-        Implementation("set_rows", Kind.NATIVE, stacks.set_rows_native, CPU, stacks.set_rows_native_applies),
-        Implementation("mla_attention_paged", Kind.REFERENCE, mla.mla_attention_paged_reference),
-        Implementation(
-            "mla_attention_paged", Kind.NATIVE, mla.mla_attention_paged_native, CPU, mla.paged_kernel_takes
-        ),
-        Implementation("moe_experts_dropless", Kind.REFERENCE, moe.moe_experts_dense),
+        ref("set_rows", stacks.set_rows_reference),
+        cpu_kernel("set_rows", stacks.set_rows_native, stacks.set_rows_native_applies),
+        ref("mla_attention_paged", mla.mla_attention_paged_reference),
+        cpu_kernel("mla_attention_paged", mla.mla_attention_paged_native, mla.paged_kernel_takes),
+        ref("moe_experts_dropless", moe.moe_experts_dense),
         Implementation("moe_experts_dropless", Kind.XLA, moe.moe_experts_skipping, CPU),
         Implementation("moe_experts_dropless", Kind.XLA, moe.moe_experts_grouped, ACCELERATORS),
-        Implementation("moe_experts_dropless_stacked", Kind.REFERENCE, moe.moe_experts_dense_stacked),
+        ref("moe_experts_dropless_stacked", moe.moe_experts_dense_stacked),
         Implementation("moe_experts_dropless_stacked", Kind.XLA, moe.moe_experts_skipping_stacked, CPU),
         Implementation(
             "moe_experts_dropless_stacked", Kind.XLA, moe.moe_experts_grouped_stacked, ACCELERATORS
         ),
-        Implementation("dense.matmul", Kind.REFERENCE, dense.matmul_reference),
-        Implementation("dense.matmul", Kind.NATIVE, dense.matmul_native, CPU, dense.matmul_native_applies),
-        Implementation("dense.matmul_many", Kind.REFERENCE, dense.matmul_many_reference),
-        Implementation(
-            "dense.matmul_many", Kind.NATIVE, dense.matmul_many_native, CPU, dense.matmul_many_native_applies
+        ref("dense.matmul", dense.matmul_reference),
+        cpu_kernel("dense.matmul", dense.matmul_native, dense.matmul_native_applies),
+        ref("dense.matmul_many", dense.matmul_many_reference),
+        cpu_kernel("dense.matmul_many", dense.matmul_many_native, dense.matmul_many_native_applies),
+        ref("dense.matmul_pairs_many", dense.matmul_pairs_many_reference),
+        cpu_kernel(
+            "dense.matmul_pairs_many", dense.matmul_pairs_many_native, dense.matmul_pairs_many_native_applies
         ),
-        Implementation("dense.matmul_pairs_many", Kind.REFERENCE, dense.matmul_pairs_many_reference),
-        Implementation(
-            "dense.matmul_pairs_many",
-            Kind.NATIVE,
-            dense.matmul_pairs_many_native,
-            CPU,
-            dense.matmul_pairs_many_native_applies,
-        ),
-        Implementation("int8.matmul", Kind.REFERENCE, int8.matmul_reference),
+        ref("int8.matmul", int8.matmul_reference),
         Implementation("int8.matmul", Kind.XLA, int8.matmul_blocked, CPU),
-        Implementation("int8.matmul", Kind.NATIVE, int8.matmul_native, CPU, int8.matmul_native_applies),
-        Implementation("int8.matmul_many", Kind.REFERENCE, int8.matmul_many_reference),
+        cpu_kernel("int8.matmul", int8.matmul_native, int8.matmul_native_applies),
+        ref("int8.matmul_many", int8.matmul_many_reference),
         Implementation("int8.matmul_many", Kind.XLA, int8.matmul_many_each, CPU),
-        Implementation(
-            "int8.matmul_many", Kind.NATIVE, int8.matmul_many_native, CPU, int8.matmul_many_native_applies
-        ),
-        Implementation("int8.matmul_pairs_many", Kind.REFERENCE, int8.matmul_pairs_many_reference),
-        Implementation(
-            "int8.matmul_pairs_many",
-            Kind.NATIVE,
-            int8.matmul_pairs_many_native,
-            CPU,
-            int8.matmul_pairs_many_native_applies,
+        cpu_kernel("int8.matmul_many", int8.matmul_many_native, int8.matmul_many_native_applies),
+        ref("int8.matmul_pairs_many", int8.matmul_pairs_many_reference),
+        cpu_kernel(
+            "int8.matmul_pairs_many", int8.matmul_pairs_many_native, int8.matmul_pairs_many_native_applies
         ),
     ]
 
