@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
-from jaxhybrid.ops import int8, kda, native, registry
+from jaxhybrid.ops import conv, dense, int8, kda, mla, moe, native, registry, stacks
 from jaxhybrid.ops.registry import Kind, Mode
 from serve.cli import main
 from serve.engine.engine import Engine, EngineConfig
@@ -129,7 +129,7 @@ def test_every_implementation_equals_its_ops_reference(impl: registry.Implementa
     assert impl.applies(*args, **kwargs), f"the example of {impl.op} does not meet {impl.name}'s predicate"
     run = impl.bound("cpu")  # the CPU runs XLA forms for any platform; a Pallas kernel interpreted
     got = jax.tree.leaves(run(*args, **kwargs))
-    want = jax.tree.leaves(registry.reference(impl.op).fn(*args, **kwargs))
+    want = jax.tree.leaves(registry.op(impl.op).reference.fn(*args, **kwargs))
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
@@ -137,10 +137,16 @@ def test_every_implementation_equals_its_ops_reference(impl: registry.Implementa
 
 
 def test_every_op_has_a_reference_and_an_example() -> None:
+    """The ops of the modules that declare some (imported here) are those with an example, each with one
+    reference, first; each public function is its Op."""
     ops = {i.op for i in registry.implementations()}
     assert ops == set(EXAMPLES)
-    for op in ops:
-        assert registry.reference(op).kind is Kind.REFERENCE
+    for name in ops:
+        kinds = [i.kind for i in registry.op(name).implementations]
+        assert kinds[0] is Kind.REFERENCE and kinds.count(Kind.REFERENCE) == 1
+    declared = (conv.CAUSAL_CONV1D_INTO_POOL, dense.MATMUL, int8.MATMUL, mla.MLA_ATTENTION_PAGED)
+    declared += (moe.MOE_EXPERTS_DROPLESS, stacks.SET_ROWS, kda.KDA_DECODE)
+    assert all(registry.op(o.name) is o for o in declared)
 
 
 def _custom_calls(text: str) -> set[str]:

@@ -102,6 +102,13 @@ def causal_conv1d_into_pool_native_applies(
     return x.shape[1] == 1 and x.dtype == pool.dtype == f32 and native.kda_pool_kernels() is not None
 
 
+CAUSAL_CONV1D_INTO_POOL = registry.Op(
+    "causal_conv1d_into_pool",
+    causal_conv1d_into_pool_reference,
+    registry.cpu_kernel(causal_conv1d_into_pool_native, causal_conv1d_into_pool_native_applies),
+)
+
+
 def causal_conv1d_into_pool(
     x: jax.Array,
     weight: jax.Array,
@@ -114,7 +121,7 @@ def causal_conv1d_into_pool(
     result aliases `pool`: donate it, else XLA copies it first). In a program that reads the pool and
     scatters into it, XLA:CPU fuses the read into the scatter and then copies the whole pool, twice.
     Elsewhere, or where the kernel does not apply, the reference."""
-    return registry.call("causal_conv1d_into_pool", x, weight, pool, rows, lengths)
+    return CAUSAL_CONV1D_INTO_POOL(x, weight, pool, rows, lengths)
 
 
 def causal_conv1d_windows(

@@ -61,8 +61,13 @@ def matmul_native_applies(x: jax.Array, w: jax.Array, index: Any = None) -> bool
     return math.prod(x.shape[:-1]) <= KERNEL_ROWS and kernel_applies(x, w)
 
 
+MATMUL = registry.Op(
+    "dense.matmul", matmul_reference, registry.cpu_kernel(matmul_native, matmul_native_applies)
+)
+
+
 def matmul(x: jax.Array, w: jax.Array, index: Any = None) -> jax.Array:
-    return registry.call("dense.matmul", x, w, index)
+    return MATMUL(x, w, index)
 
 
 def matmul_many_reference(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
@@ -81,10 +86,17 @@ def matmul_many_native_applies(x: jax.Array, ws: Sequence[jax.Array]) -> bool:
     return math.prod(x.shape[:-1]) <= KERNEL_ROWS and all(kernel_applies(x, w) for w in ws)
 
 
+MATMUL_MANY = registry.Op(
+    "dense.matmul_many",
+    matmul_many_reference,
+    registry.cpu_kernel(matmul_many_native, matmul_many_native_applies),
+)
+
+
 def matmul_many(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     """:func:`matmul_many_reference` as `jaxhybrid.ops.registry` chooses: one native kernel call on the CPU
     for decode-sized float32 rows; else the reference."""
-    return registry.call("dense.matmul_many", x, ws)
+    return MATMUL_MANY(x, ws)
 
 
 def matmul_pairs_reference(x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
@@ -115,10 +127,17 @@ def matmul_pairs_many_native_applies(x: jax.Array, ws: Sequence[jax.Array], ids:
     return all(kernel_applies(x, w) for w in ws)
 
 
+MATMUL_PAIRS_MANY = registry.Op(
+    "dense.matmul_pairs_many",
+    matmul_pairs_many_reference,
+    registry.cpu_kernel(matmul_pairs_many_native, matmul_pairs_many_native_applies),
+)
+
+
 def matmul_pairs_many(x: jax.Array, ws: Sequence[jax.Array], ids: jax.Array) -> tuple[jax.Array, ...]:
     """:func:`matmul_pairs_many_reference` as `jaxhybrid.ops.registry` chooses: one native kernel call on the
     CPU; elsewhere the reference."""
-    return registry.call("dense.matmul_pairs_many", x, ws, ids)
+    return MATMUL_PAIRS_MANY(x, ws, ids)
 
 
 def kernel_applies(x: jax.Array, w: jax.Array) -> bool:

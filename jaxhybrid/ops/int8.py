@@ -113,11 +113,19 @@ def matmul_blocked(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
     return _blocked(x, select(w, index))
 
 
+MATMUL = registry.Op(
+    "int8.matmul",
+    matmul_reference,
+    registry.Implementation(registry.Kind.XLA, matmul_blocked, registry.CPU),
+    registry.cpu_kernel(matmul_native, matmul_native_applies),
+)
+
+
 def matmul(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
     """:func:`matmul_reference` as `jaxhybrid.ops.registry` chooses: in a program on CPUs through the kernel
     (decode-sized rows, or any with its blocked product) or block by block (:func:`matmul_blocked`);
     elsewhere the reference."""
-    return registry.call("int8.matmul", x, w, index)
+    return MATMUL(x, w, index)
 
 
 def matmul_many_reference(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, ...]:
@@ -140,10 +148,18 @@ def matmul_many_each(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, ...]:
     return tuple(matmul(x, w) for w in ws)
 
 
+MATMUL_MANY = registry.Op(
+    "int8.matmul_many",
+    matmul_many_reference,
+    registry.Implementation(registry.Kind.XLA, matmul_many_each, registry.CPU),
+    registry.cpu_kernel(matmul_many_native, matmul_many_native_applies),
+)
+
+
 def matmul_many(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, ...]:
     """:func:`matmul_many_reference` as `jaxhybrid.ops.registry` chooses: one native kernel call on the CPU
     where it takes the rows, else one :func:`matmul` each there; elsewhere the reference."""
-    return registry.call("int8.matmul_many", x, ws)
+    return MATMUL_MANY(x, ws)
 
 
 def matmul_pairs_reference(x: jax.Array, w: Int8, ids: jax.Array) -> jax.Array:
@@ -176,10 +192,17 @@ def matmul_pairs_many_native_applies(x: jax.Array, ws: Sequence[Int8], ids: jax.
     return _target() is not None
 
 
+MATMUL_PAIRS_MANY = registry.Op(
+    "int8.matmul_pairs_many",
+    matmul_pairs_many_reference,
+    registry.cpu_kernel(matmul_pairs_many_native, matmul_pairs_many_native_applies),
+)
+
+
 def matmul_pairs_many(x: jax.Array, ws: Sequence[Int8], ids: jax.Array) -> tuple[jax.Array, ...]:
     """:func:`matmul_pairs_many_reference` as `jaxhybrid.ops.registry` chooses: one native kernel call on the
     CPU; elsewhere the reference."""
-    return registry.call("int8.matmul_pairs_many", x, ws, ids)
+    return MATMUL_PAIRS_MANY(x, ws, ids)
 
 
 def _target() -> str | None:

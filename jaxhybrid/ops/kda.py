@@ -176,6 +176,11 @@ def kda_decode_native_applies(q: jax.Array, *_: Any, **__: Any) -> bool:
     return q.shape[1] == 1 and native.kda_decode_kernel() is not None
 
 
+KDA_DECODE = registry.Op(
+    "kda_decode", kda_decode_reference, registry.cpu_kernel(kda_decode_native, kda_decode_native_applies)
+)
+
+
 def kda_decode(
     q: jax.Array,
     k: jax.Array,
@@ -191,7 +196,7 @@ def kda_decode(
     and results, and `rows` ([B] int32): `initial_state` is then a pool of states [S, H, dk, dv] and row b
     starts from `initial_state[rows[b]]`, which the kernel reads in place (XLA copies a slot out of a pool
     first)."""
-    return registry.call("kda_decode", q, k, v, g, beta, initial_state, rows)
+    return KDA_DECODE(q, k, v, g, beta, initial_state, rows)
 
 
 def kda_decode_into_pool_reference(
@@ -238,6 +243,13 @@ def kda_decode_into_pool_native_applies(
     return q.shape[1] == 1 and pool.dtype == jnp.float32 and native.kda_pool_kernels() is not None
 
 
+KDA_DECODE_INTO_POOL = registry.Op(
+    "kda_decode_into_pool",
+    kda_decode_into_pool_reference,
+    registry.cpu_kernel(kda_decode_into_pool_native, kda_decode_into_pool_native_applies),
+)
+
+
 def kda_decode_into_pool(
     q: jax.Array,
     k: jax.Array,
@@ -251,7 +263,7 @@ def kda_decode_into_pool(
     kernel, which reads each row's state in its slot and writes the new one over it (the result aliases
     `pool`: donate it, else XLA copies it first); no [B, H, dk, dv] states are made, no scatter runs.
     Elsewhere, or where the kernel does not apply, the reference."""
-    return registry.call("kda_decode_into_pool", q, k, v, g, beta, pool, rows)
+    return KDA_DECODE_INTO_POOL(q, k, v, g, beta, pool, rows)
 
 
 def steps_into_pools(platform: str) -> bool:
@@ -317,6 +329,13 @@ def kda_decode_states_native_applies(*_: Any, **__: Any) -> bool:
     return native.kda_states_kernel() is not None
 
 
+KDA_DECODE_STATES = registry.Op(
+    "kda_decode_states",
+    kda_decode_states_reference,
+    registry.cpu_kernel(kda_decode_states_native, kda_decode_states_native_applies),
+)
+
+
 def kda_decode_states(
     q: jax.Array,
     k: jax.Array,
@@ -330,7 +349,7 @@ def kda_decode_states(
     verify step's few tokens per row: each state written once, where XLA:CPU runs a dozen ops a token);
     elsewhere :func:`kda_decode_states_reference`. Same results, and `rows` as :func:`kda_decode`'s (row b
     starts from the pool's `initial_state[rows[b]]`)."""
-    return registry.call("kda_decode_states", q, k, v, g, beta, initial_state, rows)
+    return KDA_DECODE_STATES(q, k, v, g, beta, initial_state, rows)
 
 
 def _mask_sum(mask: np.ndarray, x: jax.Array) -> jax.Array:

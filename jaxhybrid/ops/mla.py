@@ -274,7 +274,7 @@ def mla_attention_paged(
     native kernel where it takes the operands (:func:`paged_kernel_takes`); elsewhere the reference. Same
     signature and results."""
     shape = {"nope_dim": nope_dim, "v_dim": v_dim, "scale": scale}
-    return registry.call("mla_attention_paged", q, pool, block_table, end, kv_b_weight, **shape)
+    return MLA_ATTENTION_PAGED(q, pool, block_table, end, kv_b_weight, **shape)
 
 
 PAGED_KERNEL_MAX_TOKENS = 8  # tokens per row up to which the CPU kernel runs (past it XLA's products win)
@@ -304,3 +304,10 @@ def paged_kernel_applies(q: jax.Array, pool: jax.Array, kv_b_weight: jax.Array |
     (`placement` says where one runs) under the current kernels mode."""
     allowed = registry.allows(registry.Kind.NATIVE)
     return allowed and paged_kernel_takes(q, pool, None, None, kv_b_weight)
+
+
+MLA_ATTENTION_PAGED = registry.Op(
+    "mla_attention_paged",
+    mla_attention_paged_reference,
+    registry.cpu_kernel(mla_attention_paged_native, paged_kernel_takes),
+)

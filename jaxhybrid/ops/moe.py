@@ -602,6 +602,14 @@ def moe_experts_grouped(
     return moe_experts_ragged(x, *ws, weights, expert_ids, act=act, valid=valid)
 
 
+MOE_EXPERTS_DROPLESS = registry.Op(
+    "moe_experts_dropless",
+    moe_experts_dense,
+    registry.Implementation(registry.Kind.XLA, moe_experts_skipping, registry.CPU),
+    registry.Implementation(registry.Kind.XLA, moe_experts_grouped, registry.ACCELERATORS),
+)
+
+
 def moe_experts_dropless(
     x: jax.Array,
     w1: ExpertWeight,
@@ -620,7 +628,7 @@ def moe_experts_dropless(
 
     ``valid`` ``[N]`` bool (optional): rows that are not valid (idle slots, padding) are not routed and
     come back as zeros. Every expert implementation takes it, so it is part of the shared signature."""
-    return registry.call("moe_experts_dropless", x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)
+    return MOE_EXPERTS_DROPLESS(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)
 
 
 def _group_of(group: jax.Array, *ws: ExpertWeight) -> tuple[ExpertWeight, ...]:
@@ -662,6 +670,14 @@ def moe_experts_grouped_stacked(
     return moe_experts_ragged(x, *ws, weights, expert_ids, act=act, valid=valid)
 
 
+MOE_EXPERTS_DROPLESS_STACKED = registry.Op(
+    "moe_experts_dropless_stacked",
+    moe_experts_dense_stacked,
+    registry.Implementation(registry.Kind.XLA, moe_experts_skipping_stacked, registry.CPU),
+    registry.Implementation(registry.Kind.XLA, moe_experts_grouped_stacked, registry.ACCELERATORS),
+)
+
+
 def moe_experts_dropless_stacked(
     x: jax.Array,
     w1: ExpertWeight,
@@ -678,6 +694,4 @@ def moe_experts_dropless_stacked(
     w2 [G, E, D, F]), as `jaxhybrid.ops.registry` chooses: on the CPU :func:`moe_experts_skipping_stacked`
     (the chosen experts read in place), on accelerators :func:`moe_experts_grouped_stacked`; the reference
     :func:`moe_experts_dense_stacked`. Forward only."""
-    return registry.call(
-        "moe_experts_dropless_stacked", x, w1, w2, w3, weights, expert_ids, group=group, act=act, valid=valid
-    )
+    return MOE_EXPERTS_DROPLESS_STACKED(x, w1, w2, w3, weights, expert_ids, group=group, act=act, valid=valid)

@@ -1,5 +1,9 @@
-"""Which implementation of an op runs: every op with more than one implementation declares them here, each
-with its kind, the platforms it is for and a predicate on the op's arguments, and :func:`call` picks one.
+"""Which implementation of an op runs: every op with more than one implementation declares them in one
+:class:`Op` beside its public function (``kda.KDA_DECODE`` for ``kda.kda_decode``: its reference, then each
+other with its kind, the platforms it is for and a predicate on the op's arguments), the public function
+calls the Op, and :func:`choose` picks the implementation. :func:`implementations` lists every declared one.
+(The declarations sit in the ops' modules, not in this one: the ops import this module, and no two modules
+import each other.)
 
 Kinds (:class:`Kind`):
 
@@ -28,26 +32,30 @@ or the block of ``with registry.kernels("reference"):``. It is a JAX configurati
 jit's cache key, so a trace made under one mode is never reused under another, and the engine's
 compiled-program cache keys on it too (`serve.engine.executables`).
 
-Registering a Pallas kernel is one entry in :func:`_declare`'s list for its op, e.g. the in-place KDA
-decode, a kernel of the op's signature plus ``interpret``::
+Registering a Pallas kernel is one entry in its op's declaration, e.g. the in-place KDA decode's in
+`jaxhybrid/ops/kda.py`, a kernel of the op's signature plus ``interpret``::
 
-    from jaxhybrid.ops.pallas import kda as kda_pallas  # inside _declare, with the other op modules
+    from jaxhybrid.ops.pallas import kda as kda_pallas  # at the top of kda.py
 
-    Implementation(
+    KDA_DECODE_INTO_POOL = registry.Op(
         "kda_decode_into_pool",
-        Kind.PALLAS,
-        kda_pallas.kda_decode_into_pool_pallas,  # (q, k, v, g, beta, pool, rows, *, interpret=False)
-        platforms=TPU,  # compiled there (auto picks it there); interpreted elsewhere under `pallas`
-        applies=kda_pallas.takes,  # the op's arguments -> bool: e.g. T == 1 and a float32 pool
-    ),
+        kda_decode_into_pool_reference,
+        registry.cpu_kernel(kda_decode_into_pool_native, kda_decode_into_pool_native_applies),
+        registry.Implementation(
+            registry.Kind.PALLAS,
+            kda_pallas.kda_decode_into_pool_pallas,  # (q, k, v, g, beta, pool, rows, *, interpret=False)
+            registry.TPU,  # compiled there (auto picks it there); interpreted elsewhere under `pallas`
+            kda_pallas.takes,  # the op's arguments -> bool: e.g. T == 1 and a float32 pool
+        ),
+    )
 
-``kda_decode_states_pallas(q, k, v, g, beta, pool, rows, *, interpret=False)`` registers the same way under
-``kda_decode_states`` (whose ``initial_state, rows`` are then the pool and its rows), with a predicate that
-asks for ``rows is not None``; the grouped MXFP4 expert matmul of `jaxhybrid.ops.pallas.moe` under
-``moe_experts_dropless`` through a function of that op's signature around it. The chunked prefill
-(``kda_chunked_pallas``) needs ``kda.kda_chunked`` made an op here first (its reference: today's
-``kda_chunked``). tests/test_registry.py then runs each, interpreted on the CPU, against its op's
-reference (an op new to the registry adds its example arguments there).
+(the Pallas module then must not import `kda.py`). ``kda_decode_states_pallas(q, k, v, g, beta, pool,
+rows, *, interpret=False)`` goes the same way into ``KDA_DECODE_STATES`` (whose ``initial_state, rows`` are
+then the pool and its rows), with a predicate that asks for ``rows is not None``; the grouped MXFP4 expert
+matmul of `jaxhybrid.ops.pallas.moe` into ``moe.MOE_EXPERTS_DROPLESS`` through a function of that op's
+signature around it. The chunked prefill (``kda_chunked_pallas``) needs ``kda.kda_chunked`` made an Op
+first (its reference: today's ``kda_chunked``). tests/test_registry.py then runs each, interpreted on the
+CPU, against its op's reference (an op new to the registry adds its example arguments there).
 """
 
 from __future__ import annotations
@@ -71,13 +79,15 @@ __all__ = [
     "Mode",
     "Implementation",
     "KernelsError",
+    "Op",
     "allows",
-    "call",
     "choose",
+    "cpu_kernel",
     "from_env",
     "implementations",
     "kernels",
     "mode",
+    "op",
     "set_mode",
 ]
 
@@ -124,15 +134,15 @@ def _always(*_: Any, **__: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-    """One implementation of op `op`: `fn` takes the op's arguments (a Pallas one also ``interpret=``);
+    """One implementation of an op: `fn` takes the op's arguments (a Pallas one also ``interpret=``);
     `platforms` are where it runs (None: everywhere); `applies` says from the op's arguments (shapes,
-    dtypes, whether a kernel is built) whether it takes them."""
+    dtypes, whether a kernel is built) whether it takes them; `op` the op's name (its :class:`Op` sets it)."""
 
-    op: str
     kind: Kind
     fn: Callable[..., Any]
     platforms: frozenset[str] | None = None
     applies: Callable[..., bool] = _always
+    op: str = ""
 
     @property
     def name(self) -> str:
@@ -157,112 +167,69 @@ class Implementation:
         return self.fn
 
 
-def _declare() -> list[Implementation]:
-    """Every op's implementations, the reference first."""
-    from jaxhybrid.ops import conv, dense, int8, kda, mla, moe, stacks
-
-    def ref(op: str, fn: Callable[..., Any]) -> Implementation:
-        return Implementation(op, Kind.REFERENCE, fn)
-
-    def cpu_kernel(op: str, fn: Callable[..., Any], applies: Callable[..., bool]) -> Implementation:
-        return Implementation(op, Kind.NATIVE, fn, CPU, applies)
-
-    return [
-        ref("kda_decode", kda.kda_decode_reference),
-        cpu_kernel("kda_decode", kda.kda_decode_native, kda.kda_decode_native_applies),
-        ref("kda_decode_into_pool", kda.kda_decode_into_pool_reference),
-        cpu_kernel(
-            "kda_decode_into_pool", kda.kda_decode_into_pool_native, kda.kda_decode_into_pool_native_applies
-        ),
-        ref("kda_decode_states", kda.kda_decode_states_reference),
-        cpu_kernel("kda_decode_states", kda.kda_decode_states_native, kda.kda_decode_states_native_applies),
-        ref("causal_conv1d_into_pool", conv.causal_conv1d_into_pool_reference),
-        cpu_kernel(
-            "causal_conv1d_into_pool",
-            conv.causal_conv1d_into_pool_native,
-            conv.causal_conv1d_into_pool_native_applies,
-        ),
-        ref("set_rows", stacks.set_rows_reference),
-        cpu_kernel("set_rows", stacks.set_rows_native, stacks.set_rows_native_applies),
-        ref("mla_attention_paged", mla.mla_attention_paged_reference),
-        cpu_kernel("mla_attention_paged", mla.mla_attention_paged_native, mla.paged_kernel_takes),
-        ref("moe_experts_dropless", moe.moe_experts_dense),
-        Implementation("moe_experts_dropless", Kind.XLA, moe.moe_experts_skipping, CPU),
-        Implementation("moe_experts_dropless", Kind.XLA, moe.moe_experts_grouped, ACCELERATORS),
-        ref("moe_experts_dropless_stacked", moe.moe_experts_dense_stacked),
-        Implementation("moe_experts_dropless_stacked", Kind.XLA, moe.moe_experts_skipping_stacked, CPU),
-        Implementation(
-            "moe_experts_dropless_stacked", Kind.XLA, moe.moe_experts_grouped_stacked, ACCELERATORS
-        ),
-        ref("dense.matmul", dense.matmul_reference),
-        cpu_kernel("dense.matmul", dense.matmul_native, dense.matmul_native_applies),
-        ref("dense.matmul_many", dense.matmul_many_reference),
-        cpu_kernel("dense.matmul_many", dense.matmul_many_native, dense.matmul_many_native_applies),
-        ref("dense.matmul_pairs_many", dense.matmul_pairs_many_reference),
-        cpu_kernel(
-            "dense.matmul_pairs_many", dense.matmul_pairs_many_native, dense.matmul_pairs_many_native_applies
-        ),
-        ref("int8.matmul", int8.matmul_reference),
-        Implementation("int8.matmul", Kind.XLA, int8.matmul_blocked, CPU),
-        cpu_kernel("int8.matmul", int8.matmul_native, int8.matmul_native_applies),
-        ref("int8.matmul_many", int8.matmul_many_reference),
-        Implementation("int8.matmul_many", Kind.XLA, int8.matmul_many_each, CPU),
-        cpu_kernel("int8.matmul_many", int8.matmul_many_native, int8.matmul_many_native_applies),
-        ref("int8.matmul_pairs_many", int8.matmul_pairs_many_reference),
-        cpu_kernel(
-            "int8.matmul_pairs_many", int8.matmul_pairs_many_native, int8.matmul_pairs_many_native_applies
-        ),
-    ]
+def cpu_kernel(fn: Callable[..., Any], applies: Callable[..., bool]) -> Implementation:
+    """A native CPU kernel (`jaxhybrid.ops.native`) taking the arguments `applies` accepts."""
+    return Implementation(Kind.NATIVE, fn, CPU, applies)
 
 
-@functools.cache
-def _table() -> Mapping[str, tuple[Implementation, ...]]:
-    table: dict[str, list[Implementation]] = {}
-    for entry in _declare():
-        table.setdefault(entry.op, []).append(entry)
-    for op, entries in table.items():
-        if [e.kind for e in entries].count(Kind.REFERENCE) != 1 or entries[0].kind is not Kind.REFERENCE:
-            raise AssertionError(f"op {op}: one reference, declared first")
-    return {op: tuple(entries) for op, entries in table.items()}
+_OPS: dict[str, Op] = {}  # every Op declared, by name (the op modules declare theirs when imported)
+
+
+class Op:
+    """An op's implementations: `reference` (the plain JAX one, which runs everywhere) and `others`.
+    Calling it runs the implementation :func:`choose` picks."""
+
+    def __init__(self, name: str, reference: Callable[..., Any], *others: Implementation):
+        if name in _OPS:
+            raise ValueError(f"op {name} is declared twice")
+        if any(o.kind is Kind.REFERENCE for o in others):
+            raise ValueError(f"op {name}: one reference")
+        self.name = name
+        entries = (Implementation(Kind.REFERENCE, reference), *others)
+        self.implementations = tuple(dataclasses.replace(e, op=name) for e in entries)
+        _OPS[name] = self
+
+    @property
+    def reference(self) -> Implementation:
+        return self.implementations[0]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The op on `args`/`kwargs`, where its first argument says the platform; where it does not, one
+        implementation per platform, kept by ``platform_dependent`` at lowering (module docstring)."""
+        known = placement.platform_of(args[0])
+        if known is not None:
+            return choose(self, known, args, kwargs).bound(known)(*args, **kwargs)
+        picks = {p: choose(self, p, args, kwargs) for p in PLATFORMS}
+        forms = {p: functools.partial(entry.bound(p), *args, **kwargs) for p, entry in picks.items()}
+        # the TPU's form is the default: a branch is traced only where a platform's form differs from it
+        default = (picks["tpu"], picks["tpu"].interpreted("tpu"))
+        branches = {p: forms[p] for p, entry in picks.items() if (entry, entry.interpreted(p)) != default}
+        if not branches:
+            return forms["tpu"]()
+        if "gpu" in branches:
+            branches["cuda"] = branches["rocm"] = branches.pop("gpu")
+        return jax.lax.platform_dependent(**branches, default=forms["tpu"])
 
 
 def implementations() -> tuple[Implementation, ...]:
-    """Every declared implementation of every op."""
-    return tuple(e for entries in _table().values() for e in entries)
+    """Every implementation of every op declared so far (each op module declares its ops when imported)."""
+    return tuple(e for op in _OPS.values() for e in op.implementations)
 
 
-def reference(op: str) -> Implementation:
-    """Op `op`'s reference."""
-    return _table()[op][0]
+def op(name: str) -> Op:
+    """The op declared as `name`."""
+    return _OPS[name]
 
 
-def choose(op: str, platform: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Implementation:
+def choose(op: Op, platform: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Implementation:
     """The implementation of `op` that runs `args`/`kwargs` in a program on `platform` under the current
     mode (module docstring)."""
-    entries, now = _table()[op], mode()
+    now = mode()
     for kind in PREFERENCE[now]:
-        for entry in entries:
+        for entry in op.implementations:
             if entry.kind is kind and entry.usable(platform, now) and entry.applies(*args, **kwargs):
                 return entry
-    return entries[0]
-
-
-def call(op: str, *args: Any, **kwargs: Any) -> Any:
-    """Op `op` on `args`/`kwargs` through the implementation :func:`choose` picks; where the first argument
-    does not say its platform, one per platform, kept by ``platform_dependent`` at lowering."""
-    known = placement.platform_of(args[0])
-    if known is not None:
-        return choose(op, known, args, kwargs).bound(known)(*args, **kwargs)
-    picks = {p: choose(op, p, args, kwargs) for p in PLATFORMS}
-    forms = {p: functools.partial(entry.bound(p), *args, **kwargs) for p, entry in picks.items()}
-    # the TPU's form is the default: a branch is traced only where a platform's form differs from it
-    default = (picks["tpu"], picks["tpu"].interpreted("tpu"))
-    branches = {p: forms[p] for p, entry in picks.items() if (entry, entry.interpreted(p)) != default}
-    if not branches:
-        return forms["tpu"]()
-    if "gpu" in branches:
-        branches["cuda"] = branches["rocm"] = branches.pop("gpu")
-    return jax.lax.platform_dependent(**branches, default=forms["tpu"])
+    return op.reference
 
 
 def allows(kind: Kind) -> bool:

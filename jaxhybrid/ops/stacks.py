@@ -56,8 +56,13 @@ def set_rows_native_applies(pool: jax.Array, *_: Any, **__: Any) -> bool:
     return pool.dtype == jnp.float32 and native.set_rows_kernel() is not None
 
 
+SET_ROWS = registry.Op(
+    "set_rows", set_rows_reference, registry.cpu_kernel(set_rows_native, set_rows_native_applies)
+)
+
+
 def set_rows(pool: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
     """:func:`set_rows_reference` as `jaxhybrid.ops.registry` chooses: in a program on CPUs, for a float32
     pool, written in place by the native kernel (the result aliases `pool`: donate it), where XLA's scatter
     copies a pool that its program also reads; elsewhere the reference."""
-    return registry.call("set_rows", pool, rows, values)
+    return SET_ROWS(pool, rows, values)
