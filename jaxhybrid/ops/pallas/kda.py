@@ -254,12 +254,15 @@ def _heads_per_block(h: int, dk: int, dv: int) -> int:
     return max(n for n in range(1, h + 1) if h % n == 0 and (n == 1 or n * dk * dv * 4 <= _STATE_BLOCK_BYTES))
 
 
-def _check_pool(q: jax.Array, v: jax.Array, pool: jax.Array, rows: jax.Array) -> None:
-    b, _, h, dk = q.shape
+def _decode_dims(q, k, v, g, beta, pool, rows) -> tuple[int, int, int, int, int, int]:
+    """The decode kernels' (B, T, H, dk, dv, heads per block), the shapes checked."""
+    _check_shapes(q, k, v, g, beta, None)
+    b, t, h, dk = q.shape
     if pool.ndim != 4 or pool.shape[1:] != (h, dk, v.shape[-1]) or rows.shape != (b,):
         raise ValueError(
             f"a pool [S, {h}, {dk}, {v.shape[-1]}] and rows [{b}] expected: {pool.shape}, {rows.shape}"
         )
+    return b, t, h, dk, v.shape[-1], _heads_per_block(h, dk, v.shape[-1])
 
 
 # ----------------------------------------------------------------------------- the kernels
@@ -360,13 +363,9 @@ def kda_decode_into_pool_pallas(
     ``pool[rows[b], heads]``; the pool is aliased to the second result, so a caller that donates it gets
     it updated in place (otherwise XLA copies it once, before the kernel).
     """
-    _check_shapes(q, k, v, g, beta, None)
-    _check_pool(q, v, pool, rows)
-    b, t, h, dk = q.shape
+    b, t, h, dk, dv, hb = _decode_dims(q, k, v, g, beta, pool, rows)
     if t != 1:
         raise ValueError(f"one token per row expected; got T={t}")
-    dv = v.shape[-1]
-    hb = _heads_per_block(h, dk, dv)
     slot = pl.BlockSpec((None, hb, dk, dv), lambda bi, j, at: (at[bi], j, 0, 0))
     o, new = pl.pallas_call(
         _pool_kernel,
@@ -406,13 +405,9 @@ def kda_decode_states_pallas(
     Grid (B, head blocks, T), tokens in order: the heads' states in VMEM scratch, loaded from the row's
     slot (found through the prefetched `rows`) at the first token.
     """
-    _check_shapes(q, k, v, g, beta, None)
-    _check_pool(q, v, pool, rows)
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
+    b, t, h, dk, dv, hb = _decode_dims(q, k, v, g, beta, pool, rows)
     if t == 0:
         return jnp.zeros((b, 0, h, dv), v.dtype), jnp.zeros((b, 0, h, dk, dv), _F32)
-    hb = _heads_per_block(h, dk, dv)
     at_token = lambda bi, j, ti, at: (bi, ti, j)  # noqa: E731
     o, states = pl.pallas_call(
         _states_kernel,
