@@ -153,6 +153,35 @@ def test_decode_states_matches_the_reference(data, t: int, strong: bool, seed: i
     assert max(errs.values()) < TOL, errs
 
 
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None)
+@given(
+    t=st.integers(1, 200),
+    chunk=st.sampled_from([16, 32, 64]),
+    dims=st.sampled_from([(16, 32), (32, 16), (128, 128)]),
+    state=st.booleans(),
+    strong=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_chunked_and_decode_states_match_the_references_wide(t, chunk, dims, state, strong, seed) -> None:
+    """More examples, longer T and the models' 128-wide heads, the prefill then a verify step from its
+    final state in a pool (slot 1 of 3, the other rows' slots random)."""
+    dk, dv = dims
+    (q, k, v, g, beta), s0 = make_inputs(seed, t + 3, dk, dv, strong=strong, state=state)
+    s0 = s0 if state else None
+    prompt, verify = (
+        tuple(x[:, :t] for x in (q, k, v, g, beta)),
+        tuple(x[:, t:] for x in (q, k, v, g, beta)),
+    )
+    got = chunked_pallas(*prompt, s0, chunk=chunk)
+    errs = errors(got, recurrent_ref(*prompt, s0), "prefill vs recurrent")
+    pool = jnp.asarray(np.random.default_rng(seed).standard_normal((3, 2, dk, dv)), jnp.float32)
+    pool = pool.at[1].set(got[1][0])
+    rows = jnp.asarray([1, 2], jnp.int32)
+    errs |= errors(states_pallas(*verify, pool, rows), states_ref(*verify, pool[rows]), "verify vs states")
+    assert max(errs.values()) < TOL, errs
+
+
 # ----------------------------------------------------------------------------- cost estimates
 
 
@@ -303,6 +332,7 @@ def kernel_operands(hlo: str) -> list[str]:
         ("v5e:2x2", "states", 128),
         ("v6e:2x4", "chunked", 128),
         ("v6e:2x4", "pool", 128),
+        ("tpu7x:2x2x4", "chunked", 128),
         ("tpu7x:2x2x4", "states", 128),
     ],
 )
