@@ -10,17 +10,19 @@
 * :func:`kda_decode_states_pallas` is :func:`~jaxhybrid.ops.kda.kda_recurrent_states` from the pool's rows
   (the verify step's few tokens): the state after every token, written straight into its output block.
 
-No jax op in a kernel reaches below the reference's arithmetic: every product is an fp32 matmul at HIGHEST
-precision or an fp32 elementwise op, and every running sum of log-decays is a direct masked sum (as in the
-reference, never a difference of two longer sums), so the kernels and the references differ only in the
-order of fp32 additions.
+The kernels do the references' arithmetic: every product an fp32 matmul at HIGHEST precision or an fp32
+elementwise op, every running sum of log-decays a direct masked sum (as in the reference, never the
+difference of two longer sums), the same block inverse; they differ from the references only in the order
+of fp32 additions.
 
 TPU layout. A block's last two dims must be multiples of (8, 128) or the array's own; head dims are 128 in
 the models but 16 in the tiny configs, so every block's last two dims are whole array dims: the prefill's
 inputs are laid out heads-major ([B, H, T, d], transposed outside the kernel, each chunk a (C, d) block,
 beta [B, H, N, C] whole per row and head); the decode kernels' per-token vectors get a unit axis
 ([B, T, H, 1, d], a reshape) and a block covers a few heads. Vectors that scale a state's rows (the decay,
-beta * k) arrive as rows and are turned into columns exactly (:func:`_column`).
+beta * k) arrive as rows and are turned into columns exactly (:func:`_column`). The pool is read and written
+in place when its device layout is row-major, as XLA lays out 128-wide states on TPU; for 16-wide ones its
+default TPU layout puts the slot axis minor, and XLA converts the pool around the call.
 
 Call the kernels on TPU inside ``jax.shard_map`` (Mosaic kernels cannot be partitioned automatically); on
 any backend ``interpret=True`` runs them as plain JAX (what the tests compare with the references).
@@ -90,6 +92,9 @@ def _pair_matrices(q: jax.Array, k: jax.Array, g: jax.Array, beta: jax.Array) ->
     the end of j's m-block)``, both direct sums of log-decays <= 0 (nothing overflows). T starts as I and
     each level turns the inverse of the m-blocks into that of the 2m-blocks: ``T <- T - T X T`` with X the
     level's part of A, which is ``[[T0, 0], [-T1 A21 T0, T1]]`` block by block.
+
+    The price of whole-width masks: each level is six (C, C)-sized products, in all three times the flops
+    of the rest of the chunk at C = 64 and dk = dv = 128 (:func:`kda_chunked_cost`), all on the MXU.
     """
     c = q.shape[0]
     i, j = _iotas(c)
