@@ -342,11 +342,15 @@ def _token_operands(q, k, v, g, beta) -> tuple[jax.Array, ...]:
     return tuple(x.reshape(x.shape[:3] + (1, -1)) for x in (q, k, v, g, beta))
 
 
-def _token_specs(hb: int, dk: int, dv: int, index: Any) -> list[pl.BlockSpec]:
-    """BlockSpecs of q, k, v, g, beta's rows for a block of hb heads at `index` (grid indices and the
+def _row_spec(hb: int, d: int, index: Any) -> pl.BlockSpec:
+    """The BlockSpec of hb heads' (1, d) rows of a [B, T, H, 1, d] array at `index` (grid indices and the
     prefetched rows -> (row, token, head block))."""
-    spec = lambda d: pl.BlockSpec((None, None, hb, 1, d), lambda *a: index(*a) + (0, 0))  # noqa: E731
-    return [spec(dk), spec(dk), spec(dv), spec(dk), spec(1)]
+    return pl.BlockSpec((None, None, hb, 1, d), lambda *a: index(*a) + (0, 0))
+
+
+def _token_specs(hb: int, dk: int, dv: int, index: Any) -> list[pl.BlockSpec]:
+    """The BlockSpecs of q, k, v, g and beta's rows (:func:`_row_spec`)."""
+    return [_row_spec(hb, d, index) for d in (dk, dk, dv, dk, 1)]
 
 
 def kda_decode_into_pool_pallas(
@@ -382,7 +386,7 @@ def kda_decode_into_pool_pallas(
             num_scalar_prefetch=1,
             grid=(b, h // hb),
             in_specs=_token_specs(hb, dk, dv, lambda bi, j, at: (bi, 0, j)) + [slot],
-            out_specs=[_token_specs(hb, dk, dv, lambda bi, j, at: (bi, 0, j))[2], slot],
+            out_specs=[_row_spec(hb, dv, lambda bi, j, at: (bi, 0, j)), slot],
         ),
         input_output_aliases={6: 1},  # (rows, q, k, v, g, beta, pool): the pool is the second result
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
@@ -426,7 +430,7 @@ def kda_decode_states_pallas(
             in_specs=_token_specs(hb, dk, dv, at_token)
             + [pl.BlockSpec((None, hb, dk, dv), lambda bi, j, ti, at: (at[bi], j, 0, 0))],
             out_specs=[
-                _token_specs(hb, dk, dv, at_token)[2],
+                _row_spec(hb, dv, at_token),
                 pl.BlockSpec((None, None, hb, dk, dv), lambda bi, j, ti, at: (bi, ti, j, 0, 0)),
             ],
             scratch_shapes=[pltpu.VMEM((hb, dk, dv), _F32)],
