@@ -43,7 +43,7 @@ from typing import Any
 
 from jaxhybrid.cache import CHECKPOINT_DTYPES
 from serve.prefix.checkpoints import CheckpointTiers, KindTally
-from serve.prefix.disk import DiskEntry, DiskTier, namespace
+from serve.prefix.disk import DiskEntry, DiskNews, DiskTier, namespace
 from serve.prefix.events import EventLog
 from serve.prefix.index import BlockIndex, ChainHasher, TailIndex
 from serve.prefix.loads import HitLoads, Load
@@ -385,11 +385,11 @@ class PrefixStore:
         if self.loads is not None:
             self.loads.on_done(fn)
 
-    def observe(self) -> dict[str, Any] | None:
+    def observe(self) -> DiskNews | None:
         """What finished in the background (disk saves, the disk's state); None without a disk tier."""
         return None if self.disk is None else self.disk.observe()
 
-    def apply(self, events: dict[str, Any] | None) -> None:
+    def apply(self, events: DiskNews | None) -> None:
         """Make what `observe` saw (on process 0) visible to lookups."""
         if self.disk is not None and events is not None:
             for entry in self.disk.apply(events):
