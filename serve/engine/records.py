@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from serve.prefix.disk import DiskNews
+from serve.prefix.store import DiskNews, PrefixLedger
 
 
 class LoadOutcome(NamedTuple):
@@ -53,9 +53,9 @@ class Ledger:
     live_kv_bytes: int  # KV blocks of running requests
     live_state_bytes: int  # KDA states of running requests
     prefix_cache: bool  # whether the engine has a prefix store
-    # The store's accounts (`serve.prefix.store.PrefixStore.ledger`; its zeros, `empty_ledger`, without a
-    # store): cached KV, checkpoints and their bytes per tier and per kind, lookups, hits, saves, evictions.
-    prefix: dict[str, Any]
+    # The store's accounts (`serve.prefix.store.PrefixStore.ledger`; `PrefixLedger()`, nothing held, without
+    # a store): cached KV, checkpoints and their bytes per tier and per kind, lookups, hits, saves, evictions.
+    prefix: PrefixLedger
     disk_loading: int | None = None  # requests waiting for a prefix read from disk (None: no store)
 
     def to_json(self) -> dict[str, Any]:
@@ -64,7 +64,7 @@ class Ledger:
             "live_kv_bytes": self.live_kv_bytes,
             "live_state_bytes": self.live_state_bytes,
             "prefix_cache": self.prefix_cache,
-            **self.prefix,
+            **self.prefix.to_json(),
         }
         if self.disk_loading is not None:
             out["disk_loading"] = self.disk_loading
@@ -76,7 +76,7 @@ class Ledger:
         prefix = dict(data)
         live_kv, live_state = prefix.pop("live_kv_bytes"), prefix.pop("live_state_bytes")
         has_store, loading = prefix.pop("prefix_cache"), prefix.pop("disk_loading", None)
-        return cls(live_kv, live_state, has_store, prefix, loading)
+        return cls(live_kv, live_state, has_store, PrefixLedger.from_json(prefix), loading)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 from jaxhybrid.weights.orbax_io import checkpointer
 from serve.prefix import files
+from serve.prefix.accounts import DiskFiles
 from serve.prefix.checkpoints import KindTally
 from serve.prefix.entries import DiskEntry, is_transient, read_arrays, read_entry, write_entry
 from serve.prefix.events import EventLog, StateRemoved, StateStored
@@ -359,17 +360,12 @@ class DiskTier:
             self._jobs = []
         return new
 
-    def ledger(self, by_kind: KindTally) -> dict[str, Any]:
-        """This tier's part of the store's ledger (committed entries: states + KV of their prefixes + files;
-        saves on their way); adds each entry's bytes to `by_kind`."""
+    def ledger(self, by_kind: KindTally) -> DiskFiles:
+        """This tier's own part of the store's ledger (saves on their way, files it ignores); adds each
+        committed entry's bytes (states + KV of their prefixes + files) to `by_kind`."""
         for entry in self.entries.values():
             by_kind.add(entry.kind, Tier.DISK, entry.disk_bytes)
-        return {
-            "disk_pending": len(self.pending),
-            "disk_pending_bytes": self.pending_bytes,
-            "disk_ignored": len(self.ignored),
-            "store_dir": str(self.dir),
-        }
+        return DiskFiles(len(self.pending), self.pending_bytes, len(self.ignored), str(self.dir))
 
     def close(self) -> None:
         """Finish pending saves and reads, release the namespace's lock."""
