@@ -109,9 +109,18 @@ def test_an_unknown_topology_is_a_usage_error(capsys):
     assert "cannot describe the TPU topology 'v9z:1x1'" in err and "Traceback" not in err
 
 
-def test_a_command_on_a_host_without_a_tpu_does_not_try_to_open_one(tmp_path):
-    """libtpu installed, no TPU chip here, JAX_PLATFORMS unset: `generate` runs on the CPU without libtpu's
-    screen of discovery errors (it would try to open a TPU first, then fall back to the CPU)."""
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["serve.cli", "generate", "--config", "tiny", "--prompt-ids", "1,2,3", "--max-tokens", "2"],
+        ["benchmarks", "decode", "--config", "tiny", "--contexts", "16", "--repeats", "1"],
+    ],
+    ids=["jaxhybrid", "benchmarks"],
+)
+def test_a_command_on_a_host_without_a_tpu_does_not_try_to_open_one(tmp_path, command):
+    """libtpu installed, no TPU chip here, JAX_PLATFORMS unset: `jaxhybrid generate` and `python -m
+    benchmarks` run on the CPU without libtpu's screen of discovery errors (it would try to open a TPU first,
+    then fall back to the CPU)."""
     import os
     import subprocess
     import sys
@@ -123,8 +132,7 @@ def test_a_command_on_a_host_without_a_tpu_does_not_try_to_open_one(tmp_path):
         pytest.skip("this host has TPU chips")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    cmd = [sys.executable, "-m", "serve.cli", "generate", "--config", "tiny", "--prompt-ids", "1,2,3"]
-    cmd += ["--max-tokens", "2", "--compile-cache", "off"]
+    cmd = [sys.executable, "-m", *command, *(["--compile-cache", "off"] if command[0] == "serve.cli" else [])]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "TPU" not in done.stderr and "libtpu" not in done.stderr, done.stderr[-2000:]
