@@ -1,6 +1,6 @@
 """The paged MLA decode kernel (`jaxhybrid.ops.pallas.mla`) against the gathered-view reference
 (`jaxhybrid.ops.mla.mla_attention_paged_reference`), in Pallas's interpreter on the CPU, and compiled through
-Mosaic for a v5e topology (deviceless, needs libtpu).
+Mosaic for v5e, v6e and tpu7x topologies (deviceless, needs libtpu).
 
 Tolerance, fp32: the kernel sums a row's softmax block by block (an online softmax: running max, rescaled
 partial sums) where the reference sums all positions at once, so the two round differently; with scores and
@@ -201,8 +201,9 @@ needs_libtpu = pytest.mark.skipif(
 
 
 @needs_libtpu
-def test_compiles_through_mosaic_for_v5e_with_no_gathered_view():
-    """Inside `shard_map` over v5e:2x2's four devices (rows split among them), the kernel compiles through
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x4", "tpu7x:2x2x4"])
+def test_compiles_through_mosaic_with_no_gathered_view(topology):
+    """Inside `shard_map` over the topology's devices (rows split among them), the kernel compiles through
     Mosaic (a `tpu_custom_call`) and the program's temporaries stay far below one device's share of the
     gathered view the reference makes (``pool[block_table]``: every row's whole table of blocks; at these
     sizes XLA fuses the reference's gather into its products, at the engine's it does not: tiny-k3's 8,760
@@ -212,7 +213,7 @@ def test_compiles_through_mosaic_for_v5e_with_no_gathered_view():
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    devices = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu").devices
+    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
     mesh = Mesh(np.array(devices), ("rows",))
     rows, tokens, heads, block_size, table_len, num_blocks = 256, 2, 4, 16, 64, 4096
     nope, rope, rank, v = 32, 64, 64, 32  # a latent 128 wide: the pool's TPU layout is row-major, as Mosaic's

@@ -69,11 +69,13 @@ def mla_paged_decode_pallas(
     rope]``, block_table ``[B, W]``, end ``[B, T]`` or ``[B]``) with the attention over the pool in a Pallas
     kernel that reads the pool's blocks in place (module docstring). ``interpret=True`` runs the kernel in
     Pallas's interpreter (any backend; what the tests do on CPUs). On a TPU mesh call it inside
-    ``jax.shard_map``: Mosaic kernels are not partitioned automatically. Returns ``[B, T, H, v]`` in
+    ``jax.shard_map``: Mosaic kernels are not partitioned automatically. The module docstring says why this
+    is a kernel of our own and not JAX's paged attention. Returns ``[B, T, H, v]`` in
     q.dtype; a token with ``end = 0`` gives zeros."""
     if isinstance(kv_b_weight, int8.Int8):
         kv_b_weight = int8.dequantize(kv_b_weight, q.dtype)
-    q_nope, q_rope, _, _, w_uk, w_uv = _split_kv_b(q, pool, kv_b_weight, nope_dim, v_dim)
+    # the shapes checked against an empty slice of the pool (its split halves are not wanted here)
+    q_nope, q_rope, _, _, w_uk, w_uv = _split_kv_b(q, pool[:0], kv_b_weight, nope_dim, v_dim)
     b, t, h, _ = q.shape
     rank = kv_b_weight.shape[1]
     q_lat = einsum_f32("bthn,hnr->bthr", q_nope, w_uk).astype(q.dtype)
