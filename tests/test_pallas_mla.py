@@ -12,6 +12,7 @@ changes outputs by O(0.1)).
 from __future__ import annotations
 
 import importlib.util
+from unittest import mock
 
 import hypothesis.strategies as st
 import jax
@@ -126,23 +127,27 @@ def paged_cases(draw, max_rows=3, max_width=4):
     return rows, tokens, heads, block_size, num_blocks, np.array(table, np.int32), np.array(ends, np.int32)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=paged_cases(), seed=st.integers(0, 2**31 - 1))
-def test_matches_the_reference_over_tables_and_ends(case, seed):
+def check_case(case, seed, per_step):
+    """The kernel (reading `per_step` blocks a grid step) against the reference on a drawn case, with NaN
+    wherever no token of a row looks."""
     rows, tokens, heads, block_size, num_blocks, table, end = case
     q, pool, weight = operands(np.random.default_rng(seed), rows, tokens, heads, block_size, num_blocks)
-    got, want = both(q, poisoned(pool, table, end, block_size), table, end, weight, clean_pool=pool)
+    with mock.patch.object(pallas_mla, "POSITIONS_PER_STEP", per_step * block_size):
+        got, want = both(q, poisoned(pool, table, end, block_size), table, end, weight, clean_pool=pool)
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=paged_cases(), seed=st.integers(0, 2**31 - 1), per_step=st.sampled_from([1, 2, 64]))
+def test_matches_the_reference_over_tables_and_ends(case, seed, per_step):
+    check_case(case, seed, per_step)
 
 
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=paged_cases(max_rows=5, max_width=6), seed=st.integers(0, 2**31 - 1))
-def test_matches_the_reference_over_more_tables_and_ends(case, seed):
-    rows, tokens, heads, block_size, num_blocks, table, end = case
-    q, pool, weight = operands(np.random.default_rng(seed), rows, tokens, heads, block_size, num_blocks)
-    got, want = both(q, poisoned(pool, table, end, block_size), table, end, weight, clean_pool=pool)
-    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+@given(case=paged_cases(max_rows=5, max_width=6), seed=st.integers(0, 2**31 - 1), per_step=st.integers(1, 4))
+def test_matches_the_reference_over_more_tables_and_ends(case, seed, per_step):
+    check_case(case, seed, per_step)
 
 
 @pytest.mark.slow
@@ -183,16 +188,18 @@ def test_the_cost_estimate_counts_every_table_block():
 
 
 @settings(max_examples=50, deadline=None)
-@given(case=paged_cases(max_rows=6, max_width=8))
-def test_blocks_read_counts_the_blocks_below_each_rows_end(case):
+@given(case=paged_cases(max_rows=6, max_width=8), per_step=st.integers(1, 8))
+def test_blocks_read_counts_the_blocks_below_each_rows_end(case, per_step):
     """Against a count by position: the table entries holding some position a token of the row sees, and
-    one for a row that sees nothing."""
+    at least one for each of the step's pool inputs (the first entry's block, for a row that sees nothing)."""
     rows, _, _, block_size, _, table, end = case
+    inputs = min(per_step, table.shape[1])
     want = 0
     for r in range(rows):
         entries = {p // block_size for p in range(int(end[r].max()))}
-        want += max(len(entries), 1)
-    assert mla_paged_decode_blocks_read(table, end, block_size) == want
+        want += max(len(entries), inputs)
+    with mock.patch.object(pallas_mla, "POSITIONS_PER_STEP", per_step * block_size):
+        assert mla_paged_decode_blocks_read(table, end, block_size) == want
 
 
 needs_libtpu = pytest.mark.skipif(
@@ -215,7 +222,8 @@ def test_compiles_through_mosaic_with_no_gathered_view(topology):
 
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
     mesh = Mesh(np.array(devices), ("rows",))
-    rows, tokens, heads, block_size, table_len, num_blocks = 256, 2, 4, 16, 64, 4096
+    tokens, heads, block_size, table_len, num_blocks = 2, 4, 16, 64, 4096
+    rows = 64 * len(devices)  # 64 a device
     nope, rope, rank, v = 32, 64, 64, 32  # a latent 128 wide: the pool's TPU layout is row-major, as Mosaic's
     kw = dict(nope_dim=nope, v_dim=v, scale=(nope + rope) ** -0.5)
     split, whole = NamedSharding(mesh, P("rows")), NamedSharding(mesh, P())

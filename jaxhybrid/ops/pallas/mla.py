@@ -19,16 +19,21 @@ Why a kernel of our own and not JAX's (jax.experimental.pallas.ops.tpu, 0.10.2):
   B * T rows, each reading its row's blocks again (T times the reads), and a row's tokens could not share
   the latent. It has no interpret mode, so it could not be tested here against the reference.
 
-The kernel: a grid over (rows, blocks of the row's table), the second sequential. The flattened block table
-and the per-token ends arrive through scalar prefetch (SMEM), and each pool block ``[block_size, R + rope]``
-is read in place by the pool's BlockSpec, whose index map looks the block up in the table (no gathered
-view). Steps past the row's last needed block (``max_t end[b, t]``) name that same block again, which the
-pipeline does not fetch twice, and skip the arithmetic. All ``T * H`` queries of the row attend at once
-(the latent is shared by the heads and the tokens: each block is read once a row), position ``p`` visible to
-token ``t`` iff ``p < end[b, t]``, with an online softmax (running max, sum and ``[T * H, R + rope]``
-accumulator in VMEM scratch); the output is normalised at the row's last step. The product with the values
-runs over the full latent width (a block is not split at ``R`` inside the kernel, which Mosaic would have
-to relayout), and the ``rope`` columns of the result are dropped outside.
+The kernel: a grid over (rows, steps of k blocks of the row's table), the second sequential, k =
+`blocks_per_step` (about 512 positions: a grid step has a fixed cost on a TPU, and one block is small). The
+flattened block table and the per-token ends arrive through scalar prefetch (SMEM; rows go in groups whose
+table fits it), and each pool block ``[block_size, R + rope]`` is read in place by a BlockSpec whose index
+map looks the block up in the table (the pool is passed k times, one input a block of the step: no gathered
+view, no copy). Past the row's last needed block (``max_t end[b, t]``) an input names its last block again,
+which the pipeline does not fetch twice, and the step skips the arithmetic. All ``T * H`` queries of the row
+attend at once (the latent is shared by the heads and the tokens: each block is read once a row), position
+``p`` visible to token ``t`` iff ``p < end[b, t]``, with an online softmax (running max, sum and ``[T * H, R
++ rope]`` accumulator in VMEM scratch), normalised at the row's last step. The product with the values runs
+over the full latent width (a block is not split at ``R`` inside the kernel, which Mosaic would have to
+relayout), and the ``rope`` columns of the result are dropped outside.
+
+The pool must live in HBM in the row-major layout Mosaic takes (XLA's default for a latent a multiple of 128
+wide); in another layout XLA copies the whole pool into that one for the call.
 """
 
 from __future__ import annotations
@@ -45,12 +50,18 @@ from jaxhybrid.ops import int8
 from jaxhybrid.ops.mla import _split_kv_b, _token_ends
 from jaxhybrid.ops.precision import einsum_f32
 
-__all__ = ["mla_paged_decode_blocks_read", "mla_paged_decode_cost", "mla_paged_decode_pallas"]
+__all__ = [
+    "blocks_per_step",
+    "mla_paged_decode_blocks_read",
+    "mla_paged_decode_cost",
+    "mla_paged_decode_pallas",
+]
 
 # Bytes of scalar prefetch (block table and ends, int32) one kernel call takes: half of the 1 MiB of SMEM a
 # v5e core has (Mosaic: "Allocation (size=8970240) would exceed memory (size=1048576)" for tiny-k3's 8,760
 # rows of 256 entries in one call). More rows go through several calls (`_paged_attention`).
 SMEM_PREFETCH_BYTES = 512 * 1024
+POSITIONS_PER_STEP = 512  # pool positions a grid step reads (`blocks_per_step`)
 
 
 def mla_paged_decode_pallas(
@@ -121,14 +132,15 @@ def mla_paged_decode_cost(
 
 
 def mla_paged_decode_blocks_read(block_table: np.ndarray, end: np.ndarray, block_size: int) -> int:
-    """Pool blocks the kernel fetches for these concrete inputs, at most: each row's table entries up to its
-    last visible position (``max_t end[b, t]``), and one for a row with nothing visible (the pipeline fetches
-    the block a row's first step names). Fewer when consecutive steps name the same block (the pipeline
-    then keeps the one it has)."""
-    end = np.asarray(end)
-    rows = np.asarray(block_table).shape[0]
-    last = end.reshape(rows, -1).max(axis=1)
-    return int(np.maximum(-(-last // block_size), 1).sum())
+    """Pool blocks the kernel fetches for these concrete inputs, at most: each row's table entries up to the
+    one holding its last visible position (``max_t end[b, t]``; the first entry if none), and at least one a
+    pool input (`blocks_per_step` of them): the pipeline fetches what each input's first step of a row
+    names. Fewer when consecutive steps name the same block (the pipeline keeps the one it has)."""
+    table = np.asarray(block_table)
+    rows, width = table.shape
+    last = np.asarray(end).reshape(rows, -1).max(axis=1)
+    needed = np.maximum(-(-last // block_size), 1)
+    return int(np.maximum(needed, blocks_per_step(width, block_size)).sum())
 
 
 def _paged_attention(
@@ -168,6 +180,13 @@ def _paged_attention(
     return out.reshape(calls * per_call, *out.shape[2:])[:b]
 
 
+def blocks_per_step(table_width: int, block_size: int) -> int:
+    """Pool blocks one grid step reads: about `POSITIONS_PER_STEP` positions, at most the table's width. A
+    step costs a fixed fraction of a microsecond on a TPU whatever it reads, and one block is small (tiny-k3:
+    16 positions of 40 latents, 1.3 KB; K3: 64 of 576, 74 KB)."""
+    return max(1, min(table_width, POSITIONS_PER_STEP // block_size))
+
+
 def _paged_attention_call(
     queries: jax.Array,
     pool: jax.Array,
@@ -178,23 +197,32 @@ def _paged_attention_call(
     scale: float,
     interpret: bool,
 ) -> jax.Array:
-    """`_paged_attention` for rows whose table and ends fit SMEM: one kernel call."""
+    """`_paged_attention` for rows whose table and ends fit SMEM: one kernel call. The pool is passed once per
+    block a step reads (the same buffer k times, each with its own index map: input j of step s reads the
+    row's table entry ``s * k + j``)."""
     b, rows, width = queries.shape
     num_blocks, block_size, _ = pool.shape
     w = table.shape[1]
     tokens = ends.shape[1]
+    k = blocks_per_step(w, block_size)
 
     def row_end(bi, ends_ref):
         """The end of the row's last visible position over its tokens."""
         return functools.reduce(jnp.maximum, [ends_ref[bi * tokens + i] for i in range(tokens)])
 
-    def pool_block(bi, wi, table_ref, ends_ref):
-        # past the block of the row's last visible position (or past the first, if none), the same block again
-        last = jnp.maximum(row_end(bi, ends_ref) - 1, 0) // block_size
-        entry = table_ref[bi * w + jnp.minimum(wi, last)]
-        return jnp.clip(entry, 0, num_blocks - 1), 0, 0
+    def pool_block(j):
+        def index(bi, si, table_ref, ends_ref):
+            # input j reads entries j, j + k, ... up to the row's last needed one (the one holding its last
+            # visible position, or the first if none), then names that one again: the pipeline fetches a
+            # block only when its index changes, so a row costs max(its blocks, k) fetches
+            last = jnp.maximum(row_end(bi, ends_ref) - 1, 0) // block_size
+            steps = jnp.maximum((last - j) // k, 0)
+            entry = jnp.minimum(jnp.minimum(si, steps) * k + j, last)
+            return jnp.clip(table_ref[bi * w + entry], 0, num_blocks - 1), 0, 0
 
-    def row_map(bi, wi, table_ref, ends_ref):
+        return pl.BlockSpec((None, block_size, width), index)
+
+    def row_map(bi, si, table_ref, ends_ref):
         return bi, 0, 0
 
     kernel = functools.partial(
@@ -208,11 +236,8 @@ def _paged_attention_call(
         out_shape=jax.ShapeDtypeStruct(queries.shape, queries.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(b, w),
-            in_specs=[
-                pl.BlockSpec((None, rows, width), row_map),
-                pl.BlockSpec((None, block_size, width), pool_block),
-            ],
+            grid=(b, -(-w // k)),
+            in_specs=[pl.BlockSpec((None, rows, width), row_map)] + [pool_block(j) for j in range(k)],
             out_specs=pl.BlockSpec((None, rows, width), row_map),
             scratch_shapes=[
                 pltpu.VMEM((rows, 1), jnp.float32),  # running max of the visible scores
@@ -224,68 +249,61 @@ def _paged_attention_call(
         cost_estimate=cost,
         interpret=interpret,
         name="mla_paged_decode",
-    )(table.reshape(-1), ends.reshape(-1), queries, pool)
+    )(table.reshape(-1), ends.reshape(-1), queries, *[pool] * k)
 
 
-def _kernel(
-    table_ref,
-    ends_ref,
-    q_ref,
-    pool_ref,
-    o_ref,
-    m_ref,
-    l_ref,
-    acc_ref,
-    *,
-    heads,
-    tokens,
-    block_size,
-    scale,
-    row_end,
-):
-    """One (row, table entry) step of the online softmax; `_paged_attention`'s grid."""
-    del table_ref  # read by the pool's index map
-    bi, wi = pl.program_id(0), pl.program_id(1)
+def _kernel(table_ref, ends_ref, q_ref, *refs, heads, tokens, block_size, scale, row_end):
+    """One (row, step of k table entries) of `_paged_attention_call`'s grid: the online softmax over each of
+    the step's k blocks in turn. `refs`: the k pool blocks, the output, then the scratch (max, sum,
+    accumulator)."""
+    del table_ref  # read by the pool's index maps
+    *pool_refs, o_ref, m_ref, l_ref, acc_ref = refs
+    k = len(pool_refs)
+    bi, si = pl.program_id(0), pl.program_id(1)
     rows = q_ref.shape[0]
 
-    @pl.when(wi == 0)
+    @pl.when(si == 0)
     def _init():
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     last = row_end(bi, ends_ref)
+    # query row r is token r // H; its end from the prefetched scalars
+    token = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // heads
+    token_end = jnp.zeros((rows, 1), jnp.int32)
+    for i in range(tokens):
+        token_end = jnp.where(token == i, ends_ref[bi * tokens + i], token_end)
 
-    @pl.when(wi * block_size < last)
-    def _step():
-        q = q_ref[...]
-        # positions no token of the row sees are zeroed: whatever they hold (a block's unwritten tail) cannot
-        # reach the output, not even as 0 * NaN in the values' product
-        seen = wi * block_size + jax.lax.broadcasted_iota(jnp.int32, (pool_ref.shape[0], 1), 0) < last
-        k = jnp.where(seen, pool_ref[...], 0).astype(q.dtype)
-        scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        scores = scores * scale  # [T * H, block_size]
-        # query row r is token r // H; its end from the prefetched scalars
-        token = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // heads
-        row_end = jnp.zeros((rows, 1), jnp.int32)
-        for i in range(tokens):
-            row_end = jnp.where(token == i, ends_ref[bi * tokens + i], row_end)
-        pos = wi * block_size + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        visible = pos < row_end
-        scores = jnp.where(visible, scores, -jnp.inf)
-        m_prev = m_ref[...]
-        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a query with nothing visible yet
-        p = jnp.where(visible, jnp.exp(scores - shift), 0.0)
-        alpha = jnp.exp(m_prev - shift)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        pv = jax.lax.dot_general(
-            p.astype(k.dtype), k, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        acc_ref[...] = alpha * acc_ref[...] + pv
-        m_ref[...] = m_next
+    for j, pool_ref in enumerate(pool_refs):
+        first = (si * k + j) * block_size  # the block's first position in the row
 
-    @pl.when(wi == pl.num_programs(1) - 1)
+        @pl.when(first < last)
+        def _block(pool_ref=pool_ref, first=first):
+            q = q_ref[...]
+            # positions no token of the row sees are zeroed: whatever they hold (a block's unwritten tail)
+            # cannot reach the output, not even as 0 * NaN in the values' product
+            seen = first + jax.lax.broadcasted_iota(jnp.int32, (block_size, 1), 0) < last
+            keys = jnp.where(seen, pool_ref[...], 0).astype(q.dtype)
+            scores = jax.lax.dot_general(
+                q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            scores = scores * scale  # [T * H, block_size]
+            visible = first + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1) < token_end
+            scores = jnp.where(visible, scores, -jnp.inf)
+            m_prev = m_ref[...]
+            m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+            shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a query with nothing visible yet
+            p = jnp.where(visible, jnp.exp(scores - shift), 0.0)
+            alpha = jnp.exp(m_prev - shift)
+            l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+            pv = jax.lax.dot_general(
+                p.astype(keys.dtype), keys, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            acc_ref[...] = alpha * acc_ref[...] + pv
+            m_ref[...] = m_next
+
+    @pl.when(si == pl.num_programs(1) - 1)
     def _finish():
         total = l_ref[...]
         inv = 1.0 / jnp.where(total > 0, total, 1.0)
