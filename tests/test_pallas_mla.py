@@ -89,7 +89,7 @@ def test_per_row_ends_and_int8_weights():
 
 
 def test_rows_past_one_calls_prefetch_go_through_several_calls(monkeypatch):
-    """More rows than one call's SMEM prefetch holds: the rows go in groups (a padded last one) through calls
+    """More rows than one call's SMEM prefetch holds: the rows go in groups (a shorter last one) through calls
     over the same pool, and the result is the same."""
     rng = np.random.default_rng(2)
     q, pool, weight = operands(rng, rows=5, tokens=1, heads=2, block_size=4, num_blocks=6)
