@@ -88,6 +88,22 @@ def test_per_row_ends_and_int8_weights():
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
 
 
+def test_bfloat16_as_the_engine_serves():
+    """bfloat16 queries, pool and weight (the engine's serving dtype). Both forms round the probabilities to
+    bfloat16 before the values' product, the kernel relative to a running max and the reference to the
+    row's, and round the output to bfloat16: two bfloat16 ulps at 1 (2 * 2**-8; seen: 5e-4 on outputs up
+    to 0.8)."""
+    rng = np.random.default_rng(4)
+    q, pool, weight = operands(rng, rows=3, tokens=2, heads=2, block_size=16, num_blocks=6)
+    table = np.array([[1, 2, 3], [4, 5, 0], [2, 2, 2]], np.int32)
+    end = np.array([[20, 21], [48, 48], [0, 7]], np.int32)
+    q, pool, weight = (jnp.asarray(a, jnp.bfloat16) for a in (q, pool, weight))
+    with mock.patch.object(pallas_mla, "POSITIONS_PER_STEP", 16):  # a block a step: the most rescaling
+        got, want = both(q, pool, table, end, weight)
+    assert got.dtype == want.dtype == jnp.bfloat16
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2**-7, atol=2**-7)
+
+
 def test_rows_past_one_calls_prefetch_go_through_several_calls(monkeypatch):
     """More rows than one call's SMEM prefetch holds: the rows go in groups (a shorter last one) through calls
     over the same pool, and the result is the same."""

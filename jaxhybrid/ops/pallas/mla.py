@@ -36,7 +36,7 @@ The pool must be in HBM in the row-major layout Mosaic reads. Compiled for a TPU
 whose width is not a multiple of 128 another layout (blocks minor: tiny-k3's 40 and K3's 576 alike), and
 then copies the whole pool into Mosaic's for each call (tiny-k3's decode at 8,760 slots: 22 GB of
 temporaries instead of the reference's 35 GB). With a 128-wide latent the layout is row-major and the
-decode holds no copy (tiny-k3 with kv_lora_rank 120 at the plan's 2,760 slots on v5e: 0.29 GB of
+decode holds no copy (tiny-k3 with kv_lora_rank 120 at the plan's 2,760 slots on v5e: 0.26 GB of
 temporaries against the reference's 3.70 GB). The pool's layout is the engine's to fix (pinned row-major,
 or the latent padded to a multiple of 128).
 """
@@ -64,7 +64,7 @@ __all__ = [
 
 # Bytes of scalar prefetch (block table and ends, int32) one kernel call takes: half of the 1 MiB of SMEM a
 # v5e core has (Mosaic: "Allocation (size=8970240) would exceed memory (size=1048576)" for tiny-k3's 8,760
-# rows of 256 entries in one call). More rows go through several calls (`_paged_attention`).
+# rows of 256 entries in one call). More rows go through several calls.
 SMEM_PREFETCH_BYTES = 512 * 1024
 POSITIONS_PER_STEP = 512  # pool positions a grid step reads (`blocks_per_step`)
 
@@ -96,15 +96,23 @@ def mla_paged_decode_pallas(
     rank = kv_b_weight.shape[1]
     q_lat = einsum_f32("bthn,hnr->bthr", q_nope, w_uk).astype(q.dtype)
     queries = jnp.concatenate([q_lat, q_rope.astype(q.dtype)], axis=-1).reshape(b, t * h, pool.shape[-1])
-    out = _paged_attention(
-        queries,
-        pool,
-        jnp.asarray(block_table, jnp.int32),
-        _token_ends(end, t),
-        heads=h,
-        scale=scale,
-        interpret=interpret,
-    )
+    table, ends = jnp.asarray(block_table, jnp.int32), _token_ends(end, t)
+    # rows in groups whose table and ends fit SMEM_PREFETCH_BYTES: one kernel call a group, each over the same
+    # pool (nothing of it copied), unrolled (a loop's body would count once in XLA's cost analysis)
+    per_call = max(1, SMEM_PREFETCH_BYTES // (4 * (table.shape[1] + t)))
+    outs = [
+        _paged_attention(
+            queries[lo : lo + per_call],
+            pool,
+            table[lo : lo + per_call],
+            ends[lo : lo + per_call],
+            heads=h,
+            scale=scale,
+            interpret=interpret,
+        )
+        for lo in range(0, b, per_call)
+    ]
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
     out_lat = out.reshape(b, t, h, pool.shape[-1])[..., :rank]
     return einsum_f32("bthr,hvr->bthv", out_lat, w_uv).astype(q.dtype)
 
@@ -148,6 +156,13 @@ def mla_paged_decode_blocks_read(block_table: np.ndarray, end: np.ndarray, block
     return int(np.maximum(needed, blocks_per_step(width, block_size)).sum())
 
 
+def blocks_per_step(table_width: int, block_size: int) -> int:
+    """Pool blocks one grid step reads: about `POSITIONS_PER_STEP` positions, at most the table's width. A
+    step costs a fixed fraction of a microsecond on a TPU whatever it reads, and one block is small (tiny-k3:
+    16 positions of 40 latents, 1.3 KB; K3: 64 of 576, 74 KB)."""
+    return max(1, min(table_width, POSITIONS_PER_STEP // block_size))
+
+
 def _paged_attention(
     queries: jax.Array,
     pool: jax.Array,
@@ -159,46 +174,9 @@ def _paged_attention(
     interpret: bool,
 ) -> jax.Array:
     """Softmax attention of queries ``[B, T * H, L]`` over the pool positions each row's table names, keys
-    and values both the whole latent; ``[B, T * H, L]`` in the queries' dtype. The rows go through the kernel
-    in groups whose table and ends fit `SMEM_PREFETCH_BYTES`: one call a group, each over the same pool
-    (nothing of it copied), unrolled (a loop's body would count once in XLA's cost analysis)."""
-    b = queries.shape[0]
-    per_call = max(1, SMEM_PREFETCH_BYTES // (4 * (table.shape[1] + ends.shape[1])))
-    outs = [
-        _paged_attention_call(
-            queries[lo : lo + per_call],
-            pool,
-            table[lo : lo + per_call],
-            ends[lo : lo + per_call],
-            heads=heads,
-            scale=scale,
-            interpret=interpret,
-        )
-        for lo in range(0, b, per_call)
-    ]
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-
-
-def blocks_per_step(table_width: int, block_size: int) -> int:
-    """Pool blocks one grid step reads: about `POSITIONS_PER_STEP` positions, at most the table's width. A
-    step costs a fixed fraction of a microsecond on a TPU whatever it reads, and one block is small (tiny-k3:
-    16 positions of 40 latents, 1.3 KB; K3: 64 of 576, 74 KB)."""
-    return max(1, min(table_width, POSITIONS_PER_STEP // block_size))
-
-
-def _paged_attention_call(
-    queries: jax.Array,
-    pool: jax.Array,
-    table: jax.Array,
-    ends: jax.Array,
-    *,
-    heads: int,
-    scale: float,
-    interpret: bool,
-) -> jax.Array:
-    """`_paged_attention` for rows whose table and ends fit SMEM: one kernel call. The pool is passed once per
-    block a step reads (the same buffer k times, each with its own index map: input j of step s reads the
-    row's table entry ``s * k + j``)."""
+    and values both the whole latent, as one kernel call (the table and ends fit SMEM); ``[B, T * H, L]`` in
+    the queries' dtype. The pool is passed once per block a step reads (the same buffer k times, each with
+    its own index map: input j of step s reads the row's table entry ``s * k + j``)."""
     b, rows, width = queries.shape
     num_blocks, block_size, _ = pool.shape
     w = table.shape[1]
@@ -252,7 +230,7 @@ def _paged_attention_call(
 
 
 def _kernel(table_ref, ends_ref, q_ref, *refs, heads, tokens, block_size, scale, row_end):
-    """One (row, step of k table entries) of `_paged_attention_call`'s grid: the online softmax over each of
+    """One (row, step of k table entries) of `_paged_attention`'s grid: the online softmax over each of
     the step's k blocks in turn. `refs`: the k pool blocks, the output, then the scratch (max, sum,
     accumulator)."""
     del table_ref  # read by the pool's index maps
