@@ -59,18 +59,19 @@ def poisoned(pool, table, end, block_size):
     out = np.full_like(pool, np.nan)
     end = np.asarray(end).reshape(table.shape[0], -1)
     for row, last in zip(table, end.max(axis=1), strict=True):
-        for p in range(int(last)):
+        for p in range(min(int(last), table.shape[1] * block_size)):
             out[row[p // block_size], p % block_size] = pool[row[p // block_size], p % block_size]
     return out
 
 
 def test_matches_the_reference_on_fixed_rows():
-    """Rows with nothing visible, one position, mid-block and full tables; two tokens with their own ends
-    (a verify step); a block two rows share and one a row names twice."""
+    """Rows with nothing visible, one position, mid-block and full tables, an end past the table (it sees
+    the table); two tokens with their own ends (a verify step); a block two rows share and one a row names
+    twice."""
     rng = np.random.default_rng(0)
-    q, pool, weight = operands(rng, rows=4, tokens=2, heads=3, block_size=4, num_blocks=7)
-    table = np.array([[1, 2, 3], [3, 4, 0], [5, 5, 6], [2, 0, 0]], np.int32)
-    end = np.array([[0, 0], [1, 2], [6, 7], [12, 12]], np.int32)
+    q, pool, weight = operands(rng, rows=5, tokens=2, heads=3, block_size=4, num_blocks=7)
+    table = np.array([[1, 2, 3], [3, 4, 0], [5, 5, 6], [2, 0, 0], [6, 1, 4]], np.int32)
+    end = np.array([[0, 0], [1, 2], [6, 7], [12, 12], [11, 15]], np.int32)
     got, want = both(q, poisoned(pool, table, end, 4), table, end, weight, clean_pool=pool)
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
     assert np.all(got[0] == 0) and np.isfinite(got).all()
@@ -212,7 +213,7 @@ def test_blocks_read_counts_the_blocks_below_each_rows_end(case, per_step):
     inputs = min(per_step, table.shape[1])
     want = 0
     for r in range(rows):
-        entries = {p // block_size for p in range(int(end[r].max()))}
+        entries = {p // block_size for p in range(min(int(end[r].max()), table.shape[1] * block_size))}
         want += max(len(entries), inputs)
     with mock.patch.object(pallas_mla, "POSITIONS_PER_STEP", per_step * block_size):
         assert mla_paged_decode_blocks_read(table, end, block_size) == want

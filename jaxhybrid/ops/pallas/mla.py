@@ -152,7 +152,7 @@ def mla_paged_decode_blocks_read(block_table: np.ndarray, end: np.ndarray, block
     table = np.asarray(block_table)
     rows, width = table.shape
     last = np.asarray(end).reshape(rows, -1).max(axis=1)
-    needed = np.maximum(-(-last // block_size), 1)
+    needed = np.clip(-(-last // block_size), 1, width)
     return int(np.maximum(needed, blocks_per_step(width, block_size)).sum())
 
 
@@ -184,8 +184,10 @@ def _paged_attention(
     k = blocks_per_step(w, block_size)
 
     def row_end(bi, ends_ref):
-        """The end of the row's last visible position over its tokens."""
-        return functools.reduce(jnp.maximum, [ends_ref[bi * tokens + i] for i in range(tokens)])
+        """The end of the row's last visible position over its tokens, within its table (an end past the
+        table sees the table's positions, as in the reference)."""
+        last = functools.reduce(jnp.maximum, [ends_ref[bi * tokens + i] for i in range(tokens)])
+        return jnp.minimum(last, w * block_size)
 
     def pool_block(j):
         def index(bi, si, table_ref, ends_ref):
