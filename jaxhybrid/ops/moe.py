@@ -140,11 +140,12 @@ def grouped_matmul(lhs: jax.Array, w: ExpertWeight, group_sizes: jax.Array) -> j
     (the reference and XLA form of `jaxhybrid.ops.pallas.moe.grouped_matmul`). A packed or int8 weight is
     dequantized to the rows' dtype only for the up-to-``min(M, G)`` groups with rows: those groups' weights
     are taken (in group order, so the rows stay sorted) and the sizes compacted to them."""
-    groups, m = w.shape[0], lhs.shape[0]
-    if not isinstance(w, jax.Array) and m < groups:
-        used = jnp.flatnonzero(group_sizes > 0, size=m, fill_value=0)  # fill: expert 0, given no rows
-        group_sizes = jnp.where(jnp.arange(m) < jnp.sum(group_sizes > 0), group_sizes[used], 0)
-        w = expert_slice(w, used)
+    if not isinstance(w, jax.Array):
+        most = min(w.shape[0], lhs.shape[0])
+        used = jnp.flatnonzero(group_sizes > 0, size=most, fill_value=0)
+        real = jnp.arange(most) < jnp.sum(group_sizes > 0)
+        group_sizes = jnp.where(real, group_sizes[used], 0)
+        w = expert_slice(w, jnp.where(real, used, used[0]))  # the fill, no rows: a used expert again
     dense = as_dense(w, lhs.dtype)
     return jax.lax.ragged_dot_general(
         lhs,
