@@ -215,6 +215,14 @@ def test_the_kernel_is_chosen_for_packed_experts_on_a_tpu_only():
     assert moe.grouped_matmul_for(jnp.zeros((2, 32, 64)), "tpu") is moe.grouped_matmul
 
 
+def kernel_calls(hlo_text: str) -> int:
+    """The packed kernel's custom calls in a compiled module (XLA's own ragged_dot on a TPU is a Mosaic
+    custom call too, named otherwise)."""
+    return sum(
+        1 for line in hlo_text.splitlines() if "custom-call(" in line and pallas_moe.KERNEL_NAME in line
+    )
+
+
 @pytest.fixture
 def serving_precision():
     """The precision `serve` compiles at (the suite's HIGHEST asks Mosaic for bf16 products at HIGHEST)."""
@@ -256,7 +264,37 @@ def test_expert_parallel_layer_compiles_for_v5e_with_the_kernel_on_packed_codes(
     )
     compiled = jax.jit(make_expert_parallel_fn(mesh)).lower(x, up, down, up, weights, ids).compile()
     text = compiled.as_text()
-    assert text.count('custom_call_target="tpu_custom_call"') == 3
+    assert kernel_calls(text) == 3
     f_loc = f // tensor
     whole = rf"(f32|bf16)\[(\d+,)?({f_loc},{d}|{d},{f_loc})\]"
     assert re.search(whole, text) is None, re.search(whole, text)
+
+
+@pytest.mark.skipif(not _HAS_LIBTPU, reason='libtpu is not installed (pip install -e ".[tpu]")')
+def test_dropless_experts_take_the_kernel_inside_a_shard_map_only(serving_precision):
+    """`moe_experts_dropless` with packed experts compiled for v5e:2x2: inside a shard_map over the whole mesh
+    (each device's tokens, all experts) through the kernel; partitioned by XLA (no shard_map), where a
+    Mosaic kernel cannot go, XLA's ragged_dot as before."""
+    from serve.engine.topology import topology_devices
+
+    mesh = jax.sharding.Mesh(np.array(topology_devices("v5e:2x2")), ("data",))
+    e, f, d, n, k = 4, 128, 256, 32, 2
+    spec = jax.sharding.PartitionSpec
+
+    def shape(dims, dtype, rows=False):
+        return jax.ShapeDtypeStruct(
+            dims, dtype, sharding=jax.sharding.NamedSharding(mesh, spec("data" if rows else None))
+        )
+
+    up = MXFP4(shape((e, f, d // 2), jnp.uint8), shape((e, f, d // 32), jnp.uint8))
+    down = MXFP4(shape((e, d, f // 2), jnp.uint8), shape((e, d, f // 32), jnp.uint8))
+    args = (shape((n, d), jnp.bfloat16, True), up, down, up, shape((n, k), jnp.float32, True))
+    args = (*args, shape((n, k), jnp.int32, True))
+    local = jax.shard_map(
+        moe.moe_experts_dropless,
+        mesh=mesh,
+        in_specs=(spec("data"), spec(), spec(), spec(), spec("data"), spec("data")),
+        out_specs=spec("data"),
+    )
+    for fn, calls in [(local, 3), (moe.moe_experts_dropless, 0)]:
+        assert kernel_calls(jax.jit(fn).lower(*args).compile().as_text()) == calls

@@ -38,7 +38,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxhybrid.ops import mxfp4
 from jaxhybrid.ops.mxfp4 import MXFP4
 
-__all__ = ["Tiling", "cost_estimate", "grouped_matmul", "tiling"]
+__all__ = ["KERNEL_NAME", "Tiling", "cost_estimate", "grouped_matmul", "tiling"]
+
+KERNEL_NAME = "mxfp4_grouped_matmul"  # the packed kernel's name in a compiled module
 
 # The kernel module itself (the package's `gmm` attribute is the function, which shadows the module).
 megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
@@ -187,6 +189,7 @@ def _packed_gmm(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         cost_estimate=cost_estimate(m, k, n, groups, rows.dtype),
         interpret=interpret,
+        name=KERNEL_NAME,
     )(offsets, group_ids, row_tiles, even, odd, w.packed, w.scale)
 
 
