@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from benchmarks import commands
+from serve.cli import skip_absent_tpu
 
 # studies with a `main()` of their own, by subcommand name -> module
 SCRIPTS = {
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    skip_absent_tpu()  # as the CLI does: libtpu installed and no TPU chip here, run on the CPU quietly
     if argv and argv[0] in SCRIPTS:
         # the module is named here, not imported at the top: each study parses sys.argv itself
         study = importlib.import_module(f"benchmarks.{SCRIPTS[argv[0]]}")

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         for prompt in (warm_first, warm_follow, first):  # the same shapes once, so no compile is timed
             engine.generate([prompt], one)
         res = engine.generate([follow], one)[0]
-        ledger = engine.ledger().to_json()
+        ledger = engine.ledger().prefix
         rows.append(
             {
                 "variant": name,
@@ -76,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
                 "hit_tokens": res.stats["prefix_hit_tokens"],
                 "recomputed_tokens": res.stats["recomputed_tokens"],
                 "prefilled_tokens": res.stats["prefill_tokens_computed"],
-                "checkpoints": sum(ledger["checkpoints"].values()),
-                "checkpoint_bytes": sum(ledger["checkpoint_bytes"].values()),
-                "cached_kv_bytes": ledger["cached_kv_bytes"],
+                "checkpoints": ledger.checkpoints.total(),
+                "checkpoint_bytes": ledger.checkpoint_bytes.total(),
+                "cached_kv_bytes": ledger.cached_kv_bytes,
             }
         )
     cold = rows[0]["ttft_ms"]

@@ -52,20 +52,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxhybrid.ops import precision
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
-from jaxhybrid.ops.moe import check_expert_shapes, used_experts
+from jaxhybrid.ops.moe import check_expert_shapes, grouped_matmul_for
 from jaxhybrid.ops.mxfp4 import GROUP, MXFP4, ExpertWeight, is_packed
 
 EXCHANGES = ("auto", "padded", "ragged", "ragged_emulated")
-
-# Expert weights are [E, out, in]; rows are [M, in]: contract lhs dim 1 with rhs dim 2, lhs dim 0 ragged
-# over the rhs group dim 0 -> [M, out].
-_RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])),
-    lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[0],
-)
 
 
 def default_exchange(mesh: Mesh) -> str:
@@ -118,22 +109,20 @@ def _grouped_experts(
     w3: ExpertWeight,
     dtype: Any,
     act: GatedActivation = SILU,
+    platform: str | None = None,
 ) -> jax.Array:
     """rows [M, D] with local expert ids `keys` [M] (E_loc = padding) -> expert outputs [M, D] fp32, in
-    the order of `rows` (padding rows give unspecified values that nobody reads). Packed (MXFP4) local
-    experts: only those the received rows use are dequantized (`used_experts`)."""
-    keys, (w1, w2, w3), groups = used_experts(keys, w1.shape[0], (w1, w2, w3), dtype)
+    the order of `rows` (padding rows give zeros that nobody reads). Three grouped matmuls
+    (`grouped_matmul_for` the mesh's `platform`: the arrays here are each device's own): packed (MXFP4) local
+    experts are read only where the received rows use them, through the Pallas kernel on a TPU (no
+    dequantized copy), elsewhere dequantized for those experts only."""
+    num_local = w1.shape[0]
     order = jnp.argsort(keys, stable=True)
     sorted_rows = jnp.take(rows, order, axis=0)
-    sizes = jnp.bincount(keys, length=groups + 1)[:groups].astype(jnp.int32)
-
-    def grouped_matmul(lhs: jax.Array, w: jax.Array) -> jax.Array:
-        return jax.lax.ragged_dot_general(
-            lhs, w, sizes, _RAGGED_DN, precision=precision.of(lhs, w), preferred_element_type=jnp.float32
-        )
-
-    hidden = gated_act(grouped_matmul(sorted_rows, w1), grouped_matmul(sorted_rows, w3), act).astype(dtype)
-    out = grouped_matmul(hidden, w2)
+    sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
+    matmul = grouped_matmul_for(w1, platform)
+    hidden = gated_act(matmul(sorted_rows, w1, sizes), matmul(sorted_rows, w3, sizes), act).astype(dtype)
+    out = matmul(hidden, w2, sizes)
     return jnp.zeros_like(out).at[order].set(out)
 
 
@@ -239,6 +228,7 @@ def make_expert_parallel_fn(
     if expert_axis not in mesh.shape:
         raise ValueError(f"mesh has no '{expert_axis}' axis (axes: {tuple(mesh.axis_names)})")
     kind = default_exchange(mesh) if exchange == "auto" else exchange
+    platform = mesh.devices.reshape(-1)[0].platform
     ragged_a2a = jax.lax.ragged_all_to_all if kind == "ragged" else ragged_all_to_all_emulated
     ep = mesh.shape[expert_axis]
     tok_axes = tuple(a for a in token_axes if a in mesh.shape)
@@ -292,7 +282,7 @@ def make_expert_parallel_fn(
             send_sizes = jnp.bincount(dest, length=ep).astype(jnp.int32)
 
             def experts(r: jax.Array, keys: jax.Array) -> jax.Array:
-                return _grouped_experts(r, keys, w1, w2, w3, x.dtype, act)
+                return _grouped_experts(r, keys, w1, w2, w3, x.dtype, act, platform)
 
             common = dict(ep=ep, axis=expert_axis, num_local=num_local, combine_dtype=combine_dtype)
             if kind == "padded":

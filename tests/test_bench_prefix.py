@@ -16,7 +16,7 @@ from serve.cli import main
 from serve.engine.engine import EngineConfig
 from serve.engine.records import Ledger
 from serve.engine.requests import GenerateResult
-from serve.prefix.store import PrefixStoreConfig, empty_ledger
+from serve.prefix.store import PrefixLedger, PrefixStoreConfig
 from serve.sim.cost import CostModel
 from serve.sim.engine import SimEngine
 from serve.sim.replay import PrefixIndex, Served, lower_bound_tokens, replay
@@ -49,7 +49,7 @@ class Answering:
         return [GenerateResult("r", answer(p, params.max_tokens), None, "length", {}) for p in prompts]
 
     def ledger(self):
-        return Ledger(0, 0, False, empty_ledger())
+        return Ledger(0, 0, False, PrefixLedger())
 
 
 def rounds_of(workload):

@@ -69,9 +69,9 @@ def test_bf16_checkpoint_bytes_hand_count(model):
     assert state == kda_state_bytes(cfg, jnp.float32, "bfloat16")["total"]
     assert 2 * state == kda_state_bytes(cfg, jnp.float32)["total"]  # fp32 KV: the conv window halves too
     block = BS * cfg.latent_dim * 4 * cfg.num_mla_layers  # the partial block's KV stays in the KV dtype
-    ledger = eng.ledger().to_json()
-    assert ledger["checkpoints"]["device"] == 3
-    assert ledger["checkpoint_bytes"]["device"] == 3 * state + block
+    ledger = eng.ledger().prefix
+    assert ledger.checkpoints.device == 3
+    assert ledger.checkpoint_bytes.device == 3 * state + block
     for ck in eng.store.checkpoints:  # what is held is what is counted
         held = sum(a.nbytes for pair in ck.states for a in pair)
         assert held == state and {a.dtype for pair in ck.states for a in pair} == {np.dtype(jnp.bfloat16)}
@@ -127,11 +127,11 @@ def test_the_disk_tier_keeps_bf16_checkpoints_and_an_exact_store_never_reads_the
     arrays = json.loads(manifest.read_text())["arrays"]
     assert {v[1] for k, v in arrays.items() if k.startswith(("conv_", "state_"))} == {"bfloat16"}
     exact = engine(model, **rounded)  # another namespace: nothing to read
-    assert exact.ledger().prefix["checkpoints"]["disk"] == 0
+    assert exact.ledger().prefix.checkpoints.disk == 0
     assert exact.generate([prompt + [7]], greedy(2))[0].stats["prefix_hit_tokens"] == 0
     b = engine(model, **rounded, checkpoint_dtype="bfloat16")  # a restart reads them back
     res = b.generate([prompt + [7, 8]], greedy(16))[0]
-    assert res.stats["prefix_hit_tokens"] == len(prompt) and b.ledger().prefix["disk_restores"] == 1
+    assert res.stats["prefix_hit_tokens"] == len(prompt) and b.ledger().prefix.disk.restores == 1
     assert drift(full_pass, prompt + [7, 8], res).max() < BF16_DRIFT_TOL
 
 

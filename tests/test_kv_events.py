@@ -85,8 +85,8 @@ def test_the_events_describe_what_the_store_holds(model, tmp_path, eviction):
         assert set(seen.blocks) == set(store.blocks.hashes())
         held = {(ck.key, ck.tier) for ck in store.checkpoints} | {(k, "disk") for k in store.disk.entries}
         assert set(seen.states) == held
-    ledger = eng.ledger().to_json()
-    assert ledger["evicted_blocks"] > 0 and ledger["demotions"] > 0 and ledger["dropped_checkpoints"] > 0
+    counts = eng.ledger().prefix.memory
+    assert counts.evicted_blocks > 0 and counts.demotions > 0 and counts.dropped_checkpoints > 0
     for h, (parent, tokens) in seen.blocks.items():  # the hash is what the chain of the tokens gives
         assert store.hasher.extend([parent or root], tokens, None, 1)[1] == h
     for ev in seen.states.values():

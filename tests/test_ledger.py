@@ -12,6 +12,7 @@ from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from serve.engine.engine import Engine, EngineConfig
 from serve.engine.sampling import SamplingParams
+from serve.prefix.accounts import TierCounts
 from serve.prefix.ledger import Chat, CheckpointPolicy, chat_checkpoints, chat_report
 from serve.prefix.store import PrefixStoreConfig
 from serve.prefix.types import CheckpointKind
@@ -72,13 +73,13 @@ def test_live_ledger_matches_the_analytic_report():
     report = memory_report(cfg, context, interval, jnp.dtype(kv_dtype))
     assert ledger.live_kv_bytes == memory.requests[rid].kv_bytes == 12 * block_bytes
     assert ledger.live_state_bytes == memory.state_bytes_live == slot_bytes
-    assert ledger.prefix["checkpoints"]["device"] == len(checkpoints) == report["num_checkpoints"] == 3
+    assert ledger.prefix.checkpoints.device == len(checkpoints) == report["num_checkpoints"] == 3
     assert sorted(ck.position for ck in checkpoints) == [64, 128, 192]
-    assert ledger.prefix["checkpoint_bytes"]["device"] == held
+    assert ledger.prefix.checkpoint_bytes.device == held
     for measured, analytic in (
         (ledger.live_kv_bytes, report["kv_bytes"]),
         (ledger.live_state_bytes, report["state_bytes"]),
-        (ledger.prefix["checkpoint_bytes"]["device"], report["checkpoint_bytes"]),
+        (ledger.prefix.checkpoint_bytes.device, report["checkpoint_bytes"]),
     ):
         assert measured == pytest.approx(analytic, rel=0.01)
 
@@ -113,7 +114,7 @@ def test_chat_ledger_by_kind_matches_a_real_engine():
         prompt = prompt + res.token_ids
 
     report = chat_report(cfg, chat, policy, jnp.float32)
-    ledger = engine.ledger().to_json()
+    ledger = engine.ledger().prefix
     checkpoints = list(engine.store.checkpoints)
     assert {ck.position: ck.kind for ck in checkpoints} == chat_checkpoints(chat, policy)
     assert report["checkpoints_by_kind"] == {"interval": 3, "prompt_end": 2, "sequence_end": 2, "junction": 0}
@@ -123,15 +124,15 @@ def test_chat_ledger_by_kind_matches_a_real_engine():
             _array_bytes(ck.states) + (0 if ck.tail_kv is None else _array_bytes(ck.tail_kv)) for ck in mine
         )
         counts, nbytes = (
-            ledger["checkpoints_by_kind"][kind.value],
-            ledger["checkpoint_bytes_by_kind"][kind.value],
+            ledger.checkpoints_by_kind[kind],
+            ledger.checkpoint_bytes_by_kind[kind],
         )
-        assert counts == {"device": len(mine), "host": 0, "disk": 0}
-        assert counts["device"] == report["checkpoints_by_kind"][kind.value]
-        assert nbytes["device"] == held == report["checkpoint_bytes_by_kind"][kind.value]
+        assert counts == TierCounts(device=len(mine))
+        assert counts.device == report["checkpoints_by_kind"][kind.value]
+        assert nbytes.device == held == report["checkpoint_bytes_by_kind"][kind.value]
         assert report["checkpoint_tails_by_kind"][kind.value] == sum(ck.tail_kv is not None for ck in mine)
-    assert ledger["checkpoint_bytes"]["device"] == report["checkpoint_bytes"] > 0
-    assert ledger["checkpoints"]["device"] == report["num_checkpoints"] == 7
+    assert ledger.checkpoint_bytes.device == report["checkpoint_bytes"] > 0
+    assert ledger.checkpoints.device == report["num_checkpoints"] == 7
 
 
 def test_bf16_pools_match_the_analytic_split():

@@ -65,7 +65,7 @@ def test_requests_that_wait_together_compute_a_shared_prefix_once(model, full_pa
     assert computed(fixed) >= 4 * 80  # (a prompt's last token may go with the decode rows)
     assert computed(adaptive) == 75 + 4 * 6
     assert [r.stats["prefix_hit_tokens"] for r in adaptive] == [0, 75, 75, 75]
-    assert eng.ledger().prefix["checkpoints_by_kind"]["junction"]["device"] == 1
+    assert eng.ledger().prefix.checkpoints_by_kind["junction"].device == 1
     for prompt, res in zip(prompts, adaptive, strict=True):
         assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
     assert [r.token_ids for r in adaptive] == [r.token_ids for r in fixed]
@@ -84,7 +84,7 @@ def test_a_prompt_that_leaves_cached_blocks_checkpoints_its_junction(model, full
         assert [r.stats["prefix_hit_tokens"] for r in results] == [0, 0, third_hit]
         assert results[2].stats["prefill_tokens_computed"] == 81 - third_hit
         assert results[1].stats["recomputed_tokens"] == shared  # matched cached tokens, resumed from none
-        junctions = eng.ledger().prefix["checkpoints_by_kind"]["junction"]["device"]
+        junctions = eng.ledger().prefix.checkpoints_by_kind["junction"].device
         assert junctions == (1 if policy == "adaptive" else 0)
         for prompt, res in zip(prompts, results, strict=True):
             assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
@@ -239,7 +239,7 @@ def test_a_prefill_chunk_ending_on_a_checkpoint_still_indexes_its_blocks_tails(m
     eng = engine(model, "adaptive", interval=16, prefill_chunk=16)
     results = [eng.generate([p], GREEDY)[0] for p in (first, second, third)]
     assert [r.stats["prefix_hit_tokens"] for r in results] == [0, 16, 20]
-    assert eng.ledger().prefix["checkpoints_by_kind"]["junction"]["device"] == 1
+    assert eng.ledger().prefix.checkpoints_by_kind["junction"].device == 1
     for prompt, res in zip((first, second, third), results, strict=True):
         assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
 
@@ -275,9 +275,9 @@ def test_the_pool_gives_up_blocks_no_checkpoint_needs_before_a_checkpoints_block
         eng = small_pool(model, eviction, blocks=10)
         eng.generate([x], ONE)
         eng.generate([y], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-        assert eng.ledger().prefix["cached_kv_blocks"] == 6
+        assert eng.ledger().prefix.cached_kv_blocks == 6
         eng.generate([z], ONE)
-        assert eng.ledger().prefix["evicted_blocks"] == 3
+        assert eng.ledger().prefix.memory.evicted_blocks == 3
         res = eng.generate([x + [7, 8, 9]], GREEDY)[0]
         assert res.stats["prefix_hit_tokens"] == x_hit, eviction
         assert_matches_full_pass(full_pass, x + [7, 8, 9], res.token_ids, res.logprobs)
@@ -294,9 +294,9 @@ def test_when_every_cached_block_is_needed_a_checkpoint_goes_with_its_blocks(mod
         eng = small_pool(model, eviction, blocks=6)
         for p in (x, y, z):
             eng.generate([p], ONE)
-        ledger = eng.ledger().to_json()
-        assert ledger["evicted_blocks"] == 2 and ledger["checkpoints"]["device"] == held, eviction
-        assert ledger["dropped_checkpoints"] == 3 - held
+        ledger = eng.ledger().prefix
+        assert ledger.memory.evicted_blocks == 2 and ledger.checkpoints.device == held, eviction
+        assert ledger.memory.dropped_checkpoints == 3 - held
         for p, hit in ((y, 16), (x, 0)):
             res = eng.generate([p + [5, 6]], GREEDY)[0]
             assert res.stats["prefix_hit_tokens"] == hit, eviction
@@ -326,8 +326,8 @@ def test_adaptive_interval_checkpoints_take_a_share_of_the_budget(states):
     spacing = 16
     while 390 > states / 6 * spacing:
         spacing *= 2
-    intervals = sim.ledger().prefix["checkpoints_by_kind"]["interval"]
-    assert intervals["device"] == 390 // spacing == {12: 1, 60: 6, 10_000: 24}[states]
+    intervals = sim.ledger().prefix.checkpoints_by_kind["interval"]
+    assert intervals.device == 390 // spacing == {12: 1, 60: 6, 10_000: 24}[states]
 
 
 def test_a_queued_request_finds_a_state_where_it_leaves_a_running_one():

@@ -1,5 +1,6 @@
 """Disk tier of the prefix store: restart hits, visibility after the save, crash leftovers, budgets."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,7 +22,9 @@ from jaxhybrid.cache import kda_state_bytes
 from jaxhybrid.config import load_config
 from jaxhybrid.model import HybridLM
 from serve.engine.engine import Engine, EngineConfig
+from serve.engine.records import Ledger
 from serve.engine.sampling import SamplingParams
+from serve.prefix.accounts import TierCounts
 from serve.prefix.disk import LOCK, MANIFEST, DiskReads, DiskTier, StoreLocked
 from serve.prefix.store import PrefixStore, PrefixStoreConfig
 
@@ -82,28 +85,29 @@ def test_restart_serves_hits_from_disk_with_identical_output(model, full_pass, t
     a = engine(model, cfg)
     a.generate(prompts, greedy())
     a.flush()
-    la = a.ledger().to_json()
-    assert la["disk_pending"] == 0 and la["disk_save_errors"] == 0
+    la = a.ledger().prefix
+    assert la.disk_files.pending == 0 and la.disk.save_errors == 0
+    assert Ledger.from_json(a.ledger().to_json()) == a.ledger()  # a real store's, across the boundary
     # write-through: everything the memory tiers got is on disk, each with the KV of its whole prefix
-    assert la["checkpoints"]["disk"] == la["saves"] == la["disk_saves"] > 0
-    assert la["checkpoint_bytes"]["disk"] > la["checkpoint_bytes"]["device"]
+    assert la.checkpoints.disk == la.memory.saves == la.disk.saves > 0
+    assert la.checkpoint_bytes.disk > la.checkpoint_bytes.device
 
     # by kind (interval 16 of each prompt and 32, the prompt ends 21 and 37, the sequence ends 24, 40, 19), in
     # memory and on disk, where the manifests keep the kinds' plain strings
-    per_tier = lambda ledger, tier: {k: v[tier] for k, v in ledger["checkpoints_by_kind"].items()}
+    per_tier = lambda ledger, tier: {k: getattr(v, tier) for k, v in ledger.checkpoints_by_kind.items()}
     kinds = {"interval": 4, "prompt_end": 2, "sequence_end": 3, "junction": 0}
     assert per_tier(la, "device") == per_tier(la, "disk") == kinds
     manifests = [json.loads(m.read_text()) for m in tmp_path.glob(f"*/*/{MANIFEST}")]
     assert {k: sum(m["kind"] == k for m in manifests) for k in kinds} == kinds
-    nbytes = la["checkpoint_bytes_by_kind"]
-    assert sum(v["device"] for v in nbytes.values()) == la["checkpoint_bytes"]["device"]
-    assert sum(v["disk"] for v in nbytes.values()) == la["checkpoint_bytes"]["disk"]
+    nbytes = la.checkpoint_bytes_by_kind
+    assert sum(v.device for v in nbytes.values()) == la.checkpoint_bytes.device
+    assert sum(v.disk for v in nbytes.values()) == la.checkpoint_bytes.disk
 
     b = engine(model, cfg)  # a restart: nothing in memory, the store directory indexed
-    lb = b.ledger().to_json()
-    assert lb["checkpoints"] == {"device": 0, "host": 0, "disk": la["checkpoints"]["disk"]}
-    assert per_tier(lb, "disk") == kinds and lb["checkpoint_bytes_by_kind"] == {
-        k: {**v, "device": 0} for k, v in nbytes.items()
+    lb = b.ledger().prefix
+    assert lb.checkpoints == TierCounts(disk=la.checkpoints.disk)
+    assert per_tier(lb, "disk") == kinds and lb.checkpoint_bytes_by_kind == {
+        k: dataclasses.replace(v, device=0) for k, v in nbytes.items()
     }
     got = b.generate(extended, greedy())
     assert ids(got) == ids(engine(model, None).generate(extended, greedy()))
@@ -112,12 +116,12 @@ def test_restart_serves_hits_from_disk_with_identical_output(model, full_pass, t
     assert [(r.stats["prefix_hit_tokens"], r.stats["recomputed_tokens"]) for r in got] == [
         (len(p), 0) for p in prompts
     ]
-    lb = b.ledger().to_json()
-    assert lb["disk_restores"] == 3 and lb["disk_restore_errors"] == 0 and lb["disk_restore_time_s"] > 0
+    lb = b.ledger().prefix
+    assert lb.disk.restores == 3 and lb.disk.restore_errors == 0 and lb.disk.restore_time_s > 0
     # a disk hit is promoted to memory (and its blocks to the pool): the next hit reads nothing from disk
     got = b.generate(again, greedy())
     assert [r.stats["prefix_hit_tokens"] for r in got] == [len(p) for p in prompts]
-    assert b.ledger().prefix["disk_restores"] == 3 and b.ledger().prefix["restores"] == 6
+    assert b.ledger().prefix.disk.restores == 3 and b.ledger().prefix.memory.restores == 6
 
 
 def test_a_save_is_visible_only_after_it_completed_and_decoding_does_not_wait(model, tmp_path, monkeypatch):
@@ -135,23 +139,21 @@ def test_a_save_is_visible_only_after_it_completed_and_decoding_does_not_wait(mo
     a = engine(model, cfg)
     try:
         a.generate(prompts, greedy())  # finishes while every save is blocked
-        ledger = a.ledger().to_json()
-        assert ledger["checkpoints"]["disk"] == 0 and ledger["disk_pending"] == 2
-        assert ledger["disk_skipped"] == 1 and ledger["disk_pending_bytes"] > 0
+        ledger = a.ledger().prefix
+        assert ledger.checkpoints.disk == 0 and ledger.disk_files.pending == 2
+        assert ledger.disk.skipped == 1 and ledger.disk_files.pending_bytes > 0
         a.step()  # polls: still nothing finished
-        assert a.ledger().prefix["checkpoints"]["disk"] == 0
-        assert (
-            engine(model, cfg).ledger().prefix["checkpoints"]["disk"] == 0
-        )  # nothing committed for a restart
+        assert a.ledger().prefix.checkpoints.disk == 0
+        assert engine(model, cfg).ledger().prefix.checkpoints.disk == 0  # nothing committed for a restart
         # the same prompt now: no disk hit (invisible), but the memory tier has it
         r = a.generate([prompts[0] + [5, 6]], greedy(1))[0]
-        assert r.stats["prefix_hit_tokens"] == len(prompts[0]) and a.ledger().prefix["disk_restores"] == 0
+        assert r.stats["prefix_hit_tokens"] == len(prompts[0]) and a.ledger().prefix.disk.restores == 0
     finally:
         release.set()
     a.flush()
-    ledger = a.ledger().to_json()
-    assert ledger["disk_pending"] == 0 and ledger["checkpoints"]["disk"] == ledger["disk_saves"] >= 2
-    assert engine(model, cfg).ledger().prefix["checkpoints"]["disk"] == ledger["checkpoints"]["disk"]
+    ledger = a.ledger().prefix
+    assert ledger.disk_files.pending == 0 and ledger.checkpoints.disk == ledger.disk.saves >= 2
+    assert engine(model, cfg).ledger().prefix.checkpoints.disk == ledger.checkpoints.disk
 
 
 def test_crash_leftovers_are_ignored_and_everything_else_hits(model, full_pass, tmp_path):
@@ -193,18 +195,18 @@ def test_crash_leftovers_are_ignored_and_everything_else_hits(model, full_pass, 
     (found[35].parent / "stray.txt").write_text("x")
 
     b = engine(model, cfg)
-    ledger = b.ledger().to_json()
-    assert ledger["checkpoints"]["disk"] == 2 and ledger["disk_ignored"] == 6  # 30 and 35 indexed
+    ledger = b.ledger().prefix
+    assert ledger.checkpoints.disk == 2 and ledger.disk_files.ignored == 6  # 30 and 35 indexed
     # the leftovers are collected at open: a crash-looping server does not grow the directory
     left = sorted(p.name for p in found[35].parent.iterdir())
-    assert left == sorted([LOCK, found[30].name, found[35].name]) and ledger["disk_collected"] == 6
+    assert left == sorted([LOCK, found[30].name, found[35].name]) and ledger.disk.collected == 6
     got = b.generate(extended, greedy())
     assert ids(got) == ids(engine(model, None).generate(extended, greedy()))
     for prompt, res in zip(extended, got, strict=True):  # resumed from states read back from disk
         assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
     assert [r.stats["prefix_hit_tokens"] for r in got] == [0, 0, 0, 0, 35]
-    ledger = b.ledger().to_json()
-    assert ledger["disk_restores"] == 1 and ledger["disk_restore_errors"] == 1
+    ledger = b.ledger().prefix
+    assert ledger.disk.restores == 1 and ledger.disk.restore_errors == 1
     # serving the damaged prompts again writes them anew over the leftovers
     b.generate(prompts[:4], greedy())
     b.flush()
@@ -221,7 +223,7 @@ def test_other_models_and_layouts_never_match(model, tmp_path):
     a.flush()
     other = HybridLM(load_config("tiny"), rngs=nnx.Rngs(1), dtype=jnp.float32)  # other weights
     b = engine(other, cfg)
-    assert b.ledger().prefix["checkpoints"]["disk"] == 0
+    assert b.ledger().prefix.checkpoints.disk == 0
     got = b.generate([prompt + [7, 8]], greedy())[0]
     assert got.stats["prefix_hit_tokens"] == 0
     assert got.token_ids == engine(other, None).generate([prompt + [7, 8]], greedy())[0].token_ids
@@ -255,16 +257,16 @@ def test_budgets_demote_then_drop_and_disk_keeps_serving(model, tmp_path):
         got = eng.generate(chats, greedy())
         assert ids(got) == ids(ref.generate(chats, greedy()))
         eng.flush()
-        ledger = eng.ledger().to_json()
-        assert ledger["checkpoint_bytes"]["device"] <= cfg.device_bytes
-        assert ledger["checkpoint_bytes"]["host"] <= cfg.host_bytes
-        assert ledger["checkpoint_bytes"]["disk"] <= disk_bytes
+        ledger = eng.ledger().prefix
+        assert ledger.checkpoint_bytes.device <= cfg.device_bytes
+        assert ledger.checkpoint_bytes.host <= cfg.host_bytes
+        assert ledger.checkpoint_bytes.disk <= disk_bytes
         on_disk = sum(p.stat().st_size for p in Path(tmp_path).rglob("*") if p.is_file() and p.name != LOCK)
-        assert on_disk == ledger["checkpoint_bytes"]["disk"]  # dropped entries are gone from the disk
+        assert on_disk == ledger.checkpoint_bytes.disk  # dropped entries are gone from the disk
         chats = [c + tokens(rng, 6) for c in chats]
-    ledger = eng.ledger().to_json()
-    assert ledger["demotions"] > 0 and ledger["dropped_checkpoints"] > 0 and ledger["disk_dropped"] > 0
-    assert ledger["disk_restores"] > 0  # dropped from memory, served from disk
+    ledger = eng.ledger().prefix
+    assert ledger.memory.demotions > 0 and ledger.memory.dropped_checkpoints > 0 and ledger.disk.dropped > 0
+    assert ledger.disk.restores > 0  # dropped from memory, served from disk
 
 
 def test_a_second_process_on_the_store_directory_gets_a_clear_error(model, tmp_path):
@@ -324,8 +326,8 @@ def test_a_full_disk_stops_writing_warns_once_and_keeps_serving(model, tmp_path,
         eng.generate([tokens(rng, 23)], greedy())  # within the retry delay: not even tried
         eng.flush()
     assert ids(got) == ids(engine(model, None).generate(prompts, greedy()))
-    ledger = eng.ledger().to_json()
-    assert ledger["checkpoints"]["disk"] == 0 and ledger["disk_full"] >= 1 and ledger["disk_skipped"] >= 1
+    ledger = eng.ledger().prefix
+    assert ledger.checkpoints.disk == 0 and ledger.disk.full >= 1 and ledger.disk.skipped >= 1
     assert len([r for r in caplog.records if "disk is full" in r.message]) == 1
     assert [p.name for p in eng.store.disk.dir.iterdir()] == [LOCK]  # no half-written save left behind
     hit = eng.generate([prompts[0] + [5, 6]], greedy(1))[0]  # memory still serves the prefix
@@ -334,7 +336,7 @@ def test_a_full_disk_stops_writing_warns_once_and_keeps_serving(model, tmp_path,
     monkeypatch.setattr(eng.store.disk.space, "until", 0.0)  # the retry delay is over, space is back
     eng.generate([tokens(rng, 21)], greedy())
     eng.flush()
-    assert eng.ledger().prefix["checkpoints"]["disk"] == 1
+    assert eng.ledger().prefix.checkpoints.disk == 1
 
 
 def test_a_request_waiting_for_its_prefix_from_disk_stalls_nobody(model, tmp_path, monkeypatch):
@@ -391,11 +393,11 @@ def test_a_transient_error_keeps_the_entry_and_it_is_retried(model, tmp_path, mo
     monkeypatch.setattr(pd, "RETRY_S", 0.0, raising=False)
     with caplog.at_level(logging.WARNING, logger="jaxhybrid.prefix"):
         b = engine(model, cfg)
-    assert b.ledger().prefix["checkpoints"]["disk"] == 1 and (target / MANIFEST).exists()
+    assert b.ledger().prefix.checkpoints.disk == 1 and (target / MANIFEST).exists()
     assert any("will retry" in r.getMessage() for r in caplog.records)
     monkeypatch.setattr(Path, "read_text", read_text)  # the disk is back
     b.store.poll()
-    assert b.ledger().prefix["checkpoints"]["disk"] == 2
+    assert b.ledger().prefix.checkpoints.disk == 2
     # a read that fails with EIO: served from scratch, the entry stays and serves the next request
     read_arrays = DiskReads._read
     failures = []
@@ -410,7 +412,7 @@ def test_a_transient_error_keeps_the_entry_and_it_is_retried(model, tmp_path, mo
     extended = prompts[0] + tokens(rng, 3)
     first = b.generate([extended], greedy(2))[0]
     assert failures == [17] and first.stats["prefix_hit_tokens"] == 0
-    assert b.ledger().prefix["checkpoints"]["disk"] == 2 and (target / MANIFEST).exists()
+    assert b.ledger().prefix.checkpoints.disk == 2 and (target / MANIFEST).exists()
     again = b.generate([extended], greedy(2))[0]
     assert again.token_ids == first.token_ids
     b.close()
@@ -474,7 +476,7 @@ def test_a_request_reading_its_prefix_counts_as_waiting_and_an_abort_ends_it_at_
         assert time.monotonic() < deadline, "the abandoned read is never finished"
         b.step()
         time.sleep(0.01)
-    assert b.ledger().prefix["checkpoints"]["disk"] == 1
+    assert b.ledger().prefix.checkpoints.disk == 1
     b.close()
 
 
@@ -499,7 +501,7 @@ def test_a_request_that_preempts_itself_at_admission_keeps_its_disk_read(model, 
     monkeypatch.setattr(DiskReads, "_read", counting)
     b = engine(model, cfg, num_blocks=20)  # 19 usable blocks
     b.generate([stored[:16] + tokens(rng, 5)], greedy(1))  # caches the stored prompt's first 2 blocks
-    assert b.ledger().prefix["cached_kv_blocks"] == 2 and reads == []
+    assert b.ledger().prefix.cached_kv_blocks == 2 and reads == []
     holder = tokens(rng, 16 * BS + 1)
     h = b.add_request(holder, greedy(7))  # 17 blocks, the rest of the pool, for as long as it runs
     while b.requests[h].pending > 1:
@@ -514,7 +516,7 @@ def test_a_request_that_preempts_itself_at_admission_keeps_its_disk_read(model, 
     assert b.requests[x].preemptions == 1 and b.requests[h].running and reads == [29]
     while b.has_unfinished():
         b.step()
-    assert reads == [29] and b.ledger().prefix["disk_restores"] == 1
+    assert reads == [29] and b.ledger().prefix.disk.restores == 1
     got = [b.result(h).token_ids, b.result(x).token_ids]
     assert b.result(x).stats["prefix_hit_tokens"] == len(stored)
     ref = engine(model, None, num_blocks=20).generate([holder, stored + [9, 10]], [greedy(7), greedy()])

@@ -73,8 +73,8 @@ def test_store_on_gives_the_same_tokens_as_store_off(model, full_pass, interval)
     for prompts, results in zip(rounds, on, strict=True):
         for prompt, res in zip(prompts, results, strict=True):
             assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
-    ledger = eng.ledger().to_json()
-    assert ledger["hits"] > 0 and ledger["hit_tokens"] > 0
+    ledger = eng.ledger().prefix
+    assert ledger.lookup.hits > 0 and ledger.lookup.hit_tokens > 0
 
 
 @pytest.mark.parametrize("prompt_end", [False, True])
@@ -121,13 +121,13 @@ def test_checkpoint_bytes_hand_count(model):
     state = 3 * (2 * 16 * 16 * 4 + 3 * 32 * 3 * 4)  # KDA layers x (H x d x d x 4 + conv 3*H*d x (K-1) x 4)
     assert state == kda_state_bytes(cfg, jnp.float32)["total"]
     block = BS * cfg.latent_dim * 4 * cfg.num_mla_layers
-    ledger = eng.ledger().to_json()
-    assert ledger["checkpoints"]["device"] == 3
+    ledger = eng.ledger()
+    assert ledger.prefix.checkpoints.device == 3
     assert (
-        ledger["checkpoint_bytes"]["device"] == 3 * state + block
+        ledger.prefix.checkpoint_bytes.device == 3 * state + block
     )  # the prompt-end one keeps its partial block
-    assert ledger["cached_kv_blocks"] == 4  # full blocks of the 37-token prompt
-    assert ledger["live_kv_bytes"] == 0 and ledger["live_state_bytes"] == 0
+    assert ledger.prefix.cached_kv_blocks == 4  # full blocks of the 37-token prompt
+    assert ledger.live_kv_bytes == 0 and ledger.live_state_bytes == 0
 
 
 def test_budgets_demote_then_drop_and_stay_exact(model):
@@ -140,11 +140,12 @@ def test_budgets_demote_then_drop_and_stay_exact(model):
         got = [r.token_ids for r in eng.generate(prompts, greedy())]
         want = [r.token_ids for r in ref.generate(prompts, greedy())]
         assert got == want
-        ledger = eng.ledger().to_json()
-        assert ledger["checkpoint_bytes"]["device"] <= cfg.device_bytes
-        assert ledger["checkpoint_bytes"]["host"] <= cfg.host_bytes
-    ledger = eng.ledger().to_json()
-    assert ledger["demotions"] > 0 and ledger["dropped_checkpoints"] > 0 and ledger["hits"] > 0
+        ledger = eng.ledger().prefix
+        assert ledger.checkpoint_bytes.device <= cfg.device_bytes
+        assert ledger.checkpoint_bytes.host <= cfg.host_bytes
+    ledger = eng.ledger().prefix
+    assert ledger.memory.demotions > 0 and ledger.memory.dropped_checkpoints > 0
+    assert ledger.lookup.hits > 0
 
 
 def test_cached_blocks_are_evicted_when_the_pool_runs_out(model):
@@ -156,7 +157,7 @@ def test_cached_blocks_are_evicted_when_the_pool_runs_out(model):
         assert [r.token_ids for r in eng.generate(prompts, greedy())] == [
             r.token_ids for r in ref.generate(prompts, greedy())
         ]
-    assert eng.ledger().prefix["evicted_blocks"] > 0
+    assert eng.ledger().prefix.memory.evicted_blocks > 0
 
 
 @pytest.mark.parametrize("length", [37, 40])  # unaligned and block-aligned prompt ends
@@ -368,9 +369,9 @@ def test_store_on_equals_store_off_for_generated_workloads(
                 # ill-conditioned: then both must be the model's, as the full pass's oracle allows for that
                 assert_matches_full_pass(full_pass, prompt, res.token_ids, res.logprobs)
                 assert_matches_full_pass(full_pass, prompt, ref.token_ids, ref.logprobs)
-    ledger = on.ledger().to_json()
-    assert ledger["checkpoint_bytes"]["device"] <= cfg.device_bytes
-    assert ledger["checkpoint_bytes"]["host"] <= cfg.host_bytes
+    ledger = on.ledger().prefix
+    assert ledger.checkpoint_bytes.device <= cfg.device_bytes
+    assert ledger.checkpoint_bytes.host <= cfg.host_bytes
 
 
 @pytest.mark.parametrize("block_size", [24, pytest.param(48, marks=pytest.mark.slow)])
@@ -395,8 +396,8 @@ def test_any_block_size_rounds_the_interval_and_stays_exact(model, block_size, c
     assert len(lines) == 1 and f"64 -> {interval}" in lines[0], lines
     on = serve_rounds(eng, rounds, n=2)
     assert token_ids(on) == token_ids(off)
-    ledger = eng.ledger().to_json()
-    assert sum(ledger["checkpoints_by_kind"]["interval"].values()) > 0 and ledger["hit_tokens"] >= interval
+    ledger = eng.ledger().prefix
+    assert ledger.checkpoints_by_kind["interval"].total() > 0 and ledger.lookup.hit_tokens >= interval
 
 
 def test_a_request_that_waits_for_blocks_is_looked_up_once_and_hashes_each_block_once(model, monkeypatch):
@@ -439,7 +440,7 @@ def test_a_request_that_waits_for_blocks_is_looked_up_once_and_hashes_each_block
     on = engine(model, PrefixStoreConfig(checkpoint_interval=BS), num_blocks=20)
     a, b, waited, clock = serve(on)
     assert waited >= 5 and a.preemptions == b.preemptions == 0  # the case: it waited for `long_` to end
-    assert on.ledger().prefix["lookups"] == clock == 2  # one per admission
+    assert on.ledger().prefix.lookup.lookups == clock == 2  # one per admission
     assert sum(hashed) == len(a.chain) + len(b.chain)  # each request's root and blocks, once each
     hashed.clear()
     a_off, b_off, _, _ = serve(engine(model, None, num_blocks=20))

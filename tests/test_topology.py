@@ -92,6 +92,8 @@ def test_plan_compiles_its_choice_for_a_topology(capsys):
     assert main([*args, "--compile", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["request"]["chips"] == 4 and out["topology"] == "v5e:2x2"
+    (host,) = out["hosts"]  # one host: it reads every weight
+    assert host["process"] == 0 and len(host["devices"]) == 4 and host["bytes"] > 0
     compiled = {c["name"]: c for c in out["compiled"]}
     assert set(compiled) == {"decode", "prefill", "packed", "verify", "checkpoint", "restore"}
     assert compiled["decode"]["rows"] == out["chosen"]["slots"] and compiled["prefill"]["length"] == 16
@@ -107,9 +109,18 @@ def test_an_unknown_topology_is_a_usage_error(capsys):
     assert "cannot describe the TPU topology 'v9z:1x1'" in err and "Traceback" not in err
 
 
-def test_a_command_on_a_host_without_a_tpu_does_not_try_to_open_one(tmp_path):
-    """libtpu installed, no TPU chip here, JAX_PLATFORMS unset: `generate` runs on the CPU without libtpu's
-    screen of discovery errors (it would try to open a TPU first, then fall back to the CPU)."""
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["serve.cli", "generate", "--config", "tiny", "--prompt-ids", "1,2,3", "--max-tokens", "2"],
+        ["benchmarks", "decode", "--config", "tiny", "--contexts", "16", "--repeats", "1"],
+    ],
+    ids=["jaxhybrid", "benchmarks"],
+)
+def test_a_command_on_a_host_without_a_tpu_does_not_try_to_open_one(tmp_path, command):
+    """libtpu installed, no TPU chip here, JAX_PLATFORMS unset: `jaxhybrid generate` and `python -m
+    benchmarks` run on the CPU without libtpu's screen of discovery errors (it would try to open a TPU first,
+    then fall back to the CPU)."""
     import os
     import subprocess
     import sys
@@ -121,8 +132,47 @@ def test_a_command_on_a_host_without_a_tpu_does_not_try_to_open_one(tmp_path):
         pytest.skip("this host has TPU chips")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    cmd = [sys.executable, "-m", "serve.cli", "generate", "--config", "tiny", "--prompt-ids", "1,2,3"]
-    cmd += ["--max-tokens", "2", "--compile-cache", "off"]
+    cmd = [sys.executable, "-m", *command, *(["--compile-cache", "off"] if command[0] == "serve.cli" else [])]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "TPU" not in done.stderr and "libtpu" not in done.stderr, done.stderr[-2000:]
+
+
+def test_each_host_of_a_multi_host_replica_reads_the_shards_its_programs_take():
+    """v6e:2x4 is two hosts of four devices. A replica of expert=2 x tensor=4 puts one expert half on each
+    host: the plan's per-host shards (`replica_hosts`, from the shardings the weights are placed with) are the
+    ones the compiled decode program takes as its inputs, and by hand each host reads every weight whole
+    except the routed experts, of which it reads half."""
+    import math
+
+    import numpy as np
+
+    from serve.engine.topology import program_arguments, replica_hosts, replica_mesh, topology_devices
+    from sharding.hosts import host_shards
+
+    cfg = load_config("tiny-k3")
+    devices = topology_devices("v6e:2x4")
+    mesh = replica_mesh(devices, tensor=4, expert=2)
+    assert sorted({d.process_index for d in mesh.devices.flat}) == [0, 1]
+    shape = EngineShape.resolve(ENGINE, cfg)
+    hosts = replica_hosts(cfg, mesh, shape, jnp.bfloat16)
+    assert [h.process for h in hosts] == [0, 1] and all(len(h.devices) == 4 for h in hosts)
+
+    args = program_arguments(cfg, mesh, shape, jnp.bfloat16)
+    widest = shape.table_buckets[-1]
+    ints = [(shape.slots, 1), (shape.slots,), (shape.slots, widest), (shape.slots,), (shape.slots,)]
+    ints = [jax.ShapeDtypeStruct(d, jnp.int32, sharding=jax.NamedSharding(mesh, jax.P())) for d in ints]
+    compiled = args.run.lower(args.params, args.kda_pools, args.mla_pools, *ints).compile()
+    taken = host_shards(args.params, compiled.input_shardings[0][0])
+    read = [{k: v for k, v in h.shards.items() if k in t.shards} for h, t in zip(hosts, taken, strict=True)]
+    assert [t.shards for t in taken] == read and [t.devices for t in taken] == [h.devices for h in hosts]
+    # XLA prunes what the program never reads: the first layer's attention-residual weights (nothing to mix)
+    unread = {k for k in hosts[0].shards if k not in taken[0].shards}
+    assert unread == {f"['model']['layers'][0]['self_attention_res_{n}']['weight']" for n in ("norm", "proj")}
+
+    leaves = jax.tree_util.tree_flatten_with_path(args.params)[0]
+    nbytes = lambda leaf: math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize  # noqa: E731
+    experts = sum(nbytes(leaf) for path, leaf in leaves if "'experts'" in jax.tree_util.keystr(path))
+    total = sum(nbytes(leaf) for _, leaf in leaves)
+    assert experts > 0
+    assert [h.nbytes for h in hosts] == [total - experts // 2] * 2

@@ -16,15 +16,16 @@ Every expert implementation takes the gated activation as the keyword ``act`` (a
 Packed experts: every implementation also takes an :class:`~jaxhybrid.ops.mxfp4.MXFP4` (uint8 codes and
 E8M0 scales, ``.shape`` the logical [E, out, in]) for ``w1``/``w2``/``w3`` and dequantizes to the rows'
 dtype only what it reads: the CPU loop one chosen expert per iteration, the grouped ``ragged_dot`` path the
-up-to-``min(N * k, E)`` distinct experts of the step (:func:`used_experts`), the block-sparse form one
-expert per block; the dense reference dequantizes all. Packed weights are for inference (no derivative).
+up-to-``min(N * k, E)`` distinct experts of the step (:func:`grouped_matmul`; on a TPU inside a shard_map
+the Pallas kernel reads them packed, :func:`grouped_matmul_for`), the block-sparse form one expert per
+block; the dense reference dequantizes all. Packed weights are for inference (no derivative).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,8 @@ __all__ = [
     "moe_experts_dense_stacked",
     "moe_experts_grouped",
     "moe_experts_grouped_stacked",
-    "used_experts",
+    "grouped_matmul",
+    "grouped_matmul_for",
 ]
 
 # Checkpoint-layout expert weights are [E, out, in]; tokens are [M, in]. Contract lhs dim 1 with rhs
@@ -135,22 +137,52 @@ def check_expert_shapes(x: jax.Array, w1: ExpertWeight, w2: ExpertWeight, w3: Ex
         raise ValueError("w1, w2 and w3 must be all MXFP4, all int8 or all dense")
 
 
-def used_experts(
-    key: jax.Array, num_experts: int, ws: tuple[ExpertWeight, ...], dtype: Any
-) -> tuple[jax.Array, tuple[jax.Array, ...], int]:
-    """(keys, dense weights, groups) for a grouped matmul over pairs whose expert is `key` [P] (`num_experts`
-    for a pair in no group). Dense weights pass through. MXFP4 weights: only the up-to-``min(P, E)``
-    distinct experts in `key` are dequantized (to `dtype`), in ascending expert order, and each key is
-    remapped to its expert's position among them (a pair in no group to the count), so sorting by the new
-    key groups pairs exactly as before."""
-    if not is_packed(ws[0]):
-        return key, ws, num_experts
-    used = min(key.shape[0], num_experts)
-    ids = jnp.unique(key, size=used, fill_value=num_experts)  # ascending; padding (and no-group) last
-    ids = jnp.where(ids < num_experts, ids, num_experts)
-    remapped = jnp.where(key < num_experts, jnp.searchsorted(ids, key), used).astype(key.dtype)
-    take = jnp.where(ids < num_experts, ids, jnp.minimum(ids[0], num_experts - 1))  # fill: a used one
-    return remapped, tuple(as_dense(expert_slice(w, take), dtype) for w in ws), used
+def grouped_matmul(lhs: jax.Array, w: ExpertWeight, group_sizes: jax.Array) -> jax.Array:
+    """Rows `lhs` [M, K] sorted by group, `group_sizes` [G] rows of each (summing to at most M), times each
+    group's weight `w` [G, N, K] transposed: [M, N] float32, rows past the groups zero. XLA's ``ragged_dot``
+    (the reference and XLA form of `jaxhybrid.ops.pallas.moe.grouped_matmul`). A packed or int8 weight is
+    dequantized to the rows' dtype only for the up-to-``min(M, G)`` groups with rows: those groups' weights
+    are taken (in group order, so the rows stay sorted) and the sizes compacted to them."""
+    if not isinstance(w, jax.Array):
+        most = min(w.shape[0], lhs.shape[0])
+        used = jnp.flatnonzero(group_sizes > 0, size=most, fill_value=0)
+        real = jnp.arange(most) < jnp.sum(group_sizes > 0)
+        group_sizes = jnp.where(real, group_sizes[used], 0)
+        w = expert_slice(w, jnp.where(real, used, used[0]))  # the fill, no rows: a used expert again
+    dense = as_dense(w, lhs.dtype)
+    return jax.lax.ragged_dot_general(
+        lhs,
+        dense,
+        group_sizes.astype(jnp.int32),
+        _RAGGED_DN,
+        precision=precision.of(lhs, dense),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def grouped_matmul_for(
+    w: ExpertWeight, platform: str | None
+) -> Callable[[jax.Array, ExpertWeight, jax.Array], jax.Array]:
+    """The grouped matmul (:func:`grouped_matmul`'s signature) for experts `w` in a program on `platform`
+    whose arrays are each device's own (None where that is not so or not known): on a TPU, packed experts
+    through the Pallas kernel of `jaxhybrid.ops.pallas.moe`, which reads the codes of only the experts with
+    rows and dequantizes them in VMEM (XLA's form writes each used expert dequantized to HBM, then reads it);
+    otherwise :func:`grouped_matmul`. The one place an op registry takes this choice over."""
+    if platform == "tpu" and is_packed(w):
+        from jaxhybrid.ops.pallas import moe as pallas_moe  # Pallas's TPU modules, only where they run
+
+        return pallas_moe.grouped_matmul
+    return grouped_matmul
+
+
+def _local_platform(x: jax.Array) -> str | None:
+    """The platform of `x`'s devices where the program's arrays are each device's own, as a Mosaic kernel
+    needs (traced inside a ``shard_map`` over every axis of the mesh); None elsewhere (XLA partitions the
+    program, and cannot partition a Mosaic kernel)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.are_all_axes_manual:
+        return None
+    return placement.platform_of(x)
 
 
 def _pair_keys(expert_ids: jax.Array, valid: jax.Array | None, num_experts: int) -> jax.Array:
@@ -199,29 +231,18 @@ def moe_experts_ragged(
 
     # Pairs of rows that are not valid sort after every group, where the grouped matmuls skip them.
     key = _pair_keys(expert_ids, valid, num_experts)
-    # Packed experts: only the distinct experts in use are dequantized, and keys renumbered to them.
-    key, (w1, w2, w3), groups = used_experts(key, num_experts, (w1, w2, w3), x.dtype)
     order = jnp.argsort(key, stable=True)  # pair index, grouped by expert
     token_of_row = order // k
     rows = jnp.take(x, token_of_row, axis=0)  # [N*k, D]
-    group_sizes = jnp.bincount(key, length=groups + 1)[:groups].astype(jnp.int32)
+    group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    matmul = grouped_matmul_for(w1, _local_platform(x))
 
-    def grouped_matmul(lhs: jax.Array, w: jax.Array) -> jax.Array:
-        return jax.lax.ragged_dot_general(
-            lhs,
-            w,
-            group_sizes,
-            _RAGGED_DN,
-            precision=precision.of(lhs, w),
-            preferred_element_type=jnp.float32,
-        )
-
-    gate = grouped_matmul(rows, w1)
-    up = grouped_matmul(rows, w3)
+    gate = matmul(rows, w1, group_sizes)
+    up = matmul(rows, w3, group_sizes)
     hidden = gated_act(gate, up, act).astype(x.dtype)
-    out_rows = grouped_matmul(hidden, w2)  # [N*k, D] float32
+    out_rows = matmul(hidden, w2, group_sizes)  # [N*k, D] float32
     w = weights.reshape(-1)[order].astype(jnp.float32)[:, None]
-    out_rows = jnp.where((key[order] < groups)[:, None], out_rows * w, 0.0)
+    out_rows = jnp.where((key[order] < num_experts)[:, None], out_rows * w, 0.0)
     out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of_row].add(out_rows)
     return out.astype(x.dtype)
 
@@ -621,10 +642,11 @@ def moe_experts_dropless(
     act: GatedActivation = SILU,
     valid: jax.Array | None = None,
 ) -> jax.Array:
-    """Dropless routed experts as `jaxhybrid.ops.registry` chooses: ``ragged_dot`` grouped matmul on
-    accelerators (:func:`moe_experts_grouped`); on the CPU (where ragged_dot computes every expert) the loop
-    over the experts in use (:func:`moe_experts_skipping`, differentiated as the block-sparse form); the
-    reference :func:`moe_experts_dense`. All equal.
+    """Dropless routed experts as `jaxhybrid.ops.registry` chooses: grouped matmuls on accelerators
+    (:func:`moe_experts_grouped`: XLA's ``ragged_dot``, or the Pallas kernel for packed experts on a TPU
+    inside a shard_map); on the CPU (where ragged_dot computes every expert) the loop over the experts in use
+    (:func:`moe_experts_skipping`, differentiated as the block-sparse form); the reference
+    :func:`moe_experts_dense`. All equal.
 
     ``valid`` ``[N]`` bool (optional): rows that are not valid (idle slots, padding) are not routed and
     come back as zeros. Every expert implementation takes it, so it is part of the shared signature."""

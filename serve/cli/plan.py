@@ -13,7 +13,7 @@ from typing import Any
 from jaxhybrid.config import load_config
 from serve.cli.common import add_config_arg, add_kernels_arg
 from serve.engine.config import engine_default
-from serve.engine.topology import compile_engine_programs, replica_mesh, topology_devices
+from serve.engine.topology import compile_engine_programs, replica_hosts, replica_mesh, topology_devices
 from serve.models import add_checkpoint_dtype_arg
 from serve.plan import PlanError, Planner, PlanRequest, sweep
 from serve.report import DTYPES, print_table
@@ -181,14 +181,19 @@ def run(args: argparse.Namespace) -> int:
         print("error: --compile compiles one plan: give one value per list flag", file=sys.stderr)
         return 2
     compiled = _compile(planner, plans[0], devices) if args.compile and plans[0].chosen else None
+    hosts = _hosts(planner, plans[0], devices) if devices and single and plans[0].chosen else None
     if args.json:
         out = plans[0].as_dict() if single else {"config": cfg.name, "plans": [p.as_dict() for p in plans]}
-        if compiled is not None:
+        if hosts is not None:
             out["topology"] = args.topology
+            out["hosts"] = [h.as_dict(with_shards=True) for h in hosts]
+        if compiled is not None:
             out["compiled"] = [c.as_dict() for c in compiled]
         print(json.dumps({"config": cfg.name, **out} if single else out))
     elif single:
         _print_plan(cfg, plans[0])
+        if hosts is not None:
+            _print_hosts(args.topology, hosts)
         if compiled is not None:
             _print_compiled(args.topology, plans[0], compiled)
     else:
@@ -219,6 +224,32 @@ def _compile(planner: Any, plan: Any, devices: list[Any]) -> list[Any]:
         f"compiling for {devices[0].device_kind} (tensor={m.tensor}, expert={m.expert}) ...", file=sys.stderr
     )
     return compile_engine_programs(planner.cfg, mesh, shape, jnp.dtype(req.dtype), packed=req.packed)
+
+
+def _hosts(planner: Any, plan: Any, devices: list[Any]) -> list[Any]:
+    """What each host's process of the chosen replica reads of the weights (`replica_hosts`)."""
+    import jax.numpy as jnp
+
+    req, m = plan.request, plan.chosen
+    mesh = replica_mesh(devices, m.tensor, m.expert)
+    shape = planner.engine_shape(req, m.slots)
+    return replica_hosts(planner.cfg, mesh, shape, jnp.dtype(req.dtype), packed=req.packed)
+
+
+def _print_hosts(topology: str, hosts: list[Any]) -> None:
+    """One row per host of the replica: its devices and the weights' shards its process reads."""
+    print(f"\nweights each host of the replica reads on {topology} (a process a host; --json: the shards)")
+    rows = [
+        {
+            "host": h.process,
+            "devices": ",".join(str(d) for d in h.devices),
+            "arrays": len(h.shards),
+            "shards": sum(len(s) for s in h.shards.values()),
+            "read_GB": round(h.nbytes / 1e9, 3),
+        }
+        for h in hosts
+    ]
+    print_table(rows, list(rows[0]))
 
 
 def _print_compiled(topology: str, plan: Any, compiled: list[Any]) -> None:

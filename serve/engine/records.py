@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+from serve.prefix.store import DiskNews, PrefixLedger
+
 
 class LoadOutcome(NamedTuple):
     """How a prefix read from disk ended, as process 0 saw it (every process follows it)."""
@@ -22,26 +24,23 @@ class StepEvents:
     """What finished in the background since the last step: the only input of a step that depends on time.
     With several processes process 0 observes it and every process applies the same at the same step."""
 
-    # the disk tier's news (`serve.prefix.disk.DiskTier.observe`: saves done or failed, entries found or
-    # corrupt, whether the disk is full); None: no disk tier, or nothing observed
-    disk: dict[str, Any] | None = None
+    disk: DiskNews | None = None  # the disk tier's news; None: no disk tier, or nothing observed
     loaded: tuple[LoadOutcome, ...] = ()  # disk reads that ended, in arrival order
 
     def has_news(self) -> bool:
         """Whether applying these changes anything (else a step log need not carry them)."""
         if self.loaded:
             return True
-        disk = self.disk
-        if disk is None:
-            return False
-        return any(disk.get(k) for k in ("saved", "failed", "found", "corrupt")) or disk["full"] is not None
+        return self.disk is not None and self.disk.has_news()
 
     def to_json(self) -> dict[str, Any]:
-        return {"disk": self.disk, "loaded": [list(x) for x in self.loaded]}
+        disk = None if self.disk is None else self.disk.to_json()
+        return {"disk": disk, "loaded": [list(x) for x in self.loaded]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StepEvents:
-        return cls(data["disk"], tuple(LoadOutcome(*x) for x in data["loaded"]))
+        disk = None if data["disk"] is None else DiskNews.from_json(data["disk"])
+        return cls(disk, tuple(LoadOutcome(*x) for x in data["loaded"]))
 
 
 NO_EVENTS = StepEvents()  # nothing finished in the background
@@ -54,9 +53,9 @@ class Ledger:
     live_kv_bytes: int  # KV blocks of running requests
     live_state_bytes: int  # KDA states of running requests
     prefix_cache: bool  # whether the engine has a prefix store
-    # The store's accounts (`serve.prefix.store.PrefixStore.ledger`; its zeros, `empty_ledger`, without a
-    # store): cached KV, checkpoints and their bytes per tier and per kind, lookups, hits, saves, evictions.
-    prefix: dict[str, Any]
+    # The store's accounts (`serve.prefix.store.PrefixStore.ledger`; `PrefixLedger()`, nothing held, without
+    # a store): cached KV, checkpoints and their bytes per tier and per kind, lookups, hits, saves, evictions.
+    prefix: PrefixLedger
     disk_loading: int | None = None  # requests waiting for a prefix read from disk (None: no store)
 
     def to_json(self) -> dict[str, Any]:
@@ -65,7 +64,7 @@ class Ledger:
             "live_kv_bytes": self.live_kv_bytes,
             "live_state_bytes": self.live_state_bytes,
             "prefix_cache": self.prefix_cache,
-            **self.prefix,
+            **self.prefix.to_json(),
         }
         if self.disk_loading is not None:
             out["disk_loading"] = self.disk_loading
@@ -77,7 +76,7 @@ class Ledger:
         prefix = dict(data)
         live_kv, live_state = prefix.pop("live_kv_bytes"), prefix.pop("live_state_bytes")
         has_store, loading = prefix.pop("prefix_cache"), prefix.pop("disk_loading", None)
-        return cls(live_kv, live_state, has_store, prefix, loading)
+        return cls(live_kv, live_state, has_store, PrefixLedger.from_json(prefix), loading)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ from serve.engine.records import Ledger, RequestMemory
 from serve.engine.requests import FinishReason, QueueState, Request, RequestStatus
 from serve.engine.runner import Restore
 from serve.engine.speculative import DraftPlanner, DraftSource, PromptLookup, StepCosts
-from serve.prefix.store import Attachment, Hit, HitLoads, PrefixStore, empty_ledger
+from serve.prefix.store import Attachment, Hit, HitLoads, PrefixLedger, PrefixStore
 
 QUEUE_LOOKAHEAD = 64  # queued requests whose shared prefixes with running ones are cut each step
 
@@ -242,7 +242,7 @@ class Scheduler:
         live_kv = len(live_blocks) * self.shape.block_bytes
         live_state = len(self.running) * self.shape.state_bytes
         if self.store is None:
-            return Ledger(live_kv, live_state, False, empty_ledger())
+            return Ledger(live_kv, live_state, False, PrefixLedger())
         return Ledger(live_kv, live_state, True, self.store.ledger(live_blocks), len(self.loads))
 
     def _admit(self, budget: int, planned: list[tuple[Request, int, int]]) -> None:

@@ -30,6 +30,7 @@ from jaxhybrid.model import abstract_model
 from serve.engine import copies
 from serve.engine import runner as runner_mod
 from serve.engine.config import EngineShape, ProgramShape
+from sharding.hosts import HostShards, host_shards
 from sharding.mesh import make_mesh
 from sharding.placement import install_expert_parallel, pool_shardings, wants_expert_parallel
 from sharding.rules import state_shardings
@@ -45,6 +46,7 @@ __all__ = [
     "TopologyError",
     "compile_engine_programs",
     "program_arguments",
+    "replica_hosts",
     "replica_mesh",
     "topology_devices",
 ]
@@ -221,6 +223,14 @@ def program_arguments(
         mla_pools=tuple(p for kind, p in zip(cfg.layer_types, pools, strict=True) if kind != "kda"),
         pools=pools,
     )
+
+
+def replica_hosts(
+    cfg: ModelConfig, mesh: Any, shape: EngineShape, dtype: Any = jnp.bfloat16, packed: bool = True
+) -> list[HostShards]:
+    """Per host of the replica's mesh, the shards of the weights its process loads (`sharding.hosts`): the
+    parameters as `program_arguments` places them, which is how the engine's programs take them."""
+    return host_shards(program_arguments(cfg, mesh, shape, dtype, packed).params)
 
 
 PROGRAMS = ("decode", "prefill", "packed", "verify", "checkpoint", "restore")

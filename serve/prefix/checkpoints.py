@@ -8,29 +8,23 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from serve.prefix.accounts import TierCounts, by_kind
 from serve.prefix.events import EventLog, StateRemoved, StateStored
 from serve.prefix.index import BlockIndex
 from serve.prefix.stats import MemoryStats
-from serve.prefix.types import TIERS, Checkpoint, CheckpointKind, EvictionPolicy, Tier
+from serve.prefix.types import Checkpoint, CheckpointKind, EvictionPolicy, Tier
 
 
 @dataclasses.dataclass
 class KindTally:
     """Checkpoints of each kind in each tier: how many and their bytes (the ledger's by-kind part)."""
 
-    counts: dict[str, dict[str, int]] = dataclasses.field(
-        default_factory=lambda: {k.value: dict.fromkeys(TIERS, 0) for k in CheckpointKind}
-    )
-    nbytes: dict[str, dict[str, int]] = dataclasses.field(
-        default_factory=lambda: {k.value: dict.fromkeys(TIERS, 0) for k in CheckpointKind}
-    )
+    counts: dict[CheckpointKind, TierCounts] = dataclasses.field(default_factory=by_kind)
+    nbytes: dict[CheckpointKind, TierCounts] = dataclasses.field(default_factory=by_kind)
 
     def add(self, kind: CheckpointKind, tier: str, nbytes: int) -> None:
-        self.counts[kind.value][tier] += 1
-        self.nbytes[kind.value][tier] += nbytes
-
-    def ledger(self) -> dict[str, dict[str, dict[str, int]]]:
-        return {"checkpoints_by_kind": self.counts, "checkpoint_bytes_by_kind": self.nbytes}
+        self.counts[kind].add(tier, 1)
+        self.nbytes[kind].add(tier, nbytes)
 
 
 def stored_event(ck: Checkpoint) -> StateStored:

@@ -35,6 +35,7 @@ lock, collects leftovers, deletes and touches files.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import logging
 import os
 import shutil
@@ -43,10 +44,11 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxhybrid.weights.orbax_io import checkpointer
 from serve.prefix import files
+from serve.prefix.accounts import DiskFiles
 from serve.prefix.checkpoints import KindTally
 from serve.prefix.entries import DiskEntry, is_transient, read_arrays, read_entry, write_entry
 from serve.prefix.events import EventLog, StateRemoved, StateStored
@@ -66,6 +68,45 @@ from sharding.multihost import Peers
 __all__ = ["DiskEntry", "DiskTier", "StoreLocked", "namespace", "LOCK", "MANIFEST"]
 log = logging.getLogger("jaxhybrid.prefix")
 _LIVE: weakref.WeakSet[DiskTier] = weakref.WeakSet()  # for saves in flight in another tier of this process
+
+
+class SaveFailure(NamedTuple):
+    """A background save that raised: its entry, the error, and whether the disk was full."""
+
+    key_hex: str
+    error: str
+    for_space: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskNews:
+    """What the disk tier saw finish since it last looked (`DiskTier.observe`), which every process applies
+    at the same step (`DiskTier.apply`): saves done or failed, entries that became readable or proved
+    corrupt, and the disk's full state where it changed (None: unchanged)."""
+
+    saved: tuple[str, ...] = ()  # entries' keys, hex
+    failed: tuple[SaveFailure, ...] = ()
+    full: bool | None = None
+    found: tuple[str, ...] = ()  # entry names
+    corrupt: tuple[str, ...] = ()
+
+    def has_news(self) -> bool:
+        """Whether applying this changes anything."""
+        return bool(self.saved or self.failed or self.found or self.corrupt) or self.full is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "saved": list(self.saved),
+            "failed": [list(f) for f in self.failed],
+            "full": self.full,
+            "found": list(self.found),
+            "corrupt": list(self.corrupt),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DiskNews:
+        failed = tuple(SaveFailure(*f) for f in data["failed"])
+        return cls(tuple(data["saved"]), failed, data["full"], tuple(data["found"]), tuple(data["corrupt"]))
 
 
 class DiskTier:
@@ -250,7 +291,7 @@ class DiskTier:
         return write_entry(self._saver, self.dir, meta, arrays, self.peers)
 
     # --- what finished: observed on process 0, applied everywhere at a step boundary -------------------
-    def observe(self) -> dict[str, Any]:
+    def observe(self) -> DiskNews:
         """Saves that finished (ok or failed, and whether for want of space), and the disk's full state
         when it changes (None: unchanged)."""
         saved, failed = [], []
@@ -260,23 +301,18 @@ class DiskTier:
                 if exc is None:
                     saved.append(key.hex())
                 else:
-                    failed.append([key.hex(), f"{type(exc).__name__}: {exc}", files.is_full(exc)])
+                    failed.append(SaveFailure(key.hex(), f"{type(exc).__name__}: {exc}", files.is_full(exc)))
         full = self.space.still_full()
         if not full and self.peers.several and self.pending:  # only process 0 looks at the disk
             full = shutil.disk_usage(self.dir).free < self.max_pending_bytes + MIN_FREE_BYTES
         found, corrupt = self.skipped.due()
-        return {
-            "saved": saved,
-            "failed": failed,
-            "full": None if full == self.space.full else full,
-            "found": found,
-            "corrupt": corrupt,
-        }
+        changed = None if full == self.space.full else full
+        return DiskNews(tuple(saved), tuple(failed), changed, tuple(found), tuple(corrupt))
 
-    def apply(self, events: dict[str, Any]) -> list[DiskEntry]:
+    def apply(self, events: DiskNews) -> list[DiskEntry]:
         """Act on `observe`'s result (from process 0): new entries join the index; returns them."""
         new = []
-        for key_hex in events["saved"]:
+        for key_hex in events.saved:
             fut, _ = self.pending.pop(bytes.fromhex(key_hex))
             entry, dt = fut.result()  # on another process: its own part of the same save
             if entry is None:
@@ -289,25 +325,26 @@ class DiskTier:
             self.stats.saves += 1
             self.stats.save_time_s += dt
             new.append(entry)
-        for name in events.get("found", ()):
+        for name in events.found:
             entry = self.skipped.read(name)
             if entry is not None and entry.key not in self.entries:
                 self._add(entry)
                 new.append(entry)
-        for name in events.get("corrupt", ()):
+        for name in events.corrupt:
             self.skipped.forget(name)
             if self.peers.leader:
                 log.warning("prefix store %s: removing %s: not a valid entry", self.dir, name)
                 self._jobs.append(self._worker.submit(files.remove, self.dir / name))
-        for key_hex, error, for_space in events["failed"]:
+        full = events.full
+        for key_hex, error, for_space in events.failed:
             fut, _ = self.pending.pop(bytes.fromhex(key_hex))
             cf.wait([fut])
             self.stats.save_errors += 1
             self.stats.last_error = error
             log.warning("prefix store %s: saving checkpoint %s failed: %s", self.dir, key_hex[:16], error)
             if for_space:
-                events = {**events, "full": True}
-        self.space.set(events["full"])
+                full = True
+        self.space.set(full)
         if new:
             self.enforce_budget()
         self._jobs = [j for j in self._jobs if not j.done()]
@@ -323,17 +360,12 @@ class DiskTier:
             self._jobs = []
         return new
 
-    def ledger(self, by_kind: KindTally) -> dict[str, Any]:
-        """This tier's part of the store's ledger (committed entries: states + KV of their prefixes + files;
-        saves on their way); adds each entry's bytes to `by_kind`."""
+    def ledger(self, by_kind: KindTally) -> DiskFiles:
+        """This tier's own part of the store's ledger (saves on their way, files it ignores); adds each
+        committed entry's bytes (states + KV of their prefixes + files) to `by_kind`."""
         for entry in self.entries.values():
             by_kind.add(entry.kind, Tier.DISK, entry.disk_bytes)
-        return {
-            "disk_pending": len(self.pending),
-            "disk_pending_bytes": self.pending_bytes,
-            "disk_ignored": len(self.ignored),
-            "store_dir": str(self.dir),
-        }
+        return DiskFiles(len(self.pending), self.pending_bytes, len(self.ignored), str(self.dir))
 
     def close(self) -> None:
         """Finish pending saves and reads, release the namespace's lock."""

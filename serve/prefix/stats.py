@@ -1,10 +1,10 @@
-"""Typed counters of the prefix store, one dataclass per part, flattened into the ledger under the names
-the metrics and benchmarks read (disk counters with a `disk_` prefix)."""
+"""Typed counters of the prefix store, one dataclass per part. The store counts into them; its ledger
+(`serve.prefix.accounts.PrefixLedger`) carries copies, flattened on the boundary under the names the
+metrics and benchmarks read (disk counters with a `disk_` prefix)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 
 @dataclasses.dataclass
@@ -41,10 +41,3 @@ class DiskStats:
     collected: int = 0  # leftovers of interrupted saves removed at open
     full: int = 0  # saves that found the disk full
     last_error: str | None = None
-
-
-def flatten(lookup: LookupStats, memory: MemoryStats, disk: DiskStats | None) -> dict[str, Any]:
-    out = {**dataclasses.asdict(lookup), **dataclasses.asdict(memory)}
-    if disk is not None:
-        out.update({f"disk_{k}": v for k, v in dataclasses.asdict(disk).items() if v is not None})
-    return out

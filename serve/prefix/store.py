@@ -28,9 +28,10 @@ admission: `serve.prefix.lookup`), `loads` / `on_read_done` (a disk hit is read 
 `shared_prefix` / `expect` (where the adaptive policy cuts a prefill), `chunk_limit`, `on_computed` /
 `on_finished` (checkpoints and block indexing), `evict_one` / `evictable`, `observe` / `apply` (what finished
 in the background, applied at a step boundary: with several processes process 0 observes and every process
-applies the same), `poll` (both, one process), `ledger`, `forget_blocks`, `close`. The data it keeps comes
-from a CheckpointSource (the runner): the store decides where to checkpoint (`serve.prefix.positions`), the
-writer takes the checkpoint (`serve.prefix.writer`), the source copies.
+applies the same), `poll` (both, one process), `ledger` (its accounts: `serve.prefix.accounts`),
+`forget_blocks`, `close`. The data it keeps comes from a CheckpointSource (the runner): the store decides
+where to checkpoint (`serve.prefix.positions`), the writer takes the checkpoint (`serve.prefix.writer`), the
+source copies.
 """
 
 from __future__ import annotations
@@ -42,15 +43,16 @@ from pathlib import Path
 from typing import Any
 
 from jaxhybrid.cache import CHECKPOINT_DTYPES
+from serve.prefix.accounts import PrefixLedger, TierCounts
 from serve.prefix.checkpoints import CheckpointTiers, KindTally
-from serve.prefix.disk import DiskEntry, DiskTier, namespace
+from serve.prefix.disk import DiskEntry, DiskNews, DiskTier, namespace
 from serve.prefix.events import EventLog
 from serve.prefix.index import BlockIndex, ChainHasher, TailIndex
 from serve.prefix.loads import HitLoads, Load
 from serve.prefix.lookup import Hit, Lookup
 from serve.prefix.policies import POLICIES, make_policy
 from serve.prefix.positions import CheckpointPositions
-from serve.prefix.stats import LookupStats, MemoryStats, flatten
+from serve.prefix.stats import LookupStats, MemoryStats
 from serve.prefix.types import Checkpoint, CheckpointSource, Sequence_, Tier
 from serve.prefix.writer import CheckpointWriter
 
@@ -144,18 +146,6 @@ class Attachment:
     tail_kv: Any
     logits: Any = None
     fill_kv: Any = None  # per MLA layer [full blocks, block_size, latent] from disk
-
-
-def empty_ledger() -> dict[str, Any]:
-    """The ledger's checkpoint and cached-KV entries with nothing held (what an engine without a store
-    reports, and where a store's own ledger starts)."""
-    return {
-        "cached_kv_blocks": 0,
-        "cached_kv_bytes": 0,
-        "checkpoint_bytes": {"device": 0, "host": 0, "disk": 0},
-        "checkpoints": {"device": 0, "host": 0, "disk": 0},
-        **KindTally().ledger(),
-    }
 
 
 class PrefixStore:
@@ -385,11 +375,11 @@ class PrefixStore:
         if self.loads is not None:
             self.loads.on_done(fn)
 
-    def observe(self) -> dict[str, Any] | None:
+    def observe(self) -> DiskNews | None:
         """What finished in the background (disk saves, the disk's state); None without a disk tier."""
         return None if self.disk is None else self.disk.observe()
 
-    def apply(self, events: dict[str, Any] | None) -> None:
+    def apply(self, events: DiskNews | None) -> None:
         """Make what `observe` saw (on process 0) visible to lookups."""
         if self.disk is not None and events is not None:
             for entry in self.disk.apply(events):
@@ -410,23 +400,32 @@ class PrefixStore:
         return [] if self.events is None else self.events.drain()
 
     # --- accounts ---------------------------------------------------------------------------------------
-    def ledger(self, live_blocks: set[int]) -> dict[str, Any]:
+    def ledger(self, live_blocks: set[int]) -> PrefixLedger:
         """Bytes and counts per tier and per checkpoint kind and tier, and what reuse saved or cost (blocks in
-        `live_blocks` count as live)."""
+        `live_blocks` count as live); the counters are copies."""
         cached = [b for b in self.held_blocks if b not in live_blocks]
-        out = empty_ledger()
         by_kind = self.checkpoints.tally(KindTally())
+        counts, nbytes = TierCounts(), TierCounts()
         for tier in (Tier.DEVICE, Tier.HOST):
-            out["checkpoint_bytes"][tier] = self.checkpoints.bytes(tier)
-            out["checkpoints"][tier] = self.checkpoints.count(tier)
-        out.update(cached_kv_blocks=len(cached), cached_kv_bytes=len(cached) * self.block_bytes)
-        out.update(flatten(self.lookups, self.memory_stats, None if self.disk is None else self.disk.stats))
-        out["checkpoint_interval"] = self.config.checkpoint_interval
+            counts.add(tier, self.checkpoints.count(tier))
+            nbytes.add(tier, self.checkpoints.bytes(tier))
+        disk_stats = disk_files = None
         if self.disk is not None:
-            out["checkpoint_bytes"][Tier.DISK] = self.disk.bytes
-            out["checkpoints"][Tier.DISK] = len(self.disk.entries)
-            out.update(self.disk.ledger(by_kind))
-        return out | by_kind.ledger()
+            counts.disk, nbytes.disk = len(self.disk.entries), self.disk.bytes
+            disk_stats, disk_files = dataclasses.replace(self.disk.stats), self.disk.ledger(by_kind)
+        return PrefixLedger(
+            checkpoints=counts,
+            checkpoint_bytes=nbytes,
+            checkpoints_by_kind=by_kind.counts,
+            checkpoint_bytes_by_kind=by_kind.nbytes,
+            cached_kv_blocks=len(cached),
+            cached_kv_bytes=len(cached) * self.block_bytes,
+            checkpoint_interval=self.config.checkpoint_interval,
+            lookup=dataclasses.replace(self.lookups),
+            memory=dataclasses.replace(self.memory_stats),
+            disk=disk_stats,
+            disk_files=disk_files,
+        )
 
     def close(self) -> None:
         if self.disk is not None:

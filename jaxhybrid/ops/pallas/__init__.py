@@ -1,0 +1,1 @@
+"""Pallas kernels for accelerators, each beside the reference in jaxhybrid/ops that it equals."""
