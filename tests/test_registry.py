@@ -186,6 +186,39 @@ def test_a_program_traced_from_shapes_alone_takes_each_platforms_choice_at_lower
         assert not _custom_calls(tpu)
 
 
+def test_a_registered_pallas_kernel_runs_interpreted_under_pallas_and_compiled_only_on_its_platform(
+    monkeypatch,
+) -> None:
+    """A stand-in Pallas entry for the TPU (it records how it was called): auto on CPU arrays runs the
+    reference; pallas runs it interpreted; traced from shapes alone under auto, the TPU lowering holds it
+    compiled and the CPU lowering the reference (it gives 3x, the reference 2x: told apart in the text)."""
+    monkeypatch.setattr(registry, "_OPS", dict(registry._OPS))  # the stand-in op leaves with the test
+    calls = []
+
+    def triple(x: jax.Array, *, interpret: bool = False) -> jax.Array:
+        calls.append(interpret)
+        return x * 3.0
+
+    op = registry.Op("stand_in", lambda x: x * 2.0)
+    op.register(registry.Implementation(Kind.PALLAS, triple, registry.TPU))
+    assert [i.name for i in registry.implementations() if i.op == "stand_in"][1] == "stand_in:pallas:triple"
+    x = jnp.ones((2,), jnp.float32)
+    with registry.kernels(Mode.AUTO):
+        np.testing.assert_array_equal(op(x), 2.0)
+    with registry.kernels(Mode.PALLAS):
+        np.testing.assert_array_equal(op(x), 3.0)
+    assert calls == [True]
+    with registry.kernels(Mode.AUTO):
+        traced = jax.jit(op).trace(jax.ShapeDtypeStruct((2,), jnp.float32))
+        cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+        tpu = traced.lower(lowering_platforms=("tpu",)).as_text()
+    assert calls == [True, False]
+    assert "2.000000e+00" in cpu and "3.000000e+00" not in cpu
+    assert "3.000000e+00" in tpu and "2.000000e+00" not in tpu
+    with pytest.raises(ValueError, match="one reference"):
+        op.register(registry.Implementation(Kind.REFERENCE, triple))
+
+
 def test_the_kernels_mode_is_part_of_a_compiled_programs_key(tmp_path) -> None:
     """A program compiled under one mode holds other implementations than under another: never the same
     entry of the compiled-program cache."""

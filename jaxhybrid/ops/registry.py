@@ -32,30 +32,27 @@ or the block of ``with registry.kernels("reference"):``. It is a JAX configurati
 jit's cache key, so a trace made under one mode is never reused under another, and the engine's
 compiled-program cache keys on it too (`serve.engine.executables`).
 
-Registering a Pallas kernel is one entry in its op's declaration, e.g. the in-place KDA decode's in
-`jaxhybrid/ops/kda.py`, a kernel of the op's signature plus ``interpret``::
+Registering a Pallas kernel is one implementation added to its op. The Pallas modules import their op's
+module (its shape checks), so they add themselves when imported (:meth:`Op.register`), e.g. at the end of
+`jaxhybrid/ops/pallas/kda.py`, for a kernel of the op's signature plus ``interpret``::
 
-    from jaxhybrid.ops.pallas import kda as kda_pallas  # at the top of kda.py
-
-    KDA_DECODE_INTO_POOL = registry.Op(
-        "kda_decode_into_pool",
-        kda_decode_into_pool_reference,
-        registry.cpu_kernel(kda_decode_into_pool_native, kda_decode_into_pool_native_applies),
+    kda.KDA_DECODE_INTO_POOL.register(
         registry.Implementation(
             registry.Kind.PALLAS,
-            kda_pallas.kda_decode_into_pool_pallas,  # (q, k, v, g, beta, pool, rows, *, interpret=False)
+            kda_decode_into_pool_pallas,  # (q, k, v, g, beta, pool, rows, *, interpret=False)
             registry.TPU,  # compiled there (auto picks it there); interpreted elsewhere under `pallas`
-            kda_pallas.takes,  # the op's arguments -> bool: e.g. T == 1 and a float32 pool
-        ),
+            takes,  # the op's arguments -> bool: e.g. T == 1, a float32 pool, inside a shard_map
+        )
     )
 
-(the Pallas module then must not import `kda.py`). ``kda_decode_states_pallas(q, k, v, g, beta, pool,
-rows, *, interpret=False)`` goes the same way into ``KDA_DECODE_STATES`` (whose ``initial_state, rows`` are
-then the pool and its rows), with a predicate that asks for ``rows is not None``; the grouped MXFP4 expert
-matmul of `jaxhybrid.ops.pallas.moe` into ``moe.MOE_EXPERTS_DROPLESS`` through a function of that op's
-signature around it. The chunked prefill (``kda_chunked_pallas``) needs ``kda.kda_chunked`` made an Op
-first (its reference: today's ``kda_chunked``). tests/test_registry.py then runs each, interpreted on the
-CPU, against its op's reference (an op new to the registry adds its example arguments there).
+and a module that runs the op (the layer) imports the Pallas module. ``kda_decode_states_pallas(q, k, v,
+g, beta, pool, rows, *, interpret=False)`` goes the same way into ``kda.KDA_DECODE_STATES`` (whose
+``initial_state, rows`` are then the pool and its rows), with a predicate that asks for ``rows is not
+None``. The chunked prefill (``kda_chunked_pallas``) needs ``kda.kda_chunked`` made an Op first (its
+reference: today's ``kda_chunked``). A Mosaic kernel compiles only where the program's arrays are each
+device's own (inside a ``shard_map``), which its predicate checks. tests/test_registry.py then runs each,
+interpreted on the CPU, against its op's reference (an op new to the registry adds its example arguments
+there).
 """
 
 from __future__ import annotations
@@ -192,6 +189,12 @@ class Op:
     @property
     def reference(self) -> Implementation:
         return self.implementations[0]
+
+    def register(self, implementation: Implementation) -> None:
+        """Add `implementation` (not a reference) to this op, e.g. a Pallas kernel from its own module."""
+        if implementation.kind is Kind.REFERENCE:
+            raise ValueError(f"op {self.name}: one reference")
+        self.implementations += (dataclasses.replace(implementation, op=self.name),)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The op on `args`/`kwargs`, where its first argument says the platform; where it does not, one
