@@ -157,10 +157,10 @@ def test_kda_decode_kernel_padding_none_state_and_dtypes() -> None:
 def test_kda_decode_reads_rows_of_a_pool_in_place(monkeypatch, kernel: bool) -> None:
     """`rows`: each row starts from its slot of a pool of states (slots in any order, one slot read by two
     rows); the same as the float64 loop from the gathered states, and the pool itself is left as it was."""
-    import jaxhybrid.ops.kda as kda_ops
+    import jaxhybrid.ops.native as native
 
     if not kernel:
-        monkeypatch.setattr(kda_ops, "_kda_target", lambda: None)
+        monkeypatch.setattr(native, "kda_decode_kernel", lambda: None)
     elif kda_decode_kernel() is None:
         pytest.skip("no C++ compiler here")
     (q, k, v, g, beta), _ = make_inputs(31, 1, dk=32, dv=16, state=True)

@@ -9,10 +9,12 @@ and token-by-token decode continue from the same place.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import native, placement
+from jaxhybrid.ops import native, registry
 
 
 def _prepare(x: jax.Array, weight: jax.Array, state: jax.Array | None) -> tuple[jax.Array, int]:
@@ -70,6 +72,43 @@ def causal_conv1d_into_pool_reference(
     return y, pool.at[rows].set(new.astype(pool.dtype))
 
 
+def causal_conv1d_into_pool_native(
+    x: jax.Array,
+    weight: jax.Array,
+    pool: jax.Array,
+    rows: jax.Array,
+    lengths: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`causal_conv1d_into_pool_reference` for one token per row through the native CPU kernel: each
+    row's window read in its slot and moved on there (the result aliases `pool`)."""
+    f32 = jnp.float32
+    b, _, c = x.shape
+    if weight.ndim != 2 or pool.shape[1:] != (c, weight.shape[1] - 1) or rows.shape != (b,):
+        want = f"weight [{c}, K], pool [S, {c}, K-1], rows [{b}]"
+        raise ValueError(f"{want} expected: {weight.shape}, {pool.shape}, {rows.shape}")
+    valid = jnp.ones((b,), jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    out = (jax.ShapeDtypeStruct((b, c), f32), jax.ShapeDtypeStruct(pool.shape, f32))
+    target = native.kda_pool_kernels()[1]
+    call = jax.ffi.ffi_call(target, out, input_output_aliases={2: 1}, vmap_method="sequential")
+    y, new = call(x[:, 0], weight.astype(f32), pool, rows.astype(jnp.int32), valid)
+    return y[:, None], new
+
+
+def causal_conv1d_into_pool_native_applies(
+    x: jax.Array, weight: jax.Array, pool: jax.Array, *_: Any, **__: Any
+) -> bool:
+    """One token per row, float32 tokens and pool, and the kernel built."""
+    f32 = jnp.float32
+    return x.shape[1] == 1 and x.dtype == pool.dtype == f32 and native.kda_pool_kernels() is not None
+
+
+CAUSAL_CONV1D_INTO_POOL = registry.Op(
+    "causal_conv1d_into_pool",
+    causal_conv1d_into_pool_reference,
+    registry.cpu_kernel(causal_conv1d_into_pool_native, causal_conv1d_into_pool_native_applies),
+)
+
+
 def causal_conv1d_into_pool(
     x: jax.Array,
     weight: jax.Array,
@@ -77,30 +116,12 @@ def causal_conv1d_into_pool(
     rows: jax.Array,
     lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """:func:`causal_conv1d_into_pool_reference` for one token per row (T == 1) on the CPU through the
-    native kernel, which reads each row's window in its slot and moves it on there (the result aliases
-    `pool`: donate it, else XLA copies it first). In a program that reads the pool and scatters into it,
-    XLA:CPU fuses the read into the scatter and then copies the whole pool, twice. Elsewhere, or without
-    the kernel, the reference."""
-    f32 = jnp.float32
-    kernels = native.kda_pool_kernels()
-    if x.shape[1] != 1 or kernels is None or not x.dtype == pool.dtype == f32:
-        return causal_conv1d_into_pool_reference(x, weight, pool, rows, lengths)
-    b, _, c = x.shape
-    if weight.ndim != 2 or pool.shape[1:] != (c, weight.shape[1] - 1) or rows.shape != (b,):
-        want = f"weight [{c}, K], pool [S, {c}, K-1], rows [{b}]"
-        raise ValueError(f"{want} expected: {weight.shape}, {pool.shape}, {rows.shape}")
-    valid = jnp.ones((b,), jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-    out = (jax.ShapeDtypeStruct((b, c), f32), jax.ShapeDtypeStruct(pool.shape, f32))
-    call = jax.ffi.ffi_call(kernels[1], out, input_output_aliases={2: 1}, vmap_method="sequential")
-
-    def kernel() -> tuple[jax.Array, jax.Array]:
-        y, new = call(x[:, 0], weight.astype(f32), pool, rows.astype(jnp.int32), valid)
-        return y[:, None], new
-
-    return placement.by_platform(
-        x, cpu=kernel, default=lambda: causal_conv1d_into_pool_reference(x, weight, pool, rows, lengths)
-    )
+    """:func:`causal_conv1d_into_pool_reference` as `jaxhybrid.ops.registry` chooses: on the CPU for one
+    token per row the native kernel, which reads each row's window in its slot and moves it on there (the
+    result aliases `pool`: donate it, else XLA copies it first). In a program that reads the pool and
+    scatters into it, XLA:CPU fuses the read into the scatter and then copies the whole pool, twice.
+    Elsewhere, or where the kernel does not apply, the reference."""
+    return CAUSAL_CONV1D_INTO_POOL(x, weight, pool, rows, lengths)
 
 
 def causal_conv1d_windows(

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import native, placement, precision
+from jaxhybrid.ops import native, precision, registry
 from jaxhybrid.ops.int8 import KERNEL_ROWS
 from jaxhybrid.ops.stacks import flat_index, take_leading
 
@@ -50,15 +50,24 @@ def matmul_reference(x: jax.Array, w: jax.Array, index: Any = None) -> jax.Array
     return jnp.einsum("...i,oi->...o", x, m.astype(x.dtype), precision=precision.of(x, m))
 
 
+def matmul_native(x: jax.Array, w: jax.Array, index: Any = None) -> jax.Array:
+    """:func:`matmul_reference` through the native CPU kernel (matrix `index` read where it lies)."""
+    (y,) = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w)], flat_index(w.shape[:-2], index).reshape(1))
+    return y.reshape(*x.shape[:-1], w.shape[-2])
+
+
+def matmul_native_applies(x: jax.Array, w: jax.Array, index: Any = None) -> bool:
+    """Decode-sized rows (up to `KERNEL_ROWS`) the kernel takes (:func:`kernel_applies`)."""
+    return math.prod(x.shape[:-1]) <= KERNEL_ROWS and kernel_applies(x, w)
+
+
+MATMUL = registry.Op(
+    "dense.matmul", matmul_reference, registry.cpu_kernel(matmul_native, matmul_native_applies)
+)
+
+
 def matmul(x: jax.Array, w: jax.Array, index: Any = None) -> jax.Array:
-    if math.prod(x.shape[:-1]) > KERNEL_ROWS or not kernel_applies(x, w):
-        return matmul_reference(x, w, index)
-
-    def kernel() -> jax.Array:
-        (y,) = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w)], flat_index(w.shape[:-2], index).reshape(1))
-        return y.reshape(*x.shape[:-1], w.shape[-2])
-
-    return placement.by_platform(x, cpu=kernel, default=lambda: matmul_reference(x, w, index))
+    return MATMUL(x, w, index)
 
 
 def matmul_many_reference(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
@@ -66,17 +75,28 @@ def matmul_many_reference(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Ar
     return tuple(matmul_reference(x, w) for w in ws)
 
 
+def matmul_many_native(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """:func:`matmul_many_reference` as one native kernel call (the matrices' rows split over the threads as
+    one product)."""
+    ys = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w) for w in ws], jnp.zeros((1,), jnp.int32))
+    return tuple(y.reshape(*x.shape[:-1], w.shape[-2]) for y, w in zip(ys, ws, strict=True))
+
+
+def matmul_many_native_applies(x: jax.Array, ws: Sequence[jax.Array]) -> bool:
+    return math.prod(x.shape[:-1]) <= KERNEL_ROWS and all(kernel_applies(x, w) for w in ws)
+
+
+MATMUL_MANY = registry.Op(
+    "dense.matmul_many",
+    matmul_many_reference,
+    registry.cpu_kernel(matmul_many_native, matmul_many_native_applies),
+)
+
+
 def matmul_many(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-    """:func:`matmul_many_reference` as one kernel call on the CPU (decode-sized float32 rows: the
-    matrices' rows are split over the threads as one product); else the reference."""
-    if math.prod(x.shape[:-1]) > KERNEL_ROWS or not all(kernel_applies(x, w) for w in ws):
-        return matmul_many_reference(x, ws)
-
-    def kernel() -> tuple[jax.Array, ...]:
-        ys = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w) for w in ws], jnp.zeros((1,), jnp.int32))
-        return tuple(y.reshape(*x.shape[:-1], w.shape[-2]) for y, w in zip(ys, ws, strict=True))
-
-    return placement.by_platform(x, cpu=kernel, default=lambda: matmul_many_reference(x, ws))
+    """:func:`matmul_many_reference` as `jaxhybrid.ops.registry` chooses: one native kernel call on the CPU
+    for decode-sized float32 rows; else the reference."""
+    return MATMUL_MANY(x, ws)
 
 
 def matmul_pairs_reference(x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
@@ -98,13 +118,26 @@ def matmul_pairs_many_reference(
     return tuple(matmul_pairs_reference(x, w, ids) for w in ws)
 
 
+def matmul_pairs_many_native(x: jax.Array, ws: Sequence[jax.Array], ids: jax.Array) -> tuple[jax.Array, ...]:
+    """:func:`matmul_pairs_many_reference` as one native kernel call (each matrix in use read once)."""
+    return tuple(_kernel(x, ws, ids))
+
+
+def matmul_pairs_many_native_applies(x: jax.Array, ws: Sequence[jax.Array], ids: jax.Array) -> bool:
+    return all(kernel_applies(x, w) for w in ws)
+
+
+MATMUL_PAIRS_MANY = registry.Op(
+    "dense.matmul_pairs_many",
+    matmul_pairs_many_reference,
+    registry.cpu_kernel(matmul_pairs_many_native, matmul_pairs_many_native_applies),
+)
+
+
 def matmul_pairs_many(x: jax.Array, ws: Sequence[jax.Array], ids: jax.Array) -> tuple[jax.Array, ...]:
-    """:func:`matmul_pairs_many_reference` as one kernel call on the CPU; elsewhere the reference."""
-    if not all(kernel_applies(x, w) for w in ws):
-        return matmul_pairs_many_reference(x, ws, ids)
-    return placement.by_platform(
-        x, cpu=lambda: tuple(_kernel(x, ws, ids)), default=lambda: matmul_pairs_many_reference(x, ws, ids)
-    )
+    """:func:`matmul_pairs_many_reference` as `jaxhybrid.ops.registry` chooses: one native kernel call on the
+    CPU; elsewhere the reference."""
+    return MATMUL_PAIRS_MANY(x, ws, ids)
 
 
 def kernel_applies(x: jax.Array, w: jax.Array) -> bool:

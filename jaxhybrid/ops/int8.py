@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import native, placement
+from jaxhybrid.ops import native, registry
 from jaxhybrid.ops.stacks import flat_index, take_leading
 
 __all__ = [
@@ -96,18 +96,36 @@ def matmul_reference(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), dequantize(m), precision="highest")
 
 
+def matmul_native(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
+    """:func:`matmul_reference` through the native CPU kernel (the codes read in place)."""
+    ids = flat_index(w.q.shape[:-2], index).reshape(1)
+    (y,) = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w)], ids)
+    return y.reshape(*x.shape[:-1], w.q.shape[-2])
+
+
+def matmul_native_applies(x: jax.Array, w: Int8, index: Any = None) -> bool:
+    """Rows the kernel multiplies (:func:`kernel_takes`)."""
+    return kernel_takes(math.prod(x.shape[:-1]))
+
+
+def matmul_blocked(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
+    """:func:`matmul_reference` block by block (`_blocked`): XLA:CPU's form without the kernel."""
+    return _blocked(x, select(w, index))
+
+
+MATMUL = registry.Op(
+    "int8.matmul",
+    matmul_reference,
+    registry.Implementation(registry.Kind.XLA, matmul_blocked, registry.CPU),
+    registry.cpu_kernel(matmul_native, matmul_native_applies),
+)
+
+
 def matmul(x: jax.Array, w: Int8, index: Any = None) -> jax.Array:
-    """:func:`matmul_reference` in a program on CPUs through the kernel (decode-sized rows, or any with its
-    blocked product) or block by block (`_blocked`); elsewhere the reference."""
-
-    def on_cpu() -> jax.Array:
-        if kernel_takes(math.prod(x.shape[:-1])):
-            ids = flat_index(w.q.shape[:-2], index).reshape(1)
-            (y,) = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w)], ids)
-            return y.reshape(*x.shape[:-1], w.q.shape[-2])
-        return _blocked(x, select(w, index))
-
-    return placement.by_platform(x, cpu=on_cpu, default=lambda: matmul_reference(x, w, index))
+    """:func:`matmul_reference` as `jaxhybrid.ops.registry` chooses: in a program on CPUs through the kernel
+    (decode-sized rows, or any with its blocked product) or block by block (:func:`matmul_blocked`);
+    elsewhere the reference."""
+    return MATMUL(x, w, index)
 
 
 def matmul_many_reference(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, ...]:
@@ -115,17 +133,33 @@ def matmul_many_reference(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, 
     return tuple(matmul_reference(x, w) for w in ws)
 
 
+def matmul_many_native(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, ...]:
+    """:func:`matmul_many_reference` as one native kernel call (the matrices' rows split over the threads)."""
+    ys = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w) for w in ws], jnp.zeros((1,), jnp.int32))
+    return tuple(y.reshape(*x.shape[:-1], w.q.shape[-2]) for y, w in zip(ys, ws, strict=True))
+
+
+def matmul_many_native_applies(x: jax.Array, ws: Sequence[Int8]) -> bool:
+    return kernel_takes(math.prod(x.shape[:-1]))
+
+
+def matmul_many_each(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, ...]:
+    """One :func:`matmul` each (XLA:CPU's form without the kernel: each block by block)."""
+    return tuple(matmul(x, w) for w in ws)
+
+
+MATMUL_MANY = registry.Op(
+    "int8.matmul_many",
+    matmul_many_reference,
+    registry.Implementation(registry.Kind.XLA, matmul_many_each, registry.CPU),
+    registry.cpu_kernel(matmul_many_native, matmul_many_native_applies),
+)
+
+
 def matmul_many(x: jax.Array, ws: Sequence[Int8]) -> tuple[jax.Array, ...]:
-    """:func:`matmul_many_reference` as one kernel call on the CPU (decode-sized rows: the matrices' rows
-    are split over the threads as one product); else one :func:`matmul` each."""
-    if not kernel_takes(math.prod(x.shape[:-1])):
-        return tuple(matmul(x, w) for w in ws)
-
-    def kernel() -> tuple[jax.Array, ...]:
-        ys = _kernel(x.reshape(-1, x.shape[-1]), [flatten(w) for w in ws], jnp.zeros((1,), jnp.int32))
-        return tuple(y.reshape(*x.shape[:-1], w.q.shape[-2]) for y, w in zip(ys, ws, strict=True))
-
-    return placement.by_platform(x, cpu=kernel, default=lambda: matmul_many_reference(x, ws))
+    """:func:`matmul_many_reference` as `jaxhybrid.ops.registry` chooses: one native kernel call on the CPU
+    where it takes the rows, else one :func:`matmul` each there; elsewhere the reference."""
+    return MATMUL_MANY(x, ws)
 
 
 def matmul_pairs_reference(x: jax.Array, w: Int8, ids: jax.Array) -> jax.Array:
@@ -149,13 +183,26 @@ def matmul_pairs_many_reference(x: jax.Array, ws: Sequence[Int8], ids: jax.Array
     return tuple(matmul_pairs_reference(x, w, ids) for w in ws)
 
 
+def matmul_pairs_many_native(x: jax.Array, ws: Sequence[Int8], ids: jax.Array) -> tuple[jax.Array, ...]:
+    """:func:`matmul_pairs_many_reference` as one native kernel call (each matrix in use read once)."""
+    return tuple(_kernel(x, ws, ids))
+
+
+def matmul_pairs_many_native_applies(x: jax.Array, ws: Sequence[Int8], ids: jax.Array) -> bool:
+    return _target() is not None
+
+
+MATMUL_PAIRS_MANY = registry.Op(
+    "int8.matmul_pairs_many",
+    matmul_pairs_many_reference,
+    registry.cpu_kernel(matmul_pairs_many_native, matmul_pairs_many_native_applies),
+)
+
+
 def matmul_pairs_many(x: jax.Array, ws: Sequence[Int8], ids: jax.Array) -> tuple[jax.Array, ...]:
-    """:func:`matmul_pairs_many_reference` as one kernel call on the CPU; elsewhere the reference."""
-    if _target() is None:
-        return matmul_pairs_many_reference(x, ws, ids)
-    return placement.by_platform(
-        x, cpu=lambda: tuple(_kernel(x, ws, ids)), default=lambda: matmul_pairs_many_reference(x, ws, ids)
-    )
+    """:func:`matmul_pairs_many_reference` as `jaxhybrid.ops.registry` chooses: one native kernel call on the
+    CPU; elsewhere the reference."""
+    return MATMUL_PAIRS_MANY(x, ws, ids)
 
 
 def _target() -> str | None:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.ops import native, placement
+from jaxhybrid.ops import native, placement, registry
 
 _HI = jax.lax.Precision.HIGHEST  # keep matmuls in true fp32 on accelerators (no TF32/bf16 passes)
 
@@ -133,6 +133,54 @@ def _reference_start(initial_state: jax.Array | None, rows: jax.Array | None) ->
     return initial_state if rows is None else initial_state[rows]
 
 
+def kda_decode_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+    rows: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`kda_recurrent`, with `rows` ([B] int32) into a pool of states `initial_state` [S, H, dk, dv]:
+    row b starts from `initial_state[rows[b]]` (a copy of the rows taken out of the pool first)."""
+    return kda_recurrent(q, k, v, g, beta, _reference_start(initial_state, rows))
+
+
+def kda_decode_native(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+    rows: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`kda_decode_reference` for one token per row through the native CPU kernel, which reads each
+    row's state in place (in its pool slot with `rows`) once and writes the new one once."""
+    b, _, h, dk = q.shape
+    dv = v.shape[-1]
+    state, at = _states_and_rows(q, k, v, g, beta, initial_state, rows)
+    f32 = lambda x: x[:, 0].astype(jnp.float32)  # noqa: E731
+    out = (
+        jax.ShapeDtypeStruct((b, h, dv), jnp.float32),
+        jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32),
+    )
+    call = jax.ffi.ffi_call(native.kda_decode_kernel(), out, vmap_method="sequential")
+    o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), state, at.astype(jnp.int32))
+    return o[:, None].astype(v.dtype), new
+
+
+def kda_decode_native_applies(q: jax.Array, *_: Any, **__: Any) -> bool:
+    """One token per row, and the kernel built."""
+    return q.shape[1] == 1 and native.kda_decode_kernel() is not None
+
+
+KDA_DECODE = registry.Op(
+    "kda_decode", kda_decode_reference, registry.cpu_kernel(kda_decode_native, kda_decode_native_applies)
+)
+
+
 def kda_decode(
     q: jax.Array,
     k: jax.Array,
@@ -142,29 +190,13 @@ def kda_decode(
     initial_state: jax.Array | None = None,
     rows: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """:func:`kda_recurrent` for one token per row (T == 1), on the CPU through the native kernel
-    (`jaxhybrid.ops.native`, one read and one write of each state where XLA:CPU makes a dozen passes);
-    elsewhere, or for longer T, :func:`kda_recurrent` itself. Same signature and results, and `rows`
-    ([B] int32): `initial_state` is then a pool of states [S, H, dk, dv] and row b starts from
-    `initial_state[rows[b]]`, which the kernel reads in place (XLA copies a slot out of a pool first)."""
-    reference = lambda: kda_recurrent(q, k, v, g, beta, _reference_start(initial_state, rows))  # noqa: E731
-    if q.shape[1] != 1 or _kda_target() is None:
-        return reference()
-
-    def kernel() -> tuple[jax.Array, jax.Array]:
-        b, _, h, dk = q.shape
-        dv = v.shape[-1]
-        state, at = _states_and_rows(q, k, v, g, beta, initial_state, rows)
-        f32 = lambda x: x[:, 0].astype(jnp.float32)  # noqa: E731
-        out = (
-            jax.ShapeDtypeStruct((b, h, dv), jnp.float32),
-            jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32),
-        )
-        call = jax.ffi.ffi_call(_kda_target(), out, vmap_method="sequential")
-        o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), state, at.astype(jnp.int32))
-        return o[:, None].astype(v.dtype), new
-
-    return placement.by_platform(q, cpu=kernel, default=reference)
+    """:func:`kda_recurrent` for a decode step, as `jaxhybrid.ops.registry` chooses: on the CPU for one
+    token per row the native kernel (`jaxhybrid.ops.native`, one read and one write of each state where
+    XLA:CPU makes a dozen passes); elsewhere, or for longer T, :func:`kda_decode_reference`. Same signature
+    and results, and `rows` ([B] int32): `initial_state` is then a pool of states [S, H, dk, dv] and row b
+    starts from `initial_state[rows[b]]`, which the kernel reads in place (XLA copies a slot out of a pool
+    first)."""
+    return KDA_DECODE(q, k, v, g, beta, initial_state, rows)
 
 
 def kda_decode_into_pool_reference(
@@ -182,6 +214,42 @@ def kda_decode_into_pool_reference(
     return o, pool.at[rows].set(new.astype(pool.dtype))
 
 
+def kda_decode_into_pool_native(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    pool: jax.Array,
+    rows: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`kda_decode_into_pool_reference` through the native CPU kernel: each row's state read in its
+    slot and the new one written over it (the result aliases `pool`)."""
+    b, _, h, _ = q.shape
+    dv = v.shape[-1]
+    states, at = _states_and_rows(q, k, v, g, beta, pool, rows)
+    f32 = lambda x: x[:, 0].astype(jnp.float32)  # noqa: E731
+    out = (jax.ShapeDtypeStruct((b, h, dv), jnp.float32), jax.ShapeDtypeStruct(pool.shape, jnp.float32))
+    target = native.kda_pool_kernels()[0]
+    call = jax.ffi.ffi_call(target, out, input_output_aliases={5: 1}, vmap_method="sequential")
+    o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), states, at)
+    return o[:, None].astype(v.dtype), new
+
+
+def kda_decode_into_pool_native_applies(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, pool: jax.Array, rows: jax.Array
+) -> bool:
+    """One token per row, a float32 pool (what the kernel writes), and the kernel built."""
+    return q.shape[1] == 1 and pool.dtype == jnp.float32 and native.kda_pool_kernels() is not None
+
+
+KDA_DECODE_INTO_POOL = registry.Op(
+    "kda_decode_into_pool",
+    kda_decode_into_pool_reference,
+    registry.cpu_kernel(kda_decode_into_pool_native, kda_decode_into_pool_native_applies),
+)
+
+
 def kda_decode_into_pool(
     q: jax.Array,
     k: jax.Array,
@@ -191,37 +259,19 @@ def kda_decode_into_pool(
     pool: jax.Array,
     rows: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """:func:`kda_decode_into_pool_reference` on the CPU through the native kernel, which reads each row's
-    state in its slot and writes the new one over it (the result aliases `pool`: donate it, else XLA copies
-    it first); no [B, H, dk, dv] states are made, no scatter runs. Elsewhere, or without the kernel, the
-    reference."""
-    reference = lambda: kda_decode_into_pool_reference(q, k, v, g, beta, pool, rows)  # noqa: E731
-    if q.shape[1] != 1 or native.kda_pool_kernels() is None or pool.dtype != jnp.float32:
-        return reference()
-
-    def kernel() -> tuple[jax.Array, jax.Array]:
-        b, _, h, _ = q.shape
-        dv = v.shape[-1]
-        states, at = _states_and_rows(q, k, v, g, beta, pool, rows)
-        f32 = lambda x: x[:, 0].astype(jnp.float32)  # noqa: E731
-        out = (jax.ShapeDtypeStruct((b, h, dv), jnp.float32), jax.ShapeDtypeStruct(pool.shape, jnp.float32))
-        target = native.kda_pool_kernels()[0]
-        call = jax.ffi.ffi_call(target, out, input_output_aliases={5: 1}, vmap_method="sequential")
-        o, new = call(f32(q), f32(k), f32(g), f32(v), f32(beta), states, at)
-        return o[:, None].astype(v.dtype), new
-
-    return placement.by_platform(q, cpu=kernel, default=reference)
+    """:func:`kda_decode_into_pool_reference` as `jaxhybrid.ops.registry` chooses: on the CPU the native
+    kernel, which reads each row's state in its slot and writes the new one over it (the result aliases
+    `pool`: donate it, else XLA copies it first); no [B, H, dk, dv] states are made, no scatter runs.
+    Elsewhere, or where the kernel does not apply, the reference."""
+    return KDA_DECODE_INTO_POOL(q, k, v, g, beta, pool, rows)
 
 
 def steps_into_pools(platform: str) -> bool:
     """Whether :func:`kda_decode_into_pool` and `conv.causal_conv1d_into_pool` update their pools in place in
-    a program on `platform`'s devices (CPUs, with the native kernels); elsewhere they are XLA's scatters,
-    which copy a pool that the same program reads."""
-    return platform == placement.CPU and native.kda_pool_kernels() is not None
-
-
-def _kda_target() -> str | None:
-    return native.kda_decode_kernel()
+    a program on `platform`'s devices (CPUs, with the native kernels, where the kernels mode allows them);
+    elsewhere they are XLA's scatters, which copy a pool that the same program reads."""
+    allowed = registry.allows(registry.Kind.NATIVE)
+    return platform == placement.CPU and allowed and native.kda_pool_kernels() is not None
 
 
 def kda_recurrent_states(
@@ -238,6 +288,54 @@ def kda_recurrent_states(
     return _token_scan(q, k, v, g, beta, initial_state, keep_states=True)
 
 
+def kda_decode_states_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+    rows: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`kda_recurrent_states`, with `rows` as :func:`kda_decode_reference`'s."""
+    return kda_recurrent_states(q, k, v, g, beta, _reference_start(initial_state, rows))
+
+
+def kda_decode_states_native(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+    rows: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`kda_decode_states_reference` through the native CPU kernel (each state written once)."""
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    state, at = _states_and_rows(q, k, v, g, beta, initial_state, rows)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    out = (
+        jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32),
+        jax.ShapeDtypeStruct((b, t, h, dk, dv), jnp.float32),
+    )
+    call = jax.ffi.ffi_call(native.kda_states_kernel(), out, vmap_method="sequential")
+    o, states = call(f32(q), f32(k), f32(g), f32(v), f32(beta), state, at.astype(jnp.int32))
+    return o.astype(v.dtype), states
+
+
+def kda_decode_states_native_applies(*_: Any, **__: Any) -> bool:
+    """The kernel built (it takes any number of tokens)."""
+    return native.kda_states_kernel() is not None
+
+
+KDA_DECODE_STATES = registry.Op(
+    "kda_decode_states",
+    kda_decode_states_reference,
+    registry.cpu_kernel(kda_decode_states_native, kda_decode_states_native_applies),
+)
+
+
 def kda_decode_states(
     q: jax.Array,
     k: jax.Array,
@@ -247,27 +345,11 @@ def kda_decode_states(
     initial_state: jax.Array | None = None,
     rows: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """:func:`kda_recurrent_states` on the CPU through the native kernel (a verify step's few tokens per
-    row: each state written once, where XLA:CPU runs a dozen ops a token); elsewhere the reference. Same
-    results, and `rows` as :func:`kda_decode`'s (row b starts from the pool's `initial_state[rows[b]]`)."""
-    reference = lambda: kda_recurrent_states(q, k, v, g, beta, _reference_start(initial_state, rows))  # noqa: E731
-    if native.kda_states_kernel() is None:
-        return reference()
-
-    def kernel() -> tuple[jax.Array, jax.Array]:
-        b, t, h, dk = q.shape
-        dv = v.shape[-1]
-        state, at = _states_and_rows(q, k, v, g, beta, initial_state, rows)
-        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-        out = (
-            jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32),
-            jax.ShapeDtypeStruct((b, t, h, dk, dv), jnp.float32),
-        )
-        call = jax.ffi.ffi_call(native.kda_states_kernel(), out, vmap_method="sequential")
-        o, states = call(f32(q), f32(k), f32(g), f32(v), f32(beta), state, at.astype(jnp.int32))
-        return o.astype(v.dtype), states
-
-    return placement.by_platform(q, cpu=kernel, default=reference)
+    """:func:`kda_recurrent_states` as `jaxhybrid.ops.registry` chooses: on the CPU the native kernel (a
+    verify step's few tokens per row: each state written once, where XLA:CPU runs a dozen ops a token);
+    elsewhere :func:`kda_decode_states_reference`. Same results, and `rows` as :func:`kda_decode`'s (row b
+    starts from the pool's `initial_state[rows[b]]`)."""
+    return KDA_DECODE_STATES(q, k, v, g, beta, initial_state, rows)
 
 
 def _mask_sum(mask: np.ndarray, x: jax.Array) -> jax.Array:

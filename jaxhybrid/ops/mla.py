@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.ops import int8, native, placement, precision
+from jaxhybrid.ops import int8, native, precision, registry
 
 __all__ = [
     "causal_mask",
@@ -223,6 +223,42 @@ def mla_attention_paged_reference(
     )
 
 
+def mla_attention_paged_native(
+    q: jax.Array,
+    pool: jax.Array,
+    block_table: jax.Array,
+    end: jax.Array,
+    kv_b_weight: jax.Array | int8.Int8,
+    *,
+    nope_dim: int,
+    v_dim: int,
+    scale: float,
+) -> jax.Array:
+    """:func:`mla_attention_paged_reference` through the native CPU kernel: the latents read in place
+    through the block table, once for all of a row's tokens and heads; int8 weight codes read as they are."""
+    b, t, h, _ = q.shape
+    call = jax.ffi.ffi_call(
+        native.mla_decode_kernel(),
+        jax.ShapeDtypeStruct((b, t, h, v_dim), jnp.float32),
+        vmap_method="sequential",
+    )
+    if isinstance(kv_b_weight, int8.Int8):
+        w, w_scale = kv_b_weight.q, kv_b_weight.scale
+    else:
+        w, w_scale = kv_b_weight, jnp.ones(kv_b_weight.shape[:1], jnp.float32)
+    o = call(
+        q,
+        pool,
+        jnp.asarray(block_table, jnp.int32),
+        _token_ends(end, t),
+        w,
+        w_scale,
+        scale=np.float32(scale),
+        nope=np.int64(nope_dim),
+    )
+    return o.astype(q.dtype)
+
+
 def mla_attention_paged(
     q: jax.Array,
     pool: jax.Array,
@@ -234,43 +270,11 @@ def mla_attention_paged(
     v_dim: int,
     scale: float,
 ) -> jax.Array:
-    """:func:`mla_attention_paged_reference` through the CPU kernel (`jaxhybrid.ops.native`: the latents read
-    in place through the block table, once for all of a row's tokens and heads) where it applies: the CPU,
-    float32 q and pool, a float32 weight or int8 codes (read as they are), at most `PAGED_KERNEL_MAX_TOKENS`
-    tokens per row, in a program on CPUs; elsewhere the reference. Same signature and results."""
-
-    def reference() -> jax.Array:
-        return mla_attention_paged_reference(
-            q, pool, block_table, end, kv_b_weight, nope_dim=nope_dim, v_dim=v_dim, scale=scale
-        )
-
-    if not paged_kernel_applies(q, pool, kv_b_weight):
-        return reference()
-
-    def kernel() -> jax.Array:
-        b, t, h, _ = q.shape
-        call = jax.ffi.ffi_call(
-            native.mla_decode_kernel(),
-            jax.ShapeDtypeStruct((b, t, h, v_dim), jnp.float32),
-            vmap_method="sequential",
-        )
-        if isinstance(kv_b_weight, int8.Int8):
-            w, w_scale = kv_b_weight.q, kv_b_weight.scale
-        else:
-            w, w_scale = kv_b_weight, jnp.ones(kv_b_weight.shape[:1], jnp.float32)
-        o = call(
-            q,
-            pool,
-            jnp.asarray(block_table, jnp.int32),
-            _token_ends(end, t),
-            w,
-            w_scale,
-            scale=np.float32(scale),
-            nope=np.int64(nope_dim),
-        )
-        return o.astype(q.dtype)
-
-    return placement.by_platform(q, cpu=kernel, default=reference)
+    """:func:`mla_attention_paged_reference` as `jaxhybrid.ops.registry` chooses: in a program on CPUs the
+    native kernel where it takes the operands (:func:`paged_kernel_takes`); elsewhere the reference. Same
+    signature and results."""
+    shape = {"nope_dim": nope_dim, "v_dim": v_dim, "scale": scale}
+    return MLA_ATTENTION_PAGED(q, pool, block_table, end, kv_b_weight, **shape)
 
 
 PAGED_KERNEL_MAX_TOKENS = 8  # tokens per row up to which the CPU kernel runs (past it XLA's products win)
@@ -282,13 +286,28 @@ def _token_ends(end: Any, num_tokens: int) -> jax.Array:
     return end if end.ndim == 2 else jnp.broadcast_to(end[:, None], (end.shape[0], num_tokens))
 
 
-def paged_kernel_applies(q: jax.Array, pool: jax.Array, kv_b_weight: jax.Array | int8.Int8) -> bool:
-    """Whether :func:`mla_attention_paged` runs the CPU kernel for these operands in a program on CPUs
-    (`placement` says where one runs)."""
+def paged_kernel_takes(
+    q: jax.Array, pool: jax.Array, block_table: Any, end: Any, kv_b_weight: jax.Array | int8.Int8, **_: Any
+) -> bool:
+    """Whether the CPU kernel takes these operands: float32 q and pool, a float32 weight or int8 codes, at
+    most `PAGED_KERNEL_MAX_TOKENS` tokens per row, and the kernel built."""
     if q.shape[1] > PAGED_KERNEL_MAX_TOKENS:
         return False
     weight_ok = isinstance(kv_b_weight, int8.Int8) or kv_b_weight.dtype == jnp.float32
     if q.dtype != jnp.float32 or pool.dtype != jnp.float32 or not weight_ok:
         return False
-
     return native.mla_decode_kernel() is not None
+
+
+def paged_kernel_applies(q: jax.Array, pool: jax.Array, kv_b_weight: jax.Array | int8.Int8) -> bool:
+    """Whether :func:`mla_attention_paged` runs the CPU kernel for these operands in a program on CPUs
+    (`placement` says where one runs) under the current kernels mode."""
+    allowed = registry.allows(registry.Kind.NATIVE)
+    return allowed and paged_kernel_takes(q, pool, None, None, kv_b_weight)
+
+
+MLA_ATTENTION_PAGED = registry.Op(
+    "mla_attention_paged",
+    mla_attention_paged_reference,
+    registry.cpu_kernel(mla_attention_paged_native, paged_kernel_takes),
+)

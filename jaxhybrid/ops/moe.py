@@ -30,7 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import dense, int8, mxfp4, native, placement, precision
+from jaxhybrid.ops import dense, int8, mxfp4, native, placement, precision, registry
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 from jaxhybrid.ops.int8 import Int8
 from jaxhybrid.ops.mxfp4 import ExpertWeight, as_dense, expert_slice, is_packed
@@ -45,6 +45,9 @@ __all__ = [
     "moe_experts_skipping_stacked",
     "moe_experts_dropless_stacked",
     "moe_experts_dense",
+    "moe_experts_dense_stacked",
+    "moe_experts_grouped",
+    "moe_experts_grouped_stacked",
     "grouped_matmul",
     "grouped_matmul_for",
 ]
@@ -539,6 +542,8 @@ def _pairs_in_one_call(x: jax.Array, w1: ExpertWeight, pairs: int, num_experts: 
     in place for all its rows (int8 or float32 experts)."""
     if placement.platform_of(x) not in (placement.CPU, None):  # unknown: the kernels' ops choose again
         return False
+    if not registry.allows(registry.Kind.NATIVE):
+        return False
     small = pairs <= max(INT8_PAIRS, INT8_PAIRS_PER_EXPERT * num_experts)
     blocked = native.gemm_rows() > 0
     if isinstance(w1, Int8):
@@ -599,6 +604,33 @@ def moe_experts_skipping_stacked(
     return _skipping_forward(x, w1, w2, w3, weights, expert_ids, valid.reshape(-1), act, group)
 
 
+def moe_experts_grouped(
+    x: jax.Array,
+    w1: ExpertWeight,
+    w2: ExpertWeight,
+    w3: ExpertWeight,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    *,
+    act: GatedActivation = SILU,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """:func:`moe_experts_ragged` as accelerators run it: int8 experts dequantized first (the int8 kernel is
+    the CPU's)."""
+    ws = (w1, w2, w3)
+    if isinstance(w1, Int8):
+        ws = tuple(as_dense(w, x.dtype) for w in ws)
+    return moe_experts_ragged(x, *ws, weights, expert_ids, act=act, valid=valid)
+
+
+MOE_EXPERTS_DROPLESS = registry.Op(
+    "moe_experts_dropless",
+    moe_experts_dense,
+    registry.Implementation(registry.Kind.XLA, moe_experts_skipping, registry.CPU),
+    registry.Implementation(registry.Kind.XLA, moe_experts_grouped, registry.ACCELERATORS),
+)
+
+
 def moe_experts_dropless(
     x: jax.Array,
     w1: ExpertWeight,
@@ -610,25 +642,62 @@ def moe_experts_dropless(
     act: GatedActivation = SILU,
     valid: jax.Array | None = None,
 ) -> jax.Array:
-    """Dropless routed experts: grouped matmuls on accelerators (:func:`moe_experts_ragged`; XLA's
-    ``ragged_dot``, or the Pallas kernel for packed experts on a TPU inside a shard_map); on the CPU (where
-    ragged_dot computes every expert) the loop over the experts in use (differentiated as the block-sparse
-    form). All equal :func:`moe_experts_dense`.
+    """Dropless routed experts as `jaxhybrid.ops.registry` chooses: grouped matmuls on accelerators
+    (:func:`moe_experts_grouped`: XLA's ``ragged_dot``, or the Pallas kernel for packed experts on a TPU
+    inside a shard_map); on the CPU (where ragged_dot computes every expert) the loop over the experts in use
+    (:func:`moe_experts_skipping`, differentiated as the block-sparse form); the reference
+    :func:`moe_experts_dense`. All equal.
 
     ``valid`` ``[N]`` bool (optional): rows that are not valid (idle slots, padding) are not routed and
     come back as zeros. Every expert implementation takes it, so it is part of the shared signature."""
+    return MOE_EXPERTS_DROPLESS(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid)
 
-    def grouped() -> jax.Array:
-        ws = (w1, w2, w3)
-        if isinstance(w1, Int8):  # the int8 kernel is the CPU's; elsewhere the experts run dequantized
-            ws = tuple(as_dense(w, x.dtype) for w in ws)
-        return moe_experts_ragged(x, *ws, weights, expert_ids, act=act, valid=valid)
 
-    return placement.by_platform(
-        x,
-        cpu=lambda: moe_experts_skipping(x, w1, w2, w3, weights, expert_ids, act=act, valid=valid),
-        default=grouped,
-    )
+def _group_of(group: jax.Array, *ws: ExpertWeight) -> tuple[ExpertWeight, ...]:
+    return tuple(expert_slice(w, group) for w in ws)
+
+
+def moe_experts_dense_stacked(
+    x: jax.Array,
+    w1: ExpertWeight,
+    w2: ExpertWeight,
+    w3: ExpertWeight,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    *,
+    group: jax.Array,
+    act: GatedActivation = SILU,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """:func:`moe_experts_dense` of group `group`'s experts (the reference of the stacked form)."""
+    return moe_experts_dense(x, *_group_of(group, w1, w2, w3), weights, expert_ids, act=act, valid=valid)
+
+
+def moe_experts_grouped_stacked(
+    x: jax.Array,
+    w1: ExpertWeight,
+    w2: ExpertWeight,
+    w3: ExpertWeight,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    *,
+    group: jax.Array,
+    act: GatedActivation = SILU,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """:func:`moe_experts_ragged` on group `group`'s slice, unpacked experts cast to the rows' dtype."""
+    ws = _group_of(group, w1, w2, w3)
+    if not is_packed(ws[0]):
+        ws = tuple(as_dense(w, x.dtype).astype(x.dtype) for w in ws)
+    return moe_experts_ragged(x, *ws, weights, expert_ids, act=act, valid=valid)
+
+
+MOE_EXPERTS_DROPLESS_STACKED = registry.Op(
+    "moe_experts_dropless_stacked",
+    moe_experts_dense_stacked,
+    registry.Implementation(registry.Kind.XLA, moe_experts_skipping_stacked, registry.CPU),
+    registry.Implementation(registry.Kind.XLA, moe_experts_grouped_stacked, registry.ACCELERATORS),
+)
 
 
 def moe_experts_dropless_stacked(
@@ -644,19 +713,7 @@ def moe_experts_dropless_stacked(
     valid: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`moe_experts_dropless` of group `group` of experts stacked over layer groups (w1/w3 [G, E, F, D],
-    w2 [G, E, D, F]): on the CPU :func:`moe_experts_skipping_stacked` (the chosen experts read in place), on
-    accelerators ``ragged_dot`` on the group's slice. Forward only."""
-
-    def grouped() -> jax.Array:
-        ws = tuple(expert_slice(w, group) for w in (w1, w2, w3))
-        if not is_packed(ws[0]):
-            ws = tuple(as_dense(w, x.dtype).astype(x.dtype) for w in ws)
-        return moe_experts_ragged(x, *ws, weights, expert_ids, act=act, valid=valid)
-
-    return placement.by_platform(
-        x,
-        cpu=lambda: moe_experts_skipping_stacked(
-            x, w1, w2, w3, weights, expert_ids, group=group, act=act, valid=valid
-        ),
-        default=grouped,
-    )
+    w2 [G, E, D, F]), as `jaxhybrid.ops.registry` chooses: on the CPU :func:`moe_experts_skipping_stacked`
+    (the chosen experts read in place), on accelerators :func:`moe_experts_grouped_stacked`; the reference
+    :func:`moe_experts_dense_stacked`. Forward only."""
+    return MOE_EXPERTS_DROPLESS_STACKED(x, w1, w2, w3, weights, expert_ids, group=group, act=act, valid=valid)

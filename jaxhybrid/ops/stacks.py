@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.ops import native, placement
+from jaxhybrid.ops import native, registry
 
 
 def take_leading(x: jax.Array, index: Any) -> jax.Array:
@@ -40,20 +40,29 @@ def set_rows_reference(pool: jax.Array, rows: jax.Array, values: jax.Array) -> j
     return pool.at[rows].set(values.astype(pool.dtype))
 
 
-def set_rows(pool: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
-    """:func:`set_rows_reference` written in place by the native kernel in a program on CPUs, for a float32
-    pool (the result aliases `pool`: donate it), where XLA's scatter copies a pool that its program also
-    reads; elsewhere the reference."""
-    if pool.dtype != jnp.float32 or native.set_rows_kernel() is None:
-        return set_rows_reference(pool, rows, values)
+def set_rows_native(pool: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    """:func:`set_rows_reference` written in place by the native CPU kernel (the result aliases `pool`)."""
     if rows.ndim != 1 or values.shape != (rows.shape[0], *pool.shape[1:]):
         raise ValueError(f"rows [B] and values [B, {pool.shape[1:]}] expected: {rows.shape}, {values.shape}")
     out = jax.ShapeDtypeStruct(pool.shape, pool.dtype)
     call = jax.ffi.ffi_call(
         native.set_rows_kernel(), out, input_output_aliases={0: 0}, vmap_method="sequential"
     )
-    return placement.by_platform(
-        pool,
-        cpu=lambda: call(pool, rows.astype(jnp.int32), values.astype(jnp.float32)),
-        default=lambda: set_rows_reference(pool, rows, values),
-    )
+    return call(pool, rows.astype(jnp.int32), values.astype(jnp.float32))
+
+
+def set_rows_native_applies(pool: jax.Array, *_: Any, **__: Any) -> bool:
+    """A float32 pool, and the kernel built."""
+    return pool.dtype == jnp.float32 and native.set_rows_kernel() is not None
+
+
+SET_ROWS = registry.Op(
+    "set_rows", set_rows_reference, registry.cpu_kernel(set_rows_native, set_rows_native_applies)
+)
+
+
+def set_rows(pool: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    """:func:`set_rows_reference` as `jaxhybrid.ops.registry` chooses: in a program on CPUs, for a float32
+    pool, written in place by the native kernel (the result aliases `pool`: donate it), where XLA's scatter
+    copies a pool that its program also reads; elsewhere the reference."""
+    return SET_ROWS(pool, rows, values)

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from jaxhybrid.ops import registry
 from serve.cli import bench, convert, generate, info, memory, plan, route, serve, train
 from serve.models import guess_backend
 
@@ -23,7 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # the flag where a command has one, else $JAXHYBRID_KERNELS, checked before anything runs
+        registry.set_mode(getattr(args, "kernels", None))
+    except registry.KernelsError as e:
+        parser.error(str(e))
     skip_absent_tpu()
     return args.func(args)
 

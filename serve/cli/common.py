@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jaxhybrid.ops import native
+from jaxhybrid.ops import native, registry
 from jaxhybrid.weights import load_pretrained
 from jaxhybrid.weights.pages import move_to_huge_pages
 from serve.engine.config import engine_default
@@ -213,6 +213,18 @@ def default_compile_cache_dir() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("jaxhybrid")) / "xla"
+
+
+def add_kernels_arg(p: argparse.ArgumentParser) -> None:
+    """--kernels: which implementation of each op the programs hold (`jaxhybrid.ops.registry`)."""
+    p.add_argument(
+        "--kernels",
+        choices=[m.value for m in registry.Mode],
+        default=None,
+        help="which implementation of each op runs: auto (the platform's kernels: native CPU kernels, then "
+        "Pallas, then XLA's forms), pallas (Pallas kernels where an op has one, else xla), xla (XLA's forms, "
+        "no CPU kernels), reference (the plain JAX references) (default: $JAXHYBRID_KERNELS, else auto)",
+    )
 
 
 def add_compile_cache_arg(p: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ from serve.cli.common import (
     add_compile_cache_arg,
     add_config_arg,
     add_engine_args,
+    add_kernels_arg,
     add_prefix_args,
     build_kernels_meanwhile,
     load_draft_model,
@@ -273,6 +274,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_prefix_args(p)
     multihost.add_arguments(p)
     add_compile_cache_arg(p)
+    add_kernels_arg(p)
     p.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt: token_ids, text, stats"
     )

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from jaxhybrid.config import load_config
-from serve.cli.common import add_config_arg
+from serve.cli.common import add_config_arg, add_kernels_arg
 from serve.engine.config import engine_default
 from serve.engine.topology import compile_engine_programs, replica_hosts, replica_mesh, topology_devices
 from serve.models import add_checkpoint_dtype_arg
@@ -355,5 +355,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "packed prefill, verify step, a prefix checkpoint's copy and restore) and print XLA's bytes and "
         "costs per device",
     )
+    add_kernels_arg(t)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

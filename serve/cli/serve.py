@@ -26,6 +26,7 @@ from serve.cli.common import (
     add_compile_cache_arg,
     add_config_arg,
     add_engine_args,
+    add_kernels_arg,
     add_prefix_args,
     build_kernels_meanwhile,
     load_draft_model,
@@ -363,6 +364,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="seconds the warm-up may take; what is left then compiles on first use",
     )
     add_compile_cache_arg(s)
+    add_kernels_arg(s)
     s.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log verbosity"
     )

@@ -48,7 +48,7 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
-from jaxhybrid.ops import placement
+from jaxhybrid.ops import placement, registry
 from jaxhybrid.ops.native import cpu_flags, register_all
 
 log = logging.getLogger("jaxhybrid.compile")
@@ -200,7 +200,9 @@ class ExecutableCache:
         # program makes and what it returns
         env = os.environ.get
         native = f"native={env('JAXHYBRID_NATIVE', '1')}/{env('JAXHYBRID_NATIVE_MARCH', 'native')}"
-        parts = (FORMAT, _platform(), code_fingerprint(), precision, flags, native, name, structure)
+        # and the kernels mode decides which implementation of each op the program holds
+        kernels = f"kernels={registry.mode().value}"
+        parts = (FORMAT, _platform(), code_fingerprint(), precision, flags, native, kernels, name, structure)
         parts += (input_spec(args),)
         for part in parts:
             h.update(part.encode())
