@@ -34,6 +34,7 @@ from jaxhybrid.ops import dense, int8, mxfp4, native, placement, precision, regi
 from jaxhybrid.ops.activations import SILU, GatedActivation, gated_act
 from jaxhybrid.ops.int8 import Int8
 from jaxhybrid.ops.mxfp4 import ExpertWeight, as_dense, expert_slice, is_packed
+from jaxhybrid.ops.pallas import moe as pallas_moe
 from jaxhybrid.ops.stacks import flat_index
 
 __all__ = [
@@ -169,8 +170,6 @@ def grouped_matmul_for(
     rows and dequantizes them in VMEM (XLA's form writes each used expert dequantized to HBM, then reads it);
     otherwise :func:`grouped_matmul`. The one place an op registry takes this choice over."""
     if platform == "tpu" and is_packed(w):
-        from jaxhybrid.ops.pallas import moe as pallas_moe  # Pallas's TPU modules, only where they run
-
         return pallas_moe.grouped_matmul
     return grouped_matmul
 
