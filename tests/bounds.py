@@ -28,6 +28,11 @@ def assert_within(got, want, bound) -> None:
     )
 
 
+# An activation's or a gate's elementwise steps (scalings, exp, a divide, tanh caps, a product), counted as
+# roundings: at most 16, XLA's exp, log and tanh each within a few ulps.
+ACTIVATION_ROUNDINGS = 16
+
+
 def gamma(k: int) -> float:
     """gamma(K) = K u / (1 - K u): a float32 sum of K terms (or K chained roundings) errs by at most
     gamma(K) times the sum of the terms' magnitudes, in any order and blocking (Higham, 3.1)."""

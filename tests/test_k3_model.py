@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bounds import float32_network_bound, float32_sums_bound, gamma
+from bounds import ACTIVATION_ROUNDINGS, float32_network_bound, float32_sums_bound, gamma
 from conftest import rel_err
 from flax import nnx
 from numpy_reference import NumpyReference, attn_res_mix, situ
@@ -36,9 +36,6 @@ from serve.engine.sampling import SamplingParams
 from sharding.expert_parallel import make_expert_parallel_fn
 from sharding.mesh import make_mesh
 
-# an activation's elementwise steps (scalings, exp, a divide, tanh caps, a product): at most 16 roundings,
-# XLA's exp and tanh within a few ulps each
-ACTIVATION_ROUNDINGS = 16
 SITU_TOL = float32_sums_bound(ACTIVATION_ROUNDINGS)
 K3_SITU = GatedActivation("situ", 4.0, 25.0)
 FULL_LEN = 72  # the full-pass length every model test uses (one compiled shape); crosses a KDA chunk (64)
