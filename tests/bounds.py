@@ -83,3 +83,14 @@ def float32_network_bound(cfg, tokens: int, sides: int = 2, layers: int | None =
     )
     layers = cfg.num_hidden_layers if layers is None else layers
     return sides * layers * SUMS_PER_LAYER * gamma(max(widths))
+
+
+def float32_log_softmax_bound(logits, sides: int = 1) -> np.ndarray:
+    """Elementwise absolute bound on a float32 log-softmax of `logits` (rows over the last axis; pass them
+    after any temperature, whose divide adds a rounding of each): x - max rounds within u |x - max| (and
+    the divide, if any, within u |x|), the sum of the V exponentials (positive terms, each within a few
+    ulps) within gamma(V + ACTIVATION_ROUNDINGS) relative, which the log turns absolute, and the last
+    subtraction within u of the result: 3 u (|x - max| + |x|) + gamma(V + ACTIVATION_ROUNDINGS) per side."""
+    x = np.asarray(logits, np.float64)
+    gap = x.max(-1, keepdims=True) - x
+    return sides * (3 * U * (gap + np.abs(x)) + gamma(x.shape[-1] + ACTIVATION_ROUNDINGS))
