@@ -1,5 +1,19 @@
-"""How far a float32 evaluation of a product may be from the exact one: bounds derived from the arithmetic,
-for tolerances that hold on any CPU (any vector width, any order or blocking of the sums)."""
+"""How far a float32 evaluation may be from the exact one (or from another float32 evaluation): bounds
+derived from the arithmetic, for tolerances that hold on any CPU (Intel or AMD, with or without AVX-512,
+native kernels or XLA's formulations: any vector width, any order or blocking of the sums). Every tolerance
+of the suite's float32 comparisons comes from here (or states its own derivation beside it); none is a
+figure measured on one machine. docs/testing.md says how they are used.
+
+The unit: a float32 sum of K terms, in any order, errs by at most gamma(K) = K u / (1 - K u) times the sum
+of its terms' magnitudes (u = 2^-24; Higham, Accuracy and Stability of Numerical Algorithms, 3.1).
+- `float32_product_bound`: that bound for a matrix product, elementwise, from |x| |w| (rigorous).
+- `float32_sums_bound`: a chain of sums, relative to the output's magnitude (first order).
+- `float32_network_bound`: a whole model (L layers of SUMS_PER_LAYER sums of its widest K), relative to the
+  largest logit (first order).
+- `float32_log_softmax_bound`: a log-softmax, elementwise and absolute.
+`sides` 1 against a float64 oracle, 2 between two float32 evaluations (either may err). Where a step
+amplifies its inputs' error (a softmax turns its logits' absolute error into relative error), the test adds
+that gain from its own inputs (tests/test_ops_mla.py `mla_tol`, test_ops_moe.py `route_tol`)."""
 
 from __future__ import annotations
 
