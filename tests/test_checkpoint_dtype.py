@@ -22,8 +22,9 @@ from serve.prefix.store import PrefixStoreConfig
 
 BS = 8
 # Per-token logprobs of a request resumed from a bfloat16 checkpoint vs the full causal pass, on `tiny`: the
-# state is rounded once (relative 2^-9) and the error then decays with the KDA gates; measured up to 3.3e-3
-# (mean 2.7e-4) over 64 tokens after the resume.
+# state is rounded once (relative 2^-8, bfloat16's unit roundoff) and the error then decays with the KDA
+# gates; measured up to 3.3e-3 (mean 2.7e-4) over 64 tokens after the resume. Not derived: how far a
+# rounded state moves the logits is the model's sensitivity to it, which no rounding count bounds.
 BF16_DRIFT_TOL = 1e-2
 
 
