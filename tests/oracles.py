@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
+from bounds import float32_log_softmax_bound, float32_network_bound
 from flax import nnx
 from numpy_reference import NumpyReference
 
@@ -15,10 +16,20 @@ from jaxhybrid.layers.basic import Buffer
 from jaxhybrid.model import HybridLM, pure_fn
 from jaxhybrid.weights.hf import named_arrays
 
-# Per-token logprobs of what the engine serves vs the full pass (absolute, fp32 logprobs of about -4 to -7):
-# the engine computes the same positions with other fp32 evaluation orders (chunked vs recurrent KDA,
-# absorbed vs expanded MLA, chunks of another length), measured up to about 2e-5.
-LOGPROB_TOL = 5e-5
+
+def logprob_bounds(cfg, logits: np.ndarray, tokens, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """What the engine serves against the full pass: the same positions computed in other fp32 evaluation
+    orders (chunked vs recurrent KDA, absorbed vs expanded MLA, chunks of another length), so their logits
+    differ by at most `bounds.float32_network_bound(cfg, length)` (two sides) times the largest |logit|.
+    Returns, per row of `logits` [rows, vocab] and its `tokens`: how far a greedy token's logit may fall
+    short of the largest one (a tie within that may go either way: twice the logits' bound), and how far
+    its logprob may be (a log-softmax moves by at most twice its inputs' largest error, plus its own
+    roundings, two sides). Derived from the model's shape, not measured on one CPU."""
+    logits = np.asarray(logits, np.float64)
+    rows = np.arange(len(logits))
+    err = float32_network_bound(cfg, length) * np.abs(logits).max()
+    tie = np.full(len(logits), 2 * err)
+    return tie, 2 * err + float32_log_softmax_bound(logits, sides=2)[rows, np.asarray(tokens)]
 
 
 class FullPass:
@@ -51,32 +62,30 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def assert_matches_full_pass(
-    full: Callable[[list[int]], np.ndarray], prompt, generated, logprobs=None, tol: float = LOGPROB_TOL
+    full: Callable[[list[int]], np.ndarray], prompt, generated, logprobs=None, config=None
 ):
     """Every greedy token is the argmax of the full pass over everything before it (or, at a near-tie, within
-    `tol` of its largest logit: two fp32 evaluation orders may decide a tie either way; seen: 2.4e-7 apart),
-    and (when given) its logprob equals that pass's log-softmax within `tol`. `full`: tokens -> logits
-    [T, vocab] (a FullPass).
+    the logits' bound of its largest logit: two fp32 evaluation orders may decide a tie either way; seen:
+    2.4e-7 apart), and (when given) its logprob equals that pass's log-softmax within the logprobs' bound
+    (`logprob_bounds`). `full`: tokens -> logits [T, vocab] (a FullPass; another callable names the model's
+    `config`).
 
     Where a logprob is further off, the full pass runs again at two other padded lengths (other fp32
-    evaluation orders): a position where the passes themselves differ (seen on an Intel VM: by 1.2e-4 at one
-    position of tiny, padded to 32 or 64) allows twice that difference on top of `tol`. And there the float64
-    NumPy reference decides: a logprob within `tol` of the exact one passes (seen: one position of tiny where
-    the fp32 full pass is 2.1e-5 from exact and the engine's decode products, in another summation order,
-    land 6.3e-5 from the pass but 1.5e-5 from exact), and so does one within `tol` plus twice the fp32 full
-    pass's own distance from exact, which measures how ill-conditioned the position is (seen: a resumed
-    prefill 4.0e-4 from exact where the full pass is 2.3e-4 from it and its other paddings agree with it
-    within 1.5e-4). Elsewhere `tol` against the full pass stands."""
+    evaluation orders): a position where the passes themselves differ allows twice that difference on top
+    of the bound. And there the float64 NumPy reference decides: a logprob within the bound of the exact one
+    passes, and so does one within it plus twice the fp32 full pass's own distance from exact, which
+    measures how ill-conditioned the position is. Elsewhere the bound against the full pass stands."""
     seq = list(prompt) + list(generated)
     logits = full(seq[:-1])[len(prompt) - 1 :]
     rows = np.arange(len(generated))
+    tie, tol = logprob_bounds(full.model.config if config is None else config, logits, generated, len(seq))
     short = logits.max(-1) - logits[rows, generated]  # 0 where the token is the argmax
-    assert np.all(short <= tol), f"{generated} against the full pass's {list(logits.argmax(-1))}: {short}"
+    assert np.all(short <= tie), f"{generated} against the full pass's {list(logits.argmax(-1))}: {short}"
     if logprobs is None:
         return
     want = log_softmax(logits)[rows, generated]
     off = np.abs(np.asarray(logprobs) - want)
-    allowed = np.full(len(generated), tol)
+    allowed = tol.copy()
     if np.any(off > tol) and isinstance(full, FullPass):
         for pad in (2 * full.pad, max(full.pad // 2, 1)):
             again = log_softmax(full(seq[:-1], pad=pad)[len(prompt) - 1 :])[rows, generated]
@@ -90,18 +99,18 @@ def assert_matches_full_pass(
     assert np.all(off <= allowed), f"logprobs off by {off.max():.3g} at {off.argmax()} (allowed {allowed})"
 
 
-def assert_same_greedy_tokens(
-    full: Callable[[list[int]], np.ndarray], prompt, got, want, tol: float = LOGPROB_TOL
-) -> None:
+def assert_same_greedy_tokens(full: FullPass, prompt, got, want) -> None:
     """Two greedy continuations of `prompt` computed by different programs are the same tokens, except where
-    they part at a near-tie: the full pass there puts both tokens within `tol` of its largest logit, which
-    two fp32 evaluation orders may decide either way (seen: two logits 1.2e-6 apart). After such a
-    position nothing more is compared (the sequences then continue from different tokens)."""
+    they part at a near-tie: the full pass there puts both tokens within the logits' bound (`logprob_bounds`)
+    of its largest logit, which two fp32 evaluation orders may decide either way (seen: two logits 1.2e-6
+    apart). After such a position nothing more is compared (the sequences then continue from different
+    tokens)."""
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         if a != b:
-            logits = full(list(prompt) + list(want[:i]))[-1]
-            gap = logits.max() - logits[[a, b]]
-            assert gap.max() <= tol, f"token {i}: {a} against {b}, {gap} under the full pass's best: no tie"
+            logits = full(list(prompt) + list(want[:i]))
+            tie, _ = logprob_bounds(full.model.config, logits, np.zeros(len(logits), int), len(logits))
+            gap = logits[-1].max() - logits[-1][[a, b]]
+            assert gap.max() <= tie[-1], f"token {i}: {a} against {b}, {gap} under the full pass's best"
             return
 
 

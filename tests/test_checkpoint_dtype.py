@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from oracles import FullPass, log_softmax
+from oracles import FullPass, assert_matches_full_pass, log_softmax
 
 from jaxhybrid.cache import kda_state_bytes, memory_report, narrowed
 from jaxhybrid.config import load_config
@@ -22,8 +22,9 @@ from serve.prefix.store import PrefixStoreConfig
 
 BS = 8
 # Per-token logprobs of a request resumed from a bfloat16 checkpoint vs the full causal pass, on `tiny`: the
-# state is rounded once (relative 2^-9) and the error then decays with the KDA gates; measured up to 3.3e-3
-# (mean 2.7e-4) over 64 tokens after the resume.
+# state is rounded once (relative 2^-8, bfloat16's unit roundoff) and the error then decays with the KDA
+# gates; measured up to 3.3e-3 (mean 2.7e-4) over 64 tokens after the resume. Not derived: how far a
+# rounded state moves the logits is the model's sensitivity to it, which no rounding count bounds.
 BF16_DRIFT_TOL = 1e-2
 
 
@@ -111,7 +112,9 @@ def test_a_request_resumed_from_a_bf16_checkpoint_stays_within_the_stated_drift(
         got = eng.generate(prompts, greedy(32))
         assert all(r.stats["prefix_hit_tokens"] >= 80 for r in got)  # every one resumed from a checkpoint
         worst[name] = max(drift(full_pass, p, r).max() for p, r in zip(prompts, got, strict=True))
-    assert worst["float32"] < 5e-5  # tests/oracles.py LOGPROB_TOL: exact checkpoints stay exact
+        if name == "float32":  # exact checkpoints stay exact: within two fp32 evaluations' logprob bound
+            for p, r in zip(prompts, got, strict=True):
+                assert_matches_full_pass(full_pass, p, r.token_ids, r.logprobs)
     assert worst["bfloat16"] < BF16_DRIFT_TOL
     assert worst["bfloat16"] > 10 * worst["float32"]  # the rounding is real (the test measures something)
 

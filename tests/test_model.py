@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bounds import float32_network_bound
 from conftest import rel_err
 from flax import nnx
 from numpy_reference import NumpyReference
@@ -19,7 +20,10 @@ from jaxhybrid.model import (
     set_moe_impl,
 )
 
-TOL = 2e-5  # fp32 relative error, max|a-b| / max|b|, between evaluation orders (measured up to 1.3e-5)
+# Tolerances (relative error max|a - b| / max|b|): two float32 evaluation orders of one model (cached vs full,
+# chunked vs recurrent KDA, dropless vs dense experts) within 2 L S gamma(K), the model against the float64
+# reference within L S gamma(K) (`bounds.float32_network_bound`: S sums a layer, K the longest sum; tiny:
+# 6.1e-4 and 3.1e-4).
 
 
 def build(name: str, seed: int = 0) -> HybridLM:
@@ -28,9 +32,6 @@ def build(name: str, seed: int = 0) -> HybridLM:
 
 def tokens_for(cfg, batch: int, length: int, seed: int = 1) -> jax.Array:
     return jax.random.randint(jax.random.key(seed), (batch, length), 0, cfg.vocab_size, jnp.int32)
-
-
-REFERENCE_TOL = 1e-4  # fp32 model vs the float64 NumPy reference (measured below 1e-5)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-grouped"])
@@ -44,7 +45,7 @@ def test_full_pass_matches_the_float64_reference(name):
     full, state = pure_fn(model)
     got = np.asarray(full(state, toks))[0]
     want = NumpyReference(model.config, params).forward(np.asarray(toks[0]))
-    assert rel_err(got, want) < REFERENCE_TOL
+    assert rel_err(got, want) < float32_network_bound(model.config, toks.shape[1], sides=1)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-grouped"])
@@ -66,7 +67,7 @@ def test_prefill_then_decode_equals_full_pass(name):
         got.append(np.asarray(logits))
     got = np.concatenate(got, axis=1)
     assert got.shape == want.shape == (2, total, cfg.vocab_size)
-    assert rel_err(got, want) < TOL
+    assert rel_err(got, want) < float32_network_bound(cfg, total)
     # every MLA cache advanced by exactly the number of tokens seen
     for c in cache:
         if hasattr(c, "length"):
@@ -80,7 +81,7 @@ def test_prefill_in_pieces_equals_one_piece():
     whole, _ = step(state, toks, model.init_cache(1, 128))
     a, cache = step(state, toks[:, :37], model.init_cache(1, 128))
     b, cache = step(state, toks[:, 37:], cache)
-    assert rel_err(np.concatenate([a, b], axis=1), whole) < TOL
+    assert rel_err(np.concatenate([a, b], axis=1), whole) < float32_network_bound(model.config, 100)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-grouped"])
@@ -92,7 +93,10 @@ def test_future_tokens_never_change_earlier_logits(name):
     for cut in (10, 64, 80):
         changed = toks.at[:, cut:].set((toks[:, cut:] + 7) % model.config.vocab_size)
         other = np.asarray(full(state, changed))
-        np.testing.assert_allclose(other[:, :cut], base[:, :cut], rtol=0, atol=1e-6)
+        # the earlier positions see the later tokens only as exact zeros of the masks, but a later token's
+        # routing may move an earlier one to another row of a batched product (XLA's tail rows may sum with
+        # another micro-kernel): within two evaluations' bound, where a leak is off by percents
+        assert rel_err(other[:, :cut], base[:, :cut]) < float32_network_bound(model.config, toks.shape[1])
         assert np.max(np.abs(other[:, cut:] - base[:, cut:])) > 1e-3  # the change is visible after the cut
 
 
@@ -106,11 +110,12 @@ def test_right_padded_rows_match_unpadded_runs():
     logits, cache = step(state, toks, model.init_cache(2, 96), jnp.asarray(lens, jnp.int32))
     nxt = jnp.asarray([[11], [13]], jnp.int32)
     dec, _ = step(state, nxt, cache)
+    tol = float32_network_bound(cfg, max(lens) + 1)
     for row, n in enumerate(lens):
         ref_logits, ref_cache = step(state, toks[row : row + 1, :n], model.init_cache(1, 96))
-        assert rel_err(logits[row, :n], ref_logits[0]) < TOL
+        assert rel_err(logits[row, :n], ref_logits[0]) < tol
         ref_dec, _ = step(state, nxt[row : row + 1], ref_cache)
-        assert rel_err(dec[row], ref_dec[0]) < TOL
+        assert rel_err(dec[row], ref_dec[0]) < tol
 
 
 def test_dropless_moe_equals_dense_reference_in_the_model():
@@ -119,7 +124,7 @@ def test_dropless_moe_equals_dense_reference_in_the_model():
     want = model(toks)
     set_moe_impl(model, "dense")
     got = model(toks)
-    assert rel_err(got, want) < TOL
+    assert rel_err(got, want) < float32_network_bound(model.config, toks.shape[1])
 
 
 @pytest.mark.parametrize(

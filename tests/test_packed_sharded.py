@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bounds import float32_network_bound
 from conftest import rel_err
 from flax import nnx
 from jax.sharding import PartitionSpec
@@ -20,7 +21,6 @@ from sharding.mesh import make_mesh
 from sharding.placement import load_pretrained_on_mesh, shard_model
 from sharding.rules import batch_sharding, partition_specs
 
-TOL = 1e-5  # as tests/test_sharded_model.py: sharded programs sum in other orders (psum over tensor)
 # tiny cut to two layers (KDA + dense MLP, then MLA + MoE) with MXFP4 experts of width 64 (2 scale groups)
 CFG = load_config("tiny").replace(
     num_hidden_layers=2,
@@ -30,6 +30,9 @@ CFG = load_config("tiny").replace(
     expert_quant="mxfp4",
 )
 TOKENS = np.random.default_rng(1).integers(0, CFG.vocab_size, (4, 16), dtype=np.int32)
+# as tests/test_sharded_model.py: sharded programs sum in other orders (psum over tensor), within two float32
+# evaluations of the model (`bounds.float32_network_bound`)
+TOL = float32_network_bound(CFG, TOKENS.shape[1])
 PACKED = ("w1_packed", "w1_scale", "w2_packed", "w2_scale", "w3_packed", "w3_scale")
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bounds import float32_network_bound
 from conftest import rel_err
 from flax import nnx
 from hypothesis import given, settings
@@ -235,7 +236,7 @@ def test_two_processes_read_only_their_own_shards(ckpt, model, tmp_path):
     want = np.random.default_rng(1).integers(0, CFG.vocab_size, tokens, dtype=np.int32)  # the worker's
     graphdef, state = nnx.split(model)
     reference = np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, want))
-    assert rel_err(got[0], reference) < 1e-5
+    assert rel_err(got[0], reference) < float32_network_bound(CFG, tokens[1])  # another mesh: other orders
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bounds import float32_network_bound
 from conftest import rel_err
 from flax import nnx
 from safetensors.numpy import save_file
@@ -414,7 +415,8 @@ def test_load_onto_a_mesh(model, hf_dir, tmp_path, tokens, reference, logits_of,
     want = named_arrays(model)
     for name, arr in named_arrays(loaded).items():
         np.testing.assert_array_equal(np.asarray(arr), np.asarray(want[name]), err_msg=name)
-    assert rel_err(logits_of(loaded, tokens), reference) < 1e-4
+    bound = float32_network_bound(loaded.config, tokens.shape[1])  # two evaluations of one model
+    assert rel_err(logits_of(loaded, tokens), reference) < bound
 
 
 def test_a_load_reads_the_orbax_metadata_once_and_again_after_it_changes(hf_dir, tmp_path, monkeypatch):
