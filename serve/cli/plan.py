@@ -13,7 +13,14 @@ from typing import Any
 from jaxhybrid.config import load_config
 from serve.cli.common import add_config_arg, add_kernels_arg
 from serve.engine.config import engine_default
-from serve.engine.topology import compile_engine_programs, replica_hosts, replica_mesh, topology_devices
+from serve.engine.topology import (
+    PROGRAMS,
+    compile_engine_programs,
+    cut_layers,
+    replica_hosts,
+    replica_mesh,
+    topology_devices,
+)
 from serve.models import add_checkpoint_dtype_arg
 from serve.plan import PlanError, Planner, PlanRequest, sweep
 from serve.report import DTYPES, print_table
@@ -58,7 +65,16 @@ def _experts(text: str) -> list[bool]:
 def _config(args: argparse.Namespace) -> Any:
     if bool(args.model) == bool(args.config):
         raise ValueError("give exactly one of --config NAME and --model DIR")
-    return load_config(args.model or args.config)
+    cfg = load_config(args.model or args.config)
+    return cfg if args.layers is None else cut_layers(cfg, args.layers)
+
+
+def _programs(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    bad = [n for n in names if n not in PROGRAMS]
+    if bad or not names:
+        raise ValueError(f"--programs must be a list of {', '.join(PROGRAMS)}, got {text!r}")
+    return names
 
 
 def _row(plan: Any) -> dict[str, Any]:
@@ -146,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = _config(args)
         if args.compile and not args.topology:
             raise ValueError("--compile needs --topology (the TPU topology to compile for, e.g. v5e:2x2)")
+        programs = _programs(args.programs)
+        if args.slots is not None and (args.slots < 1 or not args.compile):
+            raise ValueError(f"--slots takes a positive count, with --compile; got {args.slots}")
         if args.topology:
             devices = topology_devices(args.topology)
         axes = {
@@ -180,7 +199,12 @@ def run(args: argparse.Namespace) -> int:
     if args.compile and not single:
         print("error: --compile compiles one plan: give one value per list flag", file=sys.stderr)
         return 2
-    compiled = _compile(planner, plans[0], devices) if args.compile and plans[0].chosen else None
+    chosen = plans[0].chosen
+    if args.slots is not None and chosen is not None and args.slots > chosen.slots:
+        print(f"error: --slots {args.slots}: only {chosen.slots} fit the chosen mesh", file=sys.stderr)
+        return 2
+    slots = args.slots or (chosen.slots if chosen else 0)
+    compiled = _compile(planner, plans[0], devices, programs, slots) if args.compile and chosen else None
     hosts = _hosts(planner, plans[0], devices) if devices and single and plans[0].chosen else None
     if args.json:
         out = plans[0].as_dict() if single else {"config": cfg.name, "plans": [p.as_dict() for p in plans]}
@@ -189,8 +213,12 @@ def run(args: argparse.Namespace) -> int:
             out["hosts"] = [h.as_dict(with_shards=True) for h in hosts]
         if compiled is not None:
             out["compiled"] = [c.as_dict() for c in compiled]
+        if args.layers is not None:
+            out["layers"] = args.layers
         print(json.dumps({"config": cfg.name, **out} if single else out))
     elif single:
+        if args.layers is not None:
+            print(f"(cut to its first {args.layers} layers, for compile studies: --layers)")
         _print_plan(cfg, plans[0])
         if hosts is not None:
             _print_hosts(args.topology, hosts)
@@ -212,18 +240,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compile(planner: Any, plan: Any, devices: list[Any]) -> list[Any]:
-    """The chosen replica's programs compiled for the topology's devices (`compile_engine_programs`), at the
-    engine shape the plan sized them with."""
+def _compile(planner: Any, plan: Any, devices: list[Any], programs: tuple[str, ...], slots: int) -> list[Any]:
+    """The chosen replica's `programs` compiled for the topology's devices (`compile_engine_programs`), at the
+    engine shape the plan sizes for `slots` sequences (the most that fit, unless --slots asks for fewer)."""
     import jax.numpy as jnp
 
     req, m = plan.request, plan.chosen
-    shape = planner.engine_shape(req, m.slots)
+    shape = planner.engine_shape(req, slots)
     mesh = replica_mesh(devices, m.tensor, m.expert)
     print(
-        f"compiling for {devices[0].device_kind} (tensor={m.tensor}, expert={m.expert}) ...", file=sys.stderr
+        f"compiling {','.join(programs)} for {devices[0].device_kind} (tensor={m.tensor}, expert={m.expert}, "
+        f"{slots} slots) ...",
+        file=sys.stderr,
     )
-    return compile_engine_programs(planner.cfg, mesh, shape, jnp.dtype(req.dtype), packed=req.packed)
+    dtype = jnp.dtype(req.dtype)
+    return compile_engine_programs(planner.cfg, mesh, shape, dtype, packed=req.packed, programs=programs)
 
 
 def _hosts(planner: Any, plan: Any, devices: list[Any]) -> list[Any]:
@@ -287,6 +318,15 @@ def _print_compiled(topology: str, plan: Any, compiled: list[Any]) -> None:
             print(f"{c.name} collectives per device: {kinds}")
         if c.error is not None:
             print(f"{c.name} ({c.rows} rows x {c.length} tokens) does not compile: {c.error}")
+        if c.top_ops:
+            print(
+                f"{c.name}: its top instructions by bytes touched (result + operands by their shapes, "
+                "approximate; not fused computations' insides)"
+            )
+            for op in c.top_ops:
+                inputs = ", ".join(op.operands)
+                inputs = inputs if len(inputs) <= 60 else inputs[:57] + "..."
+                print(f"  {op.bytes / 1e6:12,.3f} MB  {op.kind:<14} {op.result} <- ({inputs})  {op.op_name}")
         if c.cpu_calls:
             print(f"warning: {c.name} calls CPU kernels: {', '.join(c.cpu_calls)}", file=sys.stderr)
 
@@ -356,5 +396,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         "costs per device",
     )
     add_kernels_arg(t)
+    t.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="compile for this many slots (a decode step of N rows) instead of the most that fit",
+    )
+    t.add_argument(
+        "--programs",
+        default=",".join(PROGRAMS),
+        help=f"which programs --compile compiles (default all: {','.join(PROGRAMS)}); e.g. 'decode' alone "
+        "where each compile takes minutes",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="plan (and compile) the model cut to its first N layers, same layer pattern: for compile "
+        "studies (the full model's figures scale with the layer count only approximately)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

@@ -40,7 +40,10 @@ __all__ = [
     "Chip",
     "PROGRAMS",
     "CompiledProgram",
+    "TopOp",
     "collectives",
+    "cut_layers",
+    "top_ops",
     "roofline_s",
     "ProgramArguments",
     "TopologyError",
@@ -108,6 +111,128 @@ def collectives(hlo_text: str) -> dict[str, tuple[int, int]]:
     return {kind: (count, size) for kind, (count, size) in out.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class TopOp:
+    """One instruction of a compiled module and the bytes it touches: its result's and its operands' (each
+    counted whole, as its shape says: an approximation of what it reads and writes; a fusion may read only
+    part of an operand, and buffers reused in place are counted each time)."""
+
+    kind: str  # the HLO opcode: fusion, copy, custom-call, all-to-all, ...
+    result: str  # its result's type without layouts, e.g. "bf16[8,7168]" or "(f32[8], s32[8])"
+    operands: tuple[str, ...]  # each operand's type without layouts
+    bytes: int  # result + operands
+    op_name: str  # the tail of its metadata's op_name (the JAX operation it came from), or its HLO name
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "operands": list(self.operands)}
+
+
+# instructions that move nothing themselves: their bytes are their callees' or their producers'
+_NO_BYTES = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call")
+_SHAPE = re.compile(r"\b([a-z]+[0-9]+(?:e[0-9]+m[0-9]+[a-z]*)?|pred)\[([0-9,]*)\]")
+
+
+def _shapes_bytes(text: str) -> int:
+    return int(sum(_DTYPE_BYTES.get(t, 4) * _prod(dims) for t, dims in _SHAPE.findall(text)))
+
+
+def _no_layout(text: str) -> str:
+    """A type as the module prints it, less its layouts
+    ("bf16[8,128]{1,0:T(8,128)(2,1)}" -> "bf16[8,128]")."""
+    out, depth = [], 0
+    for ch in text:
+        depth += ch == "{"
+        if not depth:
+            out.append(ch)
+        depth -= ch == "}" and depth > 0
+    return "".join(out).strip()
+
+
+def _operands(line: str, start: int) -> list[str]:
+    """The operand list's top-level entries of the instruction whose "(" is at `start`."""
+    depth, item, items = 0, [], []
+    for ch in line[start:]:
+        if ch in "({[":
+            depth += 1
+            if depth == 1 and ch == "(":
+                continue
+        elif ch in ")}]":
+            depth -= 1
+            if depth == 0:
+                break
+        if ch == "," and depth == 1:
+            items.append("".join(item))
+            item = []
+            continue
+        item.append(ch)
+    items.append("".join(item))
+    return [i.strip() for i in items if i.strip()]
+
+
+def _operand_type(operand: str, types: dict[str, str]) -> str:
+    """An operand's type: as printed before its name ("bf16[8]{0} %p"), else its instruction's ("%p")."""
+    typed, _, name = operand.rpartition("%")
+    return typed if _SHAPE.search(typed) else types.get(name.strip(), "")
+
+
+def top_ops(hlo_text: str, count: int = 8) -> tuple[TopOp, ...]:
+    """The `count` instructions of a compiled module that touch the most bytes (result + operands, by their
+    shapes; `TopOp` says how approximate), largest first: every instruction of the computations that run as
+    instructions (the entry, while bodies and conditions, called computations), none inside a fusion's
+    computation (the fusion itself counts, by its operands and result). An async pair counts once, at its
+    start, by its result (which holds its operands); moving nothing itself (a parameter, a tuple, a loop), an
+    instruction is not listed. Where the bytes of a step go, before any profile: which copies, gathers and
+    kernels dominate."""
+    fused = set(re.findall(r"\bfusion\(.*?calls=%?([\w.\-]+)", hlo_text))
+    fused |= set(re.findall(r"\bto_apply=%?([\w.\-]+)", hlo_text))  # reducers: scalar bodies
+    # a compiled module names its operands without their types: each instruction's type by its name
+    types = dict(re.findall(r"^\s*(?:ROOT )?%(\S+) = (.+?) [a-z][a-z0-9-]*\(", hlo_text, re.MULTILINE))
+    found: list[TopOp] = []
+    comp = None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():
+            head = re.match(r"(?:ENTRY )?%?([\w.\-]+)", line)
+            comp = head.group(1) if head and line.rstrip().endswith("{") else None
+            continue
+        if comp is None or comp in fused:
+            continue
+        match = re.match(r"\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9-]*)\(", line)
+        if match is None or match.group(3) in _NO_BYTES or match.group(3).endswith("-done"):
+            continue
+        kind, result = match.group(3), match.group(2)
+        operands = [] if kind.endswith("-start") else _operands(line, match.end() - 1)
+        operands = [_no_layout(_operand_type(o, types)) for o in operands]
+        operands = [o for o in operands if _SHAPE.search(o)]
+        name = re.search(r'op_name="((?:[^"\\]|\\.)+)"', line)
+        name = (name.group(1) if name else match.group(1)).replace("\\'", "'").replace('\\"', '"')
+        found.append(
+            TopOp(
+                kind=kind,
+                result=_no_layout(result),
+                operands=tuple(operands),
+                bytes=_shapes_bytes(result) + sum(_shapes_bytes(o) for o in operands),
+                op_name=name if len(name) <= 80 else "..." + name[-77:],
+            )
+        )
+    found.sort(key=lambda op: -op.bytes)
+    return tuple(found[:count])
+
+
+def cut_layers(cfg: ModelConfig, layers: int) -> ModelConfig:
+    """`cfg` cut to its first `layers` layers, each of the same kind (KDA or MLA, dense or MoE) as in the full
+    model: for compile studies (a 4-layer K3 compiles in minutes where 93 layers would take far longer). The
+    full model's per-device figures scale with the layer count only approximately (the embedding and head
+    do not scale; the pools and weights of each kind do)."""
+    if not 1 <= layers <= cfg.num_hidden_layers:
+        raise ValueError(f"--layers must be in 1..{cfg.num_hidden_layers} ({cfg.name}), got {layers}")
+    return cfg.replace(
+        num_hidden_layers=layers,
+        kda_layers=tuple(i for i in cfg.kda_layers if i <= layers),
+        full_attn_layers=tuple(i for i in cfg.full_attn_layers if i <= layers),
+        first_k_dense_replace=min(cfg.first_k_dense_replace, layers),
+    )
+
+
 def _prod(dims: str) -> int:
     n = 1
     for d in dims.split(","):
@@ -141,6 +266,7 @@ class CompiledProgram:
     collectives: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # kind: (count, bytes)
     host_peak_bytes: int = 0  # this process's peak resident memory after the compile
     roofline_s: float | None = None  # the device's floor: flops, HBM reads and ICI traffic at their peaks
+    top_ops: tuple[TopOp, ...] = ()  # the instructions touching the most bytes, largest first (`top_ops`)
 
     @property
     def collective_bytes(self) -> int:
@@ -155,6 +281,7 @@ class CompiledProgram:
     def as_dict(self) -> dict[str, Any]:
         out = {**dataclasses.asdict(self), "cpu_calls": list(self.cpu_calls), "peak_bytes": self.peak_bytes}
         out["collectives"] = {k: {"count": c, "bytes": b} for k, (c, b) in self.collectives.items()}
+        out["top_ops"] = [op.as_dict() for op in self.top_ops]
         return out
 
 
@@ -243,12 +370,14 @@ def compile_engine_programs(
     dtype: Any = jnp.bfloat16,
     packed: bool = True,
     programs: tuple[str, ...] = PROGRAMS,
+    top: int = 8,
 ) -> list[CompiledProgram]:
     """Compile the engine's `programs` for `shape` on `mesh` (any devices, TPU ones described by
     `topology_devices` included): the decode step of every slot, the longest prefill chunk and the verify
     step of every slot (a row's last token and its drafted ones), all at the widest block table (the full
     context); the packed prefill of short chunks, where the engine packs them; and the prefix store's copies
-    of one slot: a checkpoint taken (its states and a block's KV) and restored."""
+    of one slot: a checkpoint taken (its states and a block's KV) and restored. Each program keeps its `top`
+    instructions by bytes (`top_ops`)."""
     args = program_arguments(cfg, mesh, shape, dtype, packed)
     if shape.prefill_rows < 2 or not shape.pack_lengths:  # this engine packs no prefill chunks
         programs = tuple(p for p in programs if p != "packed")
@@ -269,7 +398,8 @@ def compile_engine_programs(
             continue
         seconds = time.perf_counter() - start
         memory, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
-        found = collectives(compiled.as_text())
+        text = compiled.as_text()
+        found = collectives(text)
         flops, read = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
         out.append(
             CompiledProgram(
@@ -288,6 +418,7 @@ def compile_engine_programs(
                 collectives=found,
                 host_peak_bytes=_host_peak_bytes(),
                 roofline_s=roofline_s(mesh, flops, read, sum(size for _, size in found.values())),
+                top_ops=top_ops(text, top),
             )
         )
     return out
