@@ -132,7 +132,8 @@ np.save(f"{cache_dir}/{phase}.npy", decode_once(Runner(model, EngineShape.resolv
 def run_script(script: str, *argv: str) -> str:
     """`script` in a fresh process (JAX opens its cache once per process) from the repository: its stdout."""
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    # the tests' own modules import their siblings by name (`bounds`), as pytest puts tests/ on the path
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
     cmd = [sys.executable, "-c", script, *argv]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
