@@ -172,14 +172,14 @@ def test_a_command_on_a_host_without_a_tpu_does_not_try_to_open_one(tmp_path, co
 
 def test_each_host_of_a_multi_host_replica_reads_the_shards_its_programs_take():
     """v6e:2x4 is two hosts of four devices. A replica of expert=2 x tensor=4 puts one expert half on each
-    host: the plan's per-host shards (`replica_hosts`, from the shardings the weights are placed with) are the
+    host: the plan's per-host shards (`host_shards` of the weights as the engine places them) are the
     ones the compiled decode program takes as its inputs, and by hand each host reads every weight whole
     except the routed experts, of which it reads half."""
     import math
 
     import numpy as np
 
-    from serve.engine.topology import program_arguments, replica_hosts, replica_mesh, topology_devices
+    from serve.engine.topology import program_arguments, replica_mesh, topology_devices
     from sharding.hosts import host_shards
 
     cfg = load_config("tiny-k3")
@@ -187,10 +187,10 @@ def test_each_host_of_a_multi_host_replica_reads_the_shards_its_programs_take():
     mesh = replica_mesh(devices, tensor=4, expert=2)
     assert sorted({d.process_index for d in mesh.devices.flat}) == [0, 1]
     shape = EngineShape.resolve(ENGINE, cfg)
-    hosts = replica_hosts(cfg, mesh, shape, jnp.bfloat16)
+    args = program_arguments(cfg, mesh, shape, jnp.bfloat16)
+    hosts = host_shards(args.params)
     assert [h.process for h in hosts] == [0, 1] and all(len(h.devices) == 4 for h in hosts)
 
-    args = program_arguments(cfg, mesh, shape, jnp.bfloat16)
     widest = shape.table_buckets[-1]
     ints = [(shape.slots, 1), (shape.slots,), (shape.slots, widest), (shape.slots,), (shape.slots,)]
     ints = [jax.ShapeDtypeStruct(d, jnp.int32, sharding=jax.NamedSharding(mesh, jax.P())) for d in ints]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxhybrid.config import load_config
 from serve.cli.common import add_config_arg, add_kernels_arg
@@ -17,13 +17,14 @@ from serve.engine.topology import (
     PROGRAMS,
     compile_engine_programs,
     cut_layers,
-    replica_hosts,
+    program_arguments,
     replica_mesh,
     topology_devices,
 )
 from serve.models import add_checkpoint_dtype_arg
 from serve.plan import PlanError, Planner, PlanRequest, sweep
 from serve.report import DTYPES, print_table
+from sharding.hosts import host_shards
 from sharding.mesh import MeshSpecError, parse_mesh_spec
 
 EXPERTS = ("packed", "dequantized")
@@ -204,8 +205,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --slots {args.slots}: only {chosen.slots} fit the chosen mesh", file=sys.stderr)
         return 2
     slots = args.slots or (chosen.slots if chosen else 0)
-    compiled = _compile(planner, plans[0], devices, programs, slots) if args.compile and chosen else None
-    hosts = _hosts(planner, plans[0], devices) if devices and single and plans[0].chosen else None
+    replica = _Replica.build(planner, plans[0], devices, slots) if devices and single and chosen else None
+    compiled = _compile(planner, replica, programs) if args.compile and replica else None
+    # what each host's process reads of the weights: the parameters as the engine's programs take them
+    hosts = host_shards(replica.args.params) if replica else None
     if args.json:
         out = plans[0].as_dict() if single else {"config": cfg.name, "plans": [p.as_dict() for p in plans]}
         if hosts is not None:
@@ -240,31 +243,44 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compile(planner: Any, plan: Any, devices: list[Any], programs: tuple[str, ...], slots: int) -> list[Any]:
-    """The chosen replica's `programs` compiled for the topology's devices (`compile_engine_programs`), at the
-    engine shape the plan sizes for `slots` sequences (the most that fit, unless --slots asks for fewer)."""
-    import jax.numpy as jnp
+class _Replica(NamedTuple):
+    """The chosen replica on the topology's devices: its mesh, the engine shape the plan sizes for `slots`
+    sequences (the most that fit, unless --slots asks for fewer), and the engine's program arguments there
+    (`program_arguments`, built once for the host table and the compile)."""
 
-    req, m = plan.request, plan.chosen
-    shape = planner.engine_shape(req, slots)
-    mesh = replica_mesh(devices, m.tensor, m.expert)
+    mesh: Any
+    shape: Any
+    dtype: Any
+    packed: bool
+    args: Any
+
+    @classmethod
+    def build(cls, planner: Any, plan: Any, devices: list[Any], slots: int) -> _Replica:
+        import jax.numpy as jnp
+
+        req, m = plan.request, plan.chosen
+        mesh, shape, dtype = (
+            replica_mesh(devices, m.tensor, m.expert),
+            planner.engine_shape(req, slots),
+            jnp.dtype(req.dtype),
+        )
+        return cls(
+            mesh, shape, dtype, req.packed, program_arguments(planner.cfg, mesh, shape, dtype, req.packed)
+        )
+
+
+def _compile(planner: Any, replica: _Replica, programs: tuple[str, ...]) -> list[Any]:
+    """The chosen replica's `programs` compiled for the topology's devices (`compile_engine_programs`)."""
+    mesh, shape = replica.mesh, replica.shape
+    kind = mesh.devices.flat[0].device_kind
     print(
-        f"compiling {','.join(programs)} for {devices[0].device_kind} (tensor={m.tensor}, expert={m.expert}, "
-        f"{slots} slots) ...",
+        f"compiling {','.join(programs)} for {kind} (tensor={mesh.shape['tensor']}, "
+        f"expert={mesh.shape['expert']}, {shape.slots} slots) ...",
         file=sys.stderr,
     )
-    dtype = jnp.dtype(req.dtype)
-    return compile_engine_programs(planner.cfg, mesh, shape, dtype, packed=req.packed, programs=programs)
-
-
-def _hosts(planner: Any, plan: Any, devices: list[Any]) -> list[Any]:
-    """What each host's process of the chosen replica reads of the weights (`replica_hosts`)."""
-    import jax.numpy as jnp
-
-    req, m = plan.request, plan.chosen
-    mesh = replica_mesh(devices, m.tensor, m.expert)
-    shape = planner.engine_shape(req, m.slots)
-    return replica_hosts(planner.cfg, mesh, shape, jnp.dtype(req.dtype), packed=req.packed)
+    return compile_engine_programs(
+        planner.cfg, mesh, shape, replica.dtype, packed=replica.packed, programs=programs, args=replica.args
+    )
 
 
 def _print_hosts(topology: str, hosts: list[Any]) -> None:

@@ -30,7 +30,6 @@ from jaxhybrid.model import abstract_model
 from serve.engine import copies
 from serve.engine import runner as runner_mod
 from serve.engine.config import EngineShape, ProgramShape
-from sharding.hosts import HostShards, host_shards
 from sharding.mesh import make_mesh
 from sharding.placement import install_expert_parallel, pool_shardings, wants_expert_parallel
 from sharding.rules import state_shardings
@@ -49,7 +48,6 @@ __all__ = [
     "TopologyError",
     "compile_engine_programs",
     "program_arguments",
-    "replica_hosts",
     "replica_mesh",
     "topology_devices",
 ]
@@ -352,14 +350,6 @@ def program_arguments(
     )
 
 
-def replica_hosts(
-    cfg: ModelConfig, mesh: Any, shape: EngineShape, dtype: Any = jnp.bfloat16, packed: bool = True
-) -> list[HostShards]:
-    """Per host of the replica's mesh, the shards of the weights its process loads (`sharding.hosts`): the
-    parameters as `program_arguments` places them, which is how the engine's programs take them."""
-    return host_shards(program_arguments(cfg, mesh, shape, dtype, packed).params)
-
-
 PROGRAMS = ("decode", "prefill", "packed", "verify", "checkpoint", "restore")
 
 
@@ -371,14 +361,15 @@ def compile_engine_programs(
     packed: bool = True,
     programs: tuple[str, ...] = PROGRAMS,
     top: int = 8,
+    args: ProgramArguments | None = None,
 ) -> list[CompiledProgram]:
     """Compile the engine's `programs` for `shape` on `mesh` (any devices, TPU ones described by
     `topology_devices` included): the decode step of every slot, the longest prefill chunk and the verify
     step of every slot (a row's last token and its drafted ones), all at the widest block table (the full
     context); the packed prefill of short chunks, where the engine packs them; and the prefix store's copies
     of one slot: a checkpoint taken (its states and a block's KV) and restored. Each program keeps its `top`
-    instructions by bytes (`top_ops`)."""
-    args = program_arguments(cfg, mesh, shape, dtype, packed)
+    instructions by bytes (`top_ops`). `args`: `program_arguments` of the same, where the caller has them."""
+    args = program_arguments(cfg, mesh, shape, dtype, packed) if args is None else args
     if shape.prefill_rows < 2 or not shape.pack_lengths:  # this engine packs no prefill chunks
         programs = tuple(p for p in programs if p != "packed")
     lowerings = {name: _lowering(name, args, mesh, shape) for name in programs}
